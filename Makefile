@@ -1,0 +1,38 @@
+# Two entry points on a fresh CPU-only machine:
+#   make demo   installs into .venv and runs the main job
+#   make test   installs into .venv and runs the test suite
+# The CPU torch wheel is pinned so that pip never downloads a CUDA build.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CPU_PINS := torch==2.13.0+cpu triton==3.6.0 fbgemm-gpu-cpu==1.8.0
+TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
+TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
+
+.PHONY: demo test bench info install clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q setuptools wheel
+	$(PIP) install -q $(CPU_PINS) $(TORCHREC_DEPS) $(TEST_DEPS) numpy pyyaml
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m blockattn_layers demo $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) -m blockattn_layers bench $(ARGS)
+
+info: $(VENV)/.installed
+	$(PY) -m blockattn_layers info
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,9 @@
+"""Imports every backend module so that each registers itself with the dispatcher."""
+from . import _reference_op  # noqa: F401
+
+try:
+    from . import _triton_op  # noqa: F401
+except ImportError as _err:  # triton is not installed: only the reference backend exists
+    TRITON_IMPORT_ERROR = _err
+else:
+    TRITON_IMPORT_ERROR = None

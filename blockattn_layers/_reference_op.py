@@ -1,0 +1,98 @@
+"""The reference path as registered ``torch.library`` ops (forward, backward, autograd, fake).
+
+Registering it makes the reference opaque to ``torch.compile``/``torch.export``: host-side
+planning stays inside the op, graphs never break on it, and dynamic T and B do not recompile.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._params import AttentionParams
+from .dispatch import BackendSpec, register_backend
+
+_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+def _block(block_size: int) -> Optional[int]:
+    return None if block_size == 0 else block_size
+
+
+@torch.library.custom_op("blockattn::reference_fwd", mutates_args=())
+def reference_fwd(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
+    rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+) -> Tensor:
+    """Reference forward; ``block_size == 0`` means full per-sequence attention."""
+    return reference.attention_forward(
+        q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
+        rotary_interleaved, cpu_offsets, max_seqlen,
+    )
+
+
+@reference_fwd.register_fake
+def _(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+      rotary_interleaved, cpu_offsets, max_seqlen):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("blockattn::reference_bwd", mutates_args=())
+def reference_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
+    causal: bool, rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int,
+    rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Reference backward: ``(dq, dk, dv)``."""
+    dq, dk, dv = reference.attention_backward(
+        grad_out, q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions,
+        rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen,
+    )
+    return dq, dk, dv
+
+
+@reference_bwd.register_fake
+def _(grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+      rotary_interleaved, cpu_offsets, max_seqlen):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_SCALARS = ("block_size", "scale", "causal", "rope_theta", "rotary_dim", "rotary_interleaved", "max_seqlen")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+     rotary_interleaved, cpu_offsets, max_seqlen) = inputs
+    ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets)
+    ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen)
+
+
+def _backward(ctx, grad_out):
+    q, k, v, offsets, positions, cpu_offsets = ctx.saved_tensors
+    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
+    dq, dk, dv = reference_bwd(
+        grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+        rotary_interleaved, cpu_offsets, max_seqlen,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+reference_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_reference(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:
+    return reference_fwd(q, k, v, offsets, *params.op_args())
+
+
+register_backend(BackendSpec(
+    name="reference",
+    run=run_reference,
+    priority=0,
+    devices=None,
+    auto_devices=None,
+    dtypes=_FLOATS,
+    description="pure PyTorch, any device; chunked so memory stays bounded; half types computed in float32",
+))

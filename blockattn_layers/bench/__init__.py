@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m blockattn_layers.bench``."""

@@ -1,0 +1,154 @@
+"""Backend registry and selection.
+
+Each backend declares what it supports in a :class:`BackendSpec`; the registry turns a
+call into an :class:`AttentionRequest` and asks every backend for its reasons to refuse.
+``backend="auto"`` takes the highest-priority backend with no reasons among those that
+serve the tensors' device automatically; an explicit backend wins, and raises with its
+reasons when it cannot serve the call.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
+
+import torch
+
+from ._params import AttentionParams
+
+
+class Backend(str, enum.Enum):
+    """Names accepted by the ``backend`` argument (plain strings work too)."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """What a backend needs to know to say whether it can serve a call."""
+
+    device_type: str
+    capability: Optional[Tuple[int, int]]
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: Optional[int]
+    causal: bool
+    rotary: bool
+
+    @classmethod
+    def from_call(cls, q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> "AttentionRequest":
+        capability = None
+        if q.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(q.device)
+        return cls(
+            device_type=q.device.type, capability=capability, dtype=q.dtype, head_dim=q.shape[-1],
+            num_heads=q.shape[1], num_kv_heads=k.shape[1], block_size=params.block_size,
+            causal=params.causal, rotary=params.rotary,
+        )
+
+
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionParams], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend and its declared capabilities.
+
+    ``devices()`` lists the device types it can run on when asked by name;
+    ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
+    adds checks that do not fit the declared fields (it returns reasons to refuse).
+    """
+
+    name: str
+    run: Runner
+    priority: int
+    devices: Optional[Callable[[], FrozenSet[str]]]
+    auto_devices: Optional[FrozenSet[str]]
+    dtypes: FrozenSet[torch.dtype]
+    min_capability: Optional[Tuple[int, int]] = None
+    head_dims: Tuple[int, int] = (1, 1 << 30)
+    max_block_size: Optional[int] = None
+    full_attention: bool = True
+    causal: bool = True
+    rotary: bool = True
+    extra_reasons: Optional[Callable[[AttentionRequest], List[str]]] = field(default=None)
+    description: str = ""
+
+    def not_supported_reasons(self, req: AttentionRequest) -> List[str]:
+        """Why this backend cannot serve ``req``; empty when it can."""
+        reasons = []
+        devices = self.devices() if self.devices is not None else None
+        if devices is not None and req.device_type not in devices:
+            reasons.append(f"device type {req.device_type!r} not in {sorted(devices)}")
+        elif (
+            self.min_capability is not None and req.device_type == "cuda"
+            and req.capability is not None and req.capability < self.min_capability
+        ):
+            reasons.append(f"compute capability {req.capability} below {self.min_capability}")
+        if req.dtype not in self.dtypes:
+            reasons.append(f"dtype {req.dtype} not supported")
+        lo, hi = self.head_dims
+        if not lo <= req.head_dim <= hi:
+            reasons.append(f"head_dim {req.head_dim} outside [{lo}, {hi}]")
+        if req.block_size is None and not self.full_attention:
+            reasons.append("full attention (block_size=None) not supported")
+        if req.block_size is not None and self.max_block_size is not None and req.block_size > self.max_block_size:
+            reasons.append(f"block_size {req.block_size} above {self.max_block_size}")
+        if req.causal and not self.causal:
+            reasons.append("causal not supported")
+        if req.rotary and not self.rotary:
+            reasons.append("rotary embeddings not supported")
+        if self.extra_reasons is not None:
+            reasons.extend(self.extra_reasons(req))
+        return reasons
+
+
+_REGISTRY: Dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add or replace a backend in the registry."""
+    _REGISTRY[spec.name] = spec
+
+
+def registered_backends() -> List[BackendSpec]:
+    """Registered backends, highest priority first."""
+    return sorted(_REGISTRY.values(), key=lambda s: -s.priority)
+
+
+def explain(req: AttentionRequest) -> Dict[str, List[str]]:
+    """Every registered backend's reasons to refuse ``req`` (empty list: it can serve it)."""
+    return {spec.name: spec.not_supported_reasons(req) for spec in registered_backends()}
+
+
+def _format(reasons: Dict[str, List[str]]) -> str:
+    return "; ".join(f"{name}: {', '.join(r) if r else 'ok'}" for name, r in reasons.items())
+
+
+def select_backend(backend: Union[str, Backend], req: AttentionRequest) -> BackendSpec:
+    """Resolve the ``backend`` argument to the spec that serves ``req``."""
+    if isinstance(backend, enum.Enum):
+        backend = backend.value
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or Backend enum, got {backend!r}")
+    if backend == Backend.AUTO.value:
+        for spec in registered_backends():
+            auto_ok = spec.auto_devices is None or req.device_type in spec.auto_devices
+            if auto_ok and not spec.not_supported_reasons(req):
+                return spec
+        raise ValueError(f"backend='auto': no backend serves this call ({_format(explain(req))})")
+    spec = _REGISTRY.get(backend)
+    if spec is None:
+        known = ", ".join(["auto"] + [s.name for s in registered_backends()])
+        raise ValueError(f"backend must be one of {known}; got {backend!r}")
+    reasons = spec.not_supported_reasons(req)
+    if reasons:
+        raise ValueError(
+            f"backend={backend!r} cannot serve this call: {', '.join(reasons)}. "
+            f"All backends: {_format(explain(req))}"
+        )
+    return spec

@@ -1,0 +1,81 @@
+"""Public functions: ``block_attention`` and ``jagged_attention`` over packed jagged sequences."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _backends  # noqa: F401  (registers the backends)
+from ._validation import validate_attention_args
+from .dispatch import AttentionRequest, Backend, select_backend
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    block_size: Optional[int] = 64,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    rope_theta: Optional[float] = None,
+    positions: Optional[Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    rotary_interleaved: bool = False,
+    cpu_offsets: Optional[Tensor] = None,
+    max_seqlen: Optional[int] = None,
+    backend: Union[str, Backend] = "auto",
+    validate: Optional[bool] = None,
+) -> Tensor:
+    """Block-diagonal self-attention over packed variable-length sequences.
+
+    Every sequence ``offsets[b]:offsets[b+1]`` is cut into blocks of ``block_size``
+    tokens (the last one may be short); each token attends only to its own block.
+
+    Args:
+        q: ``[T, H, D]`` queries.
+        k, v: ``[T, H_kv, D]``; ``H % H_kv == 0`` (GQA/MQA: query head ``h`` uses kv head
+            ``h // (H // H_kv)``).
+        offsets: ``[B+1]`` int32/int64 sequence boundaries, ``offsets[0] == 0``,
+            non-decreasing, ``offsets[-1] == T``.
+        block_size: tokens per block (>= 1); ``None`` makes each whole sequence one block.
+        scale: score scale, default ``1/sqrt(D)``.
+        causal: causal masking inside each block.
+        rope_theta: if set, rotary embeddings on q and k (fused into the kernel on GPU).
+        positions: ``[T]`` int or float positions for rotary (e.g. event timestamps);
+            default: each token's index inside its sequence.
+        rotary_dim: rotate only the first ``rotary_dim`` channels (even, <= D); default D.
+        rotary_interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rotary_dim/2])``.
+        cpu_offsets: optional host copy of ``offsets`` (lets backends plan without device work).
+        max_seqlen: optional host int, the longest sequence.
+        backend: ``"auto"``, ``"reference"``, ``"triton"`` or a :class:`Backend`.
+        validate: check offset values (start 0, non-decreasing, end T). ``None`` checks CPU
+            tensors only; ``True`` also device tensors (one device-to-host copy).
+
+    Returns:
+        ``[T, H, D]`` in the dtype of ``q``.
+
+    Example:
+        >>> import torch
+        >>> from blockattn_layers import block_attention
+        >>> offsets = torch.tensor([0, 3, 3, 70])          # lengths 3, 0, 67
+        >>> q = torch.randn(70, 4, 32); k = v = torch.randn(70, 2, 32)
+        >>> block_attention(q, k, v, offsets, block_size=64, causal=True).shape
+        torch.Size([70, 4, 32])
+    """
+    params = validate_attention_args(
+        q, k, v, offsets, block_size, scale=scale, causal=causal, rope_theta=rope_theta,
+        positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+        cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, validate=validate,
+    )
+    spec = select_backend(backend, AttentionRequest.from_call(q, k, params))
+    return spec.run(q, k, v, offsets, params)
+
+
+def jagged_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:
+    """Full attention inside each sequence: ``block_attention(..., block_size=None)``."""
+    if "block_size" in kwargs:
+        raise TypeError("jagged_attention() takes no block_size: it is block_attention(block_size=None)")
+    return block_attention(q, k, v, offsets, None, **kwargs)

@@ -1,0 +1,1 @@
+"""nn.Module layers built on block attention."""

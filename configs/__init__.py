@@ -1,0 +1,1 @@
+"""YAML presets and experiment settings, installed as ``blockattn_layers.presets``."""

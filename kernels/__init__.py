@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers (installed as ``blockattn_layers.kernels``): no autograd, no torchrec."""
