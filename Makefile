@@ -6,7 +6,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-CPU_PINS := torch==2.13.0+cpu triton==3.6.0 fbgemm-gpu-cpu==1.8.0
+# numpy<2.4: the Triton 3.6 interpreter (used by the CPU tests) fails on numpy 2.4 scalar conversion.
+CPU_PINS := torch==2.13.0+cpu triton==3.6.0 fbgemm-gpu-cpu==1.8.0 "numpy<2.4"
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
@@ -15,7 +16,7 @@ TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q setuptools wheel
-	$(PIP) install -q $(CPU_PINS) $(TORCHREC_DEPS) $(TEST_DEPS) numpy pyyaml
+	$(PIP) install -q $(CPU_PINS) $(TORCHREC_DEPS) $(TEST_DEPS) pyyaml
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@

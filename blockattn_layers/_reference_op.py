@@ -37,7 +37,8 @@ def reference_fwd(
 @reference_fwd.register_fake
 def _(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
       rotary_interleaved, cpu_offsets, max_seqlen):
-    return torch.empty_like(q)
+    # The real op returns contiguous tensors whatever the input strides: new_empty, not empty_like.
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("blockattn::reference_bwd", mutates_args=())
@@ -57,7 +58,7 @@ def reference_bwd(
 @reference_bwd.register_fake
 def _(grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
       rotary_interleaved, cpu_offsets, max_seqlen):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _SCALARS = ("block_size", "scale", "causal", "rope_theta", "rotary_dim", "rotary_interleaved", "max_seqlen")

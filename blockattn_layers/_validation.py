@@ -33,8 +33,8 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
-def check_offsets_values(name: str, offsets: torch.Tensor, total: int) -> None:
-    """Raise unless ``offsets`` starts at 0, never decreases and ends at ``total``."""
+def check_offsets_values(name: str, offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """Raise unless ``offsets`` starts at 0, never decreases and ends at ``total``; return the host copy."""
     host = offsets.detach().to("cpu", torch.int64)
     if host.numel() == 0:
         raise ValueError(f"{name} must have at least one element (offsets[0] == 0)")
@@ -48,6 +48,14 @@ def check_offsets_values(name: str, offsets: torch.Tensor, total: int) -> None:
         )
     if int(host[-1]) != total:
         raise ValueError(f"{name}[-1] must equal T = {total} (q.shape[0]), got {int(host[-1])}")
+    return host
+
+
+def _check_max_seqlen(max_seqlen: int, host: torch.Tensor) -> None:
+    if host.numel() > 1:
+        longest = int((host[1:] - host[:-1]).max())
+        if longest > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest sequence ({longest})")
 
 
 def validate_attention_args(
@@ -146,16 +154,16 @@ def validate_attention_args(
     if validate is not None and not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool or None, got {validate!r}")
     compiling = torch.compiler.is_compiling()
+    host = None
     if not compiling and (validate or (validate is None and offsets.device.type == "cpu")):
-        check_offsets_values("offsets", offsets, T)
+        host = check_offsets_values("offsets", offsets, T)
     if not compiling and cpu_offsets is not None and validate is not False:
-        check_offsets_values("cpu_offsets", cpu_offsets, T)
-        if validate and not torch.equal(cpu_offsets.to(torch.int64), offsets.detach().cpu().to(torch.int64)):
+        host_cpu = check_offsets_values("cpu_offsets", cpu_offsets, T)
+        if validate and not torch.equal(host_cpu, offsets.detach().cpu().to(torch.int64)):
             raise ValueError("cpu_offsets must hold the same values as offsets")
-        if max_seqlen is not None and cpu_offsets.numel() > 1:
-            longest = int((cpu_offsets[1:] - cpu_offsets[:-1]).max())
-            if longest > max_seqlen:
-                raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest sequence ({longest})")
+        host = host_cpu if host is None else host
+    if max_seqlen is not None and host is not None:
+        _check_max_seqlen(max_seqlen, host)
 
     return AttentionParams(
         block_size=block_size, scale=float(scale), causal=causal, rope_theta=rope_theta,

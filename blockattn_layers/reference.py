@@ -119,7 +119,8 @@ def _blocks_device(offsets: Tensor, total_tokens: int, block_size: int) -> List[
     lens = torch.clamp(offsets[seq + 1] - starts, min=0, max=block_size)
     lens = torch.where(b < cum[-1], lens, torch.zeros_like(lens))
     starts = torch.clamp(starts, max=max(total_tokens - 1, 0))
-    return [BlockGroup(starts, lens, block_size)]
+    # No block is longer than T: a block_size far above T must not size the tile.
+    return [BlockGroup(starts, lens, min(block_size, total_tokens))]
 
 
 def _ladder(longest: int) -> Tensor:
@@ -165,7 +166,7 @@ def plan_blocks(
         if max_seqlen == 0 or total_tokens == 0:
             return []
         o = offsets.to(torch.int64)
-        return [BlockGroup(torch.clamp(o[:-1], max=total_tokens - 1), o[1:] - o[:-1], max_seqlen)]
+        return [BlockGroup(torch.clamp(o[:-1], max=total_tokens - 1), o[1:] - o[:-1], min(max_seqlen, total_tokens))]
     if host is None:
         host = offsets.to("cpu", torch.int64)
     return _sequences_host(host, offsets.device)
@@ -235,11 +236,15 @@ def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: Optional[int], scale: float,
     causal: bool, rope_theta: Optional[float] = None, positions: Optional[Tensor] = None,
     rotary_dim: int = 0, rotary_interleaved: bool = False, cpu_offsets: Optional[Tensor] = None,
-    max_seqlen: Optional[int] = None,
+    max_seqlen: Optional[int] = None, dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """Block (or full, ``block_size=None``) attention ``[T, H, D]``; see ``block_attention``."""
+    """Block (or full, ``block_size=None``) attention ``[T, H, D]``; see ``block_attention``.
+
+    ``dtype`` overrides the compute dtype (tests use the input dtype to measure the error of
+    a same-precision computation).
+    """
     total, num_heads, head_dim = q.shape
-    dtype = compute_dtype(q.dtype)
+    dtype = dtype or compute_dtype(q.dtype)
     groups = num_heads // k.shape[1]
     qr, kr, _ = _rotated_inputs(q, k, offsets, rope_theta, positions, rotary_dim, rotary_interleaved, dtype)
     vr = v.to(dtype)
@@ -256,13 +261,13 @@ def attention_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: Optional[int],
     scale: float, causal: bool, rope_theta: Optional[float] = None, positions: Optional[Tensor] = None,
     rotary_dim: int = 0, rotary_interleaved: bool = False, cpu_offsets: Optional[Tensor] = None,
-    max_seqlen: Optional[int] = None,
+    max_seqlen: Optional[int] = None, dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_forward`, recomputing each chunk's probabilities."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     groups = num_heads // kv_heads
-    dtype = compute_dtype(q.dtype)
+    dtype = dtype or compute_dtype(q.dtype)
     qr, kr, angles = _rotated_inputs(q, k, offsets, rope_theta, positions, rotary_dim, rotary_interleaved, dtype)
     vr, go = v.to(dtype), grad_out.to(dtype)
     dq = torch.zeros(total + 1, num_heads, head_dim, dtype=dtype, device=q.device)

@@ -1,0 +1,252 @@
+"""Triton backend on a CUDA GPU: accuracy against a float64 oracle, production shapes,
+NaN-poisoned memory, bitwise determinism, CUDA graphs, 64-bit addressing, torch.compile.
+
+The oracle is the reference path run in float64 (itself checked against plain loops in
+test_reference.py). A kernel passes when its error is within a small factor of the error of
+the same computation done naively in the input dtype (2x forward, 3x gradients), with a
+floor for tiny errors.
+"""
+import pytest
+import torch
+
+import blockattn_layers as bl
+from blockattn_layers import reference
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 0, 7, 128, 1, 200]
+
+
+def make_inputs(lengths, heads, kv_heads, dim, dtype, seed=0, positions=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = int(sum(lengths))
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    q = torch.randn(total, heads, dim, device=DEV, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, dim, device=DEV, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, dim, device=DEV, generator=g).to(dtype)
+    return q, k, v, offsets.to(DEV)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_against_oracle(q, k, v, offsets, fwd_factor=2.0, grad_factor=3.0, floor=None, **kw):
+    """Triton fwd/grads vs the float64 oracle, relative to the same-dtype naive error."""
+    floor = floor if floor is not None else {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[q.dtype]
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, backend="triton", **kw)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    params = bl._validation.validate_attention_args(
+        q, k, v, offsets, kw.pop("block_size", 64), scale=kw.pop("scale", None), causal=kw.pop("causal", False),
+        rope_theta=kw.pop("rope_theta", None), positions=kw.pop("positions", None),
+        rotary_dim=kw.pop("rotary_dim", None), rotary_interleaved=kw.pop("rotary_interleaved", False),
+        cpu_offsets=None, max_seqlen=None, validate=False,
+    )
+    args = params.op_args()
+    ref_args = (params.block_size,) + args[1:8]
+    d = [x.double() for x in (q, k, v)]
+    oracle = reference.attention_forward(*d, offsets, *ref_args)
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *ref_args)
+    naive = reference.attention_forward(q, k, v, offsets, *ref_args, dtype=q.dtype)
+    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *ref_args, dtype=q.dtype)
+    assert torch.isfinite(out).all()
+    err, base = rel(out, oracle), rel(naive, oracle)
+    assert err <= max(fwd_factor * base, floor), f"forward error {err:.3e} vs naive {base:.3e}"
+    for name, g_, o_, n_ in zip("qkv", grads, oracle_grads, naive_grads):
+        err, base = rel(g_, o_), rel(n_, o_)
+        assert err <= max(grad_factor * base, 1.5 * floor), f"d{name} error {err:.3e} vs naive {base:.3e}"
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CASES = [
+    dict(heads=4, kv_heads=4, dim=64, block_size=64),
+    dict(heads=4, kv_heads=2, dim=128, block_size=64, causal=True),
+    dict(heads=4, kv_heads=1, dim=32, block_size=100),
+    dict(heads=2, kv_heads=2, dim=80, block_size=48, causal=True),
+    dict(heads=2, kv_heads=2, dim=256, block_size=32),
+    dict(heads=2, kv_heads=1, dim=16, block_size=128, causal=True),
+    dict(heads=4, kv_heads=2, dim=128, block_size=64, rope_theta=10000.0),
+    dict(heads=2, kv_heads=2, dim=64, block_size=64, rope_theta=500.0, rotary_dim=32, rotary_interleaved=True, causal=True),
+    dict(heads=2, kv_heads=1, dim=128, block_size=64, rope_theta=10000.0, positions="float"),
+    dict(heads=2, kv_heads=2, dim=64, block_size=16, rope_theta=10000.0, positions="int"),
+]
+
+
+def _case_id(c):
+    return "-".join(f"{k}{v}" for k, v in c.items())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_accuracy_edge_lengths(case, dtype):
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS * 3, heads, kv_heads, dim, dtype, seed=len(_case_id(case)))
+    pos = case.pop("positions", None)
+    if pos == "float":
+        case["positions"] = torch.rand(q.shape[0], device=DEV) * 5000
+    elif pos == "int":
+        case["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
+    check_against_oracle(q, k, v, offsets, **case)
+
+
+def _prod_lengths(count, seed=0, multiple=1):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 4001, (count,), generator=g)
+    return ((lengths + multiple - 1) // multiple * multiple).tolist()
+
+
+@pytest.mark.parametrize("heads,dim", [(2, 128), (4, 64)])
+def test_prod_shape_bf16(heads, dim):
+    q, k, v, offsets = make_inputs(_prod_lengths(1152), heads, heads, dim, torch.bfloat16)
+    check_against_oracle(q, k, v, offsets, block_size=64)
+
+
+def test_nan_poisoned_memory_beyond_valid_rows():
+    lengths = [5, 64, 0, 130, 1]
+    total = sum(lengths)
+    q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.bfloat16)
+    pad = 256
+
+    def poisoned(x):
+        buf = torch.full((x.shape[0] + pad, *x.shape[1:]), float("nan"), dtype=x.dtype, device=DEV)
+        buf[:total] = x
+        return buf[:total]
+
+    qp, kp, vp = (poisoned(x).requires_grad_() for x in (q, k, v))
+    junk = torch.full((1 << 24,), float("nan"), device=DEV)  # recycled by the allocator: unwritten outputs stay NaN
+    del junk
+    out = bl.block_attention(qp, kp, vp, offsets, backend="triton", causal=True, rope_theta=1e4)
+    grads = torch.autograd.grad(out, (qp, kp, vp), torch.randn_like(out))
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_backward_bitwise_deterministic():
+    q, k, v, offsets = make_inputs(_prod_lengths(64), 4, 2, 128, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
+    grad_out = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_cuda_graph_replay_with_new_data():
+    q, k, v, offsets = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16)
+    static = [x.clone().requires_grad_() for x in (q, k, v)]
+    grad_out = torch.randn_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            out = bl.block_attention(*static, offsets, backend="triton", causal=True)
+            torch.autograd.grad(out, static, grad_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = bl.block_attention(*static, offsets, backend="triton", causal=True)
+        grads = torch.autograd.grad(out, static, grad_out)
+    for seed in range(3):
+        fresh = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16, seed=seed + 10)[:3]
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+        graph.replay()
+        fresh = [x.requires_grad_() for x in fresh]
+        eager = bl.block_attention(*fresh, offsets, backend="triton", causal=True)
+        eager_grads = torch.autograd.grad(eager, fresh, grad_out)
+        assert torch.equal(out, eager)
+        assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+def test_more_than_2_pow_31_elements():
+    heads, dim = 1, 128
+    lengths = [1 << 16] * 256 + [77, 5]
+    total = sum(lengths)
+    assert total * heads * dim > 2**31
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    q = torch.randn(total, heads, dim, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(q, k, v, offsets.to(DEV), backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    # Check the tail past 2**31 elements: the last 1024 tokens (16 whole blocks) of the last
+    # long sequence, then the sequences of 77 and 5 tokens.
+    start = total - 82 - 1024
+    tail = [x[start:].detach().float().requires_grad_() for x in (q, k, v)]
+    sub_offsets = torch.tensor([0, 1024, 1101, 1106], device=DEV)
+    ref = bl.block_attention(*tail, sub_offsets, backend="reference")
+    ref_grads = torch.autograd.grad(ref, tail, torch.ones_like(ref))
+    assert rel(out[start:], ref) < 1.5e-2
+    for g, r in zip(grads, ref_grads):
+        assert rel(g[start:], r) < 3e-2
+
+
+def test_compile_fullgraph_no_recompile_across_batches():
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    @torch.compile(backend=counting_backend, fullgraph=True, dynamic=True)
+    def f(q, k, v, offsets):
+        return bl.block_attention(q, k, v, offsets, block_size=64, backend="triton", causal=True) * 2
+
+    for i, lengths in enumerate(([5, 64, 130], [1, 1, 300, 7, 0], [65] * 9, [2000, 3, 17, 64])):
+        q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.bfloat16, seed=i)
+        out = f(q, k, v, offsets)
+        assert torch.equal(out, 2 * bl.block_attention(q, k, v, offsets, backend="triton", causal=True))
+    assert len(compiles) == 1
+
+
+def test_kernels_compile_once_across_batches():
+    from blockattn_layers.kernels.block_bwd import _block_bwd_kernel
+    from blockattn_layers.kernels.block_fwd import _block_fwd_kernel
+
+    def count(kernel):
+        return sum(len(c[0]) for c in kernel.device_caches.values())
+
+    def step(lengths, seed):
+        q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.bfloat16, seed=seed)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
+        out.sum().backward()
+
+    step([5, 64, 130], 0)
+    before = count(_block_fwd_kernel), count(_block_bwd_kernel)
+    for i, lengths in enumerate(([1, 1, 300, 7, 0], [65] * 33, [2000, 3, 17, 64], [999] * 3)):
+        step(lengths, i + 1)
+    assert (count(_block_fwd_kernel), count(_block_bwd_kernel)) == before
+
+
+def test_auto_picks_triton_on_cuda():
+    q, k, v, offsets = make_inputs([5, 9], 2, 2, 64, torch.bfloat16)
+    params = bl._validation.validate_attention_args(
+        q, k, v, offsets, 64, scale=None, causal=False, rope_theta=None, positions=None, rotary_dim=None,
+        rotary_interleaved=False, cpu_offsets=None, max_seqlen=None, validate=False,
+    )
+    spec = bl.dispatch.select_backend("auto", bl.AttentionRequest.from_call(q, k, params))
+    assert spec.name == "triton"
+    params_full = bl._validation.validate_attention_args(
+        q.double(), k.double(), v.double(), offsets, 64, scale=None, causal=False, rope_theta=None,
+        positions=None, rotary_dim=None, rotary_interleaved=False, cpu_offsets=None, max_seqlen=None,
+        validate=False,
+    )
+    spec = bl.dispatch.select_backend("auto", bl.AttentionRequest.from_call(q.double(), k.double(), params_full))
+    assert spec.name == "reference"
+
+
+def test_cpu_offsets_exact_grid_matches():
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS, 4, 2, 64, torch.bfloat16)
+    a = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
+    b = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4, cpu_offsets=offsets.cpu())
+    assert torch.equal(a, b)

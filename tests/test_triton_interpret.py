@@ -1,0 +1,149 @@
+"""Triton kernels on CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest
+when no GPU is present), forward and gradients against the float64 oracle.
+
+fp32 and fp16 only: bf16 arithmetic is wrong in the interpreter; bf16 is covered on the GPU.
+"""
+import pytest
+import torch
+
+import blockattn_layers as bl
+from blockattn_layers._triton_op import interpreter_active
+
+from tests.oracle import oracle_attention, rel_err
+
+pytestmark = pytest.mark.skipif(
+    not interpreter_active(), reason="CPU interpreter tests; on a GPU machine test_triton_gpu.py covers the kernels"
+)
+
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5]
+
+
+def _offsets(lengths, dtype=torch.int64):
+    o = torch.zeros(len(lengths) + 1, dtype=dtype)
+    o[1:] = torch.tensor(lengths, dtype=dtype).cumsum(0)
+    return o
+
+
+def _inputs(lengths, heads, kv_heads, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def _check(lengths, heads, kv_heads, dim, dtype, seed=0, tol=None, offsets_dtype=torch.int64, **kw):
+    q, k, v = _inputs(lengths, heads, kv_heads, dim, dtype, seed)
+    offsets = _offsets(lengths, offsets_dtype)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, backend="triton", **kw)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    want = oracle_attention(qd, kd, vd, offsets, kw.pop("block_size", 64), **kw)
+    want_grads = torch.autograd.grad(want, (qd, kd, vd), grad_out.double())
+    tol = tol or {torch.float32: 2e-5, torch.float16: 3e-3}[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, want) < tol
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert rel_err(got, ref) < 2 * tol, f"d{name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size,causal",
+    [(2, 2, 32, 64, False), (4, 2, 24, 16, True), (2, 1, 32, 100, True), (3, 3, 16, 128, False)],
+    ids=lambda x: str(x),
+)
+def test_edge_lengths(heads, kv_heads, dim, block_size, causal, dtype):
+    _check(EDGE_LENGTHS, heads, kv_heads, dim, dtype, block_size=block_size, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "rotary",
+    [
+        dict(rope_theta=10000.0),
+        dict(rope_theta=100.0, rotary_dim=16),
+        dict(rope_theta=10000.0, rotary_interleaved=True, causal=True),
+        dict(rope_theta=500.0, rotary_dim=8, rotary_interleaved=True),
+        dict(rope_theta=10000.0, positions="int"),
+        dict(rope_theta=10000.0, positions="float"),
+    ],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()),
+)
+def test_rotary(rotary):
+    rotary = dict(rotary)
+    total = sum(EDGE_LENGTHS)
+    kind = rotary.pop("positions", None)
+    tol = None
+    if kind == "int":
+        rotary["positions"] = torch.randint(0, 5000, (total,), generator=torch.Generator().manual_seed(3))
+        tol = 2e-3
+    elif kind == "float":
+        rotary["positions"] = torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25
+        tol = 2e-3
+    _check(EDGE_LENGTHS, 4, 2, 32, torch.float32, block_size=32, tol=tol, **rotary)
+
+
+def test_int32_offsets_noncontiguous_inputs_and_scale():
+    lengths = [3, 64, 0, 70]
+    total = sum(lengths)
+    base = torch.randn(total, 2, 2, 32)
+    q, k, v = base[:, 0], base[:, 1], torch.randn(32, total, 2).permute(1, 2, 0)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    offsets = _offsets(lengths, torch.int32)
+    out = bl.block_attention(q, k, v, offsets, block_size=32, scale=0.3, backend="triton")
+    want = oracle_attention(q.double(), k.double(), v.double(), offsets, 32, scale=0.3)
+    assert rel_err(out, want) < 2e-5
+
+
+def test_empty_batches_and_cpu_offsets():
+    q = torch.randn(0, 2, 16)
+    assert bl.block_attention(q, q, q, torch.zeros(1, dtype=torch.int64), backend="triton").shape == (0, 2, 16)
+    lengths = [0, 0, 9, 0]
+    q, k, v = _inputs(lengths, 2, 2, 16, torch.float32, 0)
+    offsets = _offsets(lengths)
+    a = bl.block_attention(q, k, v, offsets, block_size=4, backend="triton")
+    b = bl.block_attention(q, k, v, offsets, block_size=4, backend="triton", cpu_offsets=offsets.clone())
+    assert torch.equal(a, b)
+    assert rel_err(a, oracle_attention(q.double(), k.double(), v.double(), offsets, 4)) < 2e-5
+
+
+def test_backward_bitwise_deterministic():
+    q, k, v = (x.requires_grad_() for x in _inputs(EDGE_LENGTHS, 4, 2, 16, torch.float32, 5))
+    offsets = _offsets(EDGE_LENGTHS)
+    out = bl.block_attention(q, k, v, offsets, block_size=32, backend="triton", causal=True)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_opcheck_triton_ops():
+    lengths = [5, 0, 33]
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 6))
+    offsets = _offsets(lengths)
+    args = (q, k, v, offsets, 16, 0.25, True, 1000.0, None, 16, False, None, None)
+    torch.library.opcheck(torch.ops.blockattn.triton_fwd.default, args)
+
+
+def test_auto_prefers_reference_on_cpu_even_with_interpreter():
+    lengths = [5, 9]
+    q, k, v = _inputs(lengths, 2, 2, 16, torch.float32, 0)
+    explained = bl.explain(bl.AttentionRequest("cpu", None, torch.float32, 16, 2, 2, 64, False, False))
+    assert explained["triton"] == []
+    params = bl._validation.validate_attention_args(
+        q, k, v, _offsets(lengths), 64, scale=None, causal=False, rope_theta=None, positions=None,
+        rotary_dim=None, rotary_interleaved=False, cpu_offsets=None, max_seqlen=None, validate=None,
+    )
+    assert bl.dispatch.select_backend("auto", bl.AttentionRequest.from_call(q, k, params)).name == "reference"
+
+
+def test_explicit_triton_refuses_unsupported_with_reasons():
+    q = torch.randn(4, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="triton.*dtype torch.float64"):
+        bl.block_attention(q, q, q, torch.tensor([0, 4]), backend="triton")
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="block_size 256 above 128"):
+        bl.block_attention(q, q, q, torch.tensor([0, 4]), block_size=256, backend="triton")
