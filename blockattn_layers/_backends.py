@@ -2,8 +2,9 @@
 from . import _reference_op  # noqa: F401
 
 try:
-    from . import _triton_op  # noqa: F401
-except ImportError as _err:  # triton is not installed: only the reference backend exists
+    import triton  # noqa: F401
+except ImportError as _err:  # no triton on this platform: only the reference backend exists
     TRITON_IMPORT_ERROR = _err
 else:
     TRITON_IMPORT_ERROR = None
+    from . import _triton_op  # noqa: F401
