@@ -1,11 +1,11 @@
 """Rotary-embedding helpers shared by the attention kernels (``@triton.jit`` only).
 
-Angles are computed in float32 in the kernel from the positions and ``log2(rope_theta)``:
-``inv_freq_i = theta ** (-2 i / rotary_dim)``. A rotation mixes channel ``d`` with its
-partner (``d ^ 1`` interleaved, ``d +- rotary_dim/2`` half-split), gathered from the tile in
-registers, so rotary reads no extra bytes. The sign of ``sin`` is folded per channel:
-``y = x * cos + x[partner] * sin_signed``; the transpose (for gradients) is
-``x * cos - x[partner] * sin_signed``.
+The kernels hold q and k (and dq, dk) as separate column tiles: the first and second
+channel of each rotary pair (``x[i], x[i + rotary_dim/2]``, or ``x[2i], x[2i+1]``
+interleaved) and the pass-through channels past ``rotary_dim``. A rotation is then plain
+elementwise math on two tiles: no gathers or shuffles, and scores are the sum of one dot
+per tile. Angles are computed in float32 from the positions and ``log2(rope_theta)``:
+``inv_freq_i = theta ** (-2 i / rotary_dim)``.
 """
 import triton
 import triton.language as tl
@@ -23,34 +23,18 @@ def _sin_cos(angle, FAST_TRIG: tl.constexpr):
 
 
 @triton.jit
-def rotary_tables(pos, offs_d, rotary_dim, log2_theta, INTERLEAVED: tl.constexpr, FAST_TRIG: tl.constexpr):
-    """``pos [M]`` float32 -> ``(cos [M, D], sin_signed [M, D], partner [D])``."""
-    half = rotary_dim // 2
-    if INTERLEAVED:
-        freq_idx = offs_d // 2
-        partner = offs_d ^ 1
-        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-    else:
-        first = offs_d < half
-        freq_idx = tl.where(first, offs_d, offs_d - half)
-        partner = tl.where(first, offs_d + half, offs_d - half)
-        sign = tl.where(first, -1.0, 1.0)
-    rot = offs_d < rotary_dim
-    partner = tl.where(rot, partner, offs_d)
-    inv_freq = tl.exp2(-(2.0 * freq_idx.to(tl.float32) / rotary_dim) * log2_theta)
+def rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """``pos [M]`` float32, pair index ``offs_r [R]`` -> ``(sin, cos)``, each ``[M, R]``."""
+    inv_freq = tl.exp2(-(2.0 * offs_r.to(tl.float32) / ROT_DIM) * log2_theta)
     angle = pos[:, None] * inv_freq[None, :]
     # Reduce to [-pi, pi] first: sin/cos.approx are accurate (~1e-6 absolute) only there.
     angle = angle - _TWO_PI * tl.floor(angle / _TWO_PI + 0.5)
-    sin, cos = _sin_cos(angle, FAST_TRIG)
-    cos = tl.where(rot[None, :], cos, 1.0)
-    sin = tl.where(rot[None, :], sin * sign[None, :], 0.0)
-    return cos, sin, partner
+    return _sin_cos(angle, FAST_TRIG)
 
 
 @triton.jit
-def rotate(x, cos, sin, partner, INVERSE: tl.constexpr):
-    """Rotate the float32 tile ``x [M, D]`` (``INVERSE``: by the negative angle)."""
-    xp = tl.gather(x, tl.broadcast_to(partner[None, :], x.shape), 1)
+def rotate_pair(a, b, sin, cos, INVERSE: tl.constexpr):
+    """``(a, b) -> (a cos - b sin, a sin + b cos)``; ``INVERSE`` applies the transpose."""
     if INVERSE:
-        return x * cos - xp * sin
-    return x * cos + xp * sin
+        return a * cos + b * sin, b * cos - a * sin
+    return a * cos - b * sin, a * sin + b * cos

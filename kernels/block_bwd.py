@@ -16,24 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, fast_trig, input_precision, needs_int64, rotary_args, tile_config
-from ._rotary import rotary_tables, rotate
+from ._common import LOG2E, kernel_meta
+from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
-from .block_fwd import block_positions, block_probs, load_tile, store_tile
+from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
 
 
-@triton.jit(do_not_specialize=["slots", "scale", "qk_scale", "rotary_dim", "log2_theta"])
+@triton.jit(do_not_specialize=["slots", "scale", "qk_scale", "log2_theta"])
 def _block_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, Table, Pos,
-    slots, scale, qk_scale, rotary_dim, log2_theta,
+    slots, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_ROTARY: tl.constexpr, HAS_POS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
@@ -41,39 +41,71 @@ def _block_bwd_kernel(
     if n == 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = start + offs_m
-    k = load_tile(K + hk * stride_kh, rows, offs_d, stride_kt, stride_kd, mask, INT64)
-    v = load_tile(V + hk * stride_vh, rows, offs_d, stride_vt, stride_vd, mask, INT64)
-    if HAS_ROTARY:
-        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-        cos, sin, partner = rotary_tables(pos, offs_d, rotary_dim, log2_theta, INTERLEAVED, FAST_TRIG)
-        k = rotate(k.to(tl.float32), cos, sin, partner, False).to(K.dtype.element_ty)
-    dk = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dtype = Q.dtype.element_ty
+    k_ptr = K + hk * stride_kh
+    v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
     dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for g in tl.static_range(GROUPS):
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
+        sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
+        ka = load_cols(k_ptr, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd, INT64)
+        kb = load_cols(k_ptr, rows, row_ok, cols_b, r_ok, stride_kt, stride_kd, INT64)
+        ka, kb = rotate_pair(ka.to(tl.float32), kb.to(tl.float32), sin, cos, False)
+        ka = ka.to(dtype)
+        kb = kb.to(dtype)
+        dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
+        dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for g in range(GROUPS):
         h = hk * GROUPS + g
-        q = load_tile(Q + h * stride_qh, rows, offs_d, stride_qt, stride_qd, mask, INT64)
-        do = load_tile(DO + h * stride_doh, rows, offs_d, stride_dot, stride_dod, mask, INT64)
-        if HAS_ROTARY:
-            q = rotate(q.to(tl.float32), cos, sin, partner, False).to(Q.dtype.element_ty)
-        p = block_probs(q, k, offs_m, row_ok, qk_scale, IS_CAUSAL, PRECISION)
-        dv += tl.dot(tl.trans(p.to(DO.dtype.element_ty)), do, input_precision=PRECISION)
+        q_ptr = Q + h * stride_qh
+        dq_ptr = DQ + h * stride_dqh
+        do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        if ROT_DIM > 0:
+            qa = load_cols(q_ptr, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd, INT64)
+            qb = load_cols(q_ptr, rows, row_ok, cols_b, r_ok, stride_qt, stride_qd, INT64)
+            qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
+            qa = qa.to(dtype)
+            qb = qb.to(dtype)
+            s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL)
+        dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
-        ds_lo = ds.to(Q.dtype.element_ty)
-        dq = tl.dot(ds_lo, k, input_precision=PRECISION) * scale
-        if HAS_ROTARY:
-            dq = rotate(dq, cos, sin, partner, True)
-        store_tile(DQ + h * stride_dqh, dq.to(DQ.dtype.element_ty), rows, offs_d, stride_dqt, stride_dqd, mask, INT64)
-        dk += tl.dot(tl.trans(ds_lo), q, input_precision=PRECISION)
-    dk = dk * scale
-    if HAS_ROTARY:
-        dk = rotate(dk, cos, sin, partner, True)
-    store_tile(DK + hk * stride_dkh, dk.to(DK.dtype.element_ty), rows, offs_d, stride_dkt, stride_dkd, mask, INT64)
-    store_tile(DV + hk * stride_dvh, dv.to(DV.dtype.element_ty), rows, offs_d, stride_dvt, stride_dvd, mask, INT64)
+        ds = (p * (dp - tl.sum(p * dp, 1)[:, None])).to(dtype)
+        ds_t = tl.trans(ds)
+        if ROT_DIM > 0:
+            dqa = tl.dot(ds, ka, input_precision=PRECISION) * scale
+            dqb = tl.dot(ds, kb, input_precision=PRECISION) * scale
+            dqa, dqb = rotate_pair(dqa, dqb, sin, cos, True)
+            store_cols(dq_ptr, dqa, rows, row_ok, cols_a, r_ok, stride_dqt, stride_dqd, INT64)
+            store_cols(dq_ptr, dqb, rows, row_ok, cols_b, r_ok, stride_dqt, stride_dqd, INT64)
+            dka = tl.dot(ds_t, qa, dka, input_precision=PRECISION)
+            dkb = tl.dot(ds_t, qb, dkb, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            dqp = tl.dot(ds, kp, input_precision=PRECISION) * scale
+            store_cols(dq_ptr, dqp, rows, row_ok, cols_p, p_ok, stride_dqt, stride_dqd, INT64)
+            dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
+    dk_ptr = DK + hk * stride_dkh
+    if ROT_DIM > 0:
+        dka, dkb = rotate_pair(dka * scale, dkb * scale, sin, cos, True)
+        store_cols(dk_ptr, dka, rows, row_ok, cols_a, r_ok, stride_dkt, stride_dkd, INT64)
+        store_cols(dk_ptr, dkb, rows, row_ok, cols_b, r_ok, stride_dkt, stride_dkd, INT64)
+    if ROT_DIM < HEAD_DIM:
+        store_cols(dk_ptr, dkp * scale, rows, row_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
+    store_cols(DV + hk * stride_dvh, dv, rows, row_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
 
 
 def block_attention_bwd(
@@ -93,16 +125,13 @@ def block_attention_bwd(
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
         return dq, dk, dv
-    cfg = tile_config(block_size, head_dim, backward=True)
-    has_rotary, rotary_dim, log2_theta = rotary_args(rope_theta, rotary_dim)
+    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=block_size, rope_theta=rope_theta,
+                       rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
+                       causal=causal, backward=True)
     _block_bwd_kernel[(sched.programs, kv_heads)](
         q, k, v, do, dq, dk, dv, sched.table, positions if positions is not None else sched.table,
-        sched.programs, scale, scale * LOG2E, rotary_dim, log2_theta,
+        sched.programs, scale, scale * LOG2E, meta.pop("log2_theta"),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-        HEAD_DIM=head_dim, GROUPS=num_heads // kv_heads, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, IS_CAUSAL=causal, HAS_ROTARY=has_rotary,
-        HAS_POS=positions is not None, INTERLEAVED=rotary_interleaved, FAST_TRIG=fast_trig(q),
-        INT64=needs_int64(q, k, v, do, dq, dk, dv), PRECISION=input_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUPS=num_heads // kv_heads, **meta,
     )
     return dq, dk, dv

@@ -3,8 +3,8 @@
 Per program: one block of one kv head, and the ``GROUPS`` query heads that share it (GQA).
 Each query head does ``S = QK^T`` once, an exact softmax over the whole block (no running
 max, no correction factors) and ``O = PV``; only ``O`` is written, no logsumexp. Rotary is
-applied to the q and k tiles right after loading. Rows past the block are masked, so
-memory beyond valid rows is never read.
+applied to the q and k tiles right after loading (see ``_rotary``). Rows past the block are
+masked, so memory beyond valid rows is never read.
 """
 from __future__ import annotations
 
@@ -14,55 +14,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, fast_trig, input_precision, needs_int64, rotary_args, tile_config
-from ._rotary import rotary_tables, rotate
+from ._common import LOG2E, kernel_meta
+from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
+from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
 
 
-@triton.jit
-def load_tile(ptr, rows, offs_d, stride_t, stride_d, mask, INT64: tl.constexpr):
-    if INT64:
-        rows = rows.to(tl.int64)
-    return tl.load(ptr + rows[:, None] * stride_t + offs_d[None, :] * stride_d, mask=mask, other=0.0)
-
-
-@triton.jit
-def store_tile(ptr, x, rows, offs_d, stride_t, stride_d, mask, INT64: tl.constexpr):
-    if INT64:
-        rows = rows.to(tl.int64)
-    tl.store(ptr + rows[:, None] * stride_t + offs_d[None, :] * stride_d, x, mask=mask)
-
-
-@triton.jit
-def block_positions(Pos, block_start, first_row, offs_m, row_ok, HAS_POS: tl.constexpr):
-    """Rotary positions of the block's rows: given, or the index inside the sequence."""
-    if HAS_POS:
-        return tl.load(Pos + block_start + offs_m, mask=row_ok, other=0).to(tl.float32)
-    return (first_row + offs_m).to(tl.float32)
-
-
-@triton.jit
-def block_probs(q, k, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Softmax of the block's scores, normalized, float32 ``[M, M]``."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    valid = row_ok[None, :]
-    if IS_CAUSAL:
-        valid = valid & (offs_m[:, None] >= offs_m[None, :])
-    s = tl.where(valid, s, float("-inf"))
-    p = tl.exp2(s - tl.max(s, 1)[:, None])
-    return p / tl.sum(p, 1)[:, None]
-
-
-@triton.jit(do_not_specialize=["slots", "qk_scale", "rotary_dim", "log2_theta"])
+@triton.jit(do_not_specialize=["slots", "qk_scale", "log2_theta"])
 def _block_fwd_kernel(
     Q, K, V, O, Table, Pos,
-    slots, qk_scale, rotary_dim, log2_theta,
+    slots, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_ROTARY: tl.constexpr, HAS_POS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
@@ -70,24 +37,39 @@ def _block_fwd_kernel(
     if n == 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = start + offs_m
-    k = load_tile(K + hk * stride_kh, rows, offs_d, stride_kt, stride_kd, mask, INT64)
-    v = load_tile(V + hk * stride_vh, rows, offs_d, stride_vt, stride_vd, mask, INT64)
-    if HAS_ROTARY:
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dtype = Q.dtype.element_ty
+    v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-        cos, sin, partner = rotary_tables(pos, offs_d, rotary_dim, log2_theta, INTERLEAVED, FAST_TRIG)
-        k = rotate(k.to(tl.float32), cos, sin, partner, False).to(K.dtype.element_ty)
-    for g in tl.static_range(GROUPS):
-        h = hk * GROUPS + g
-        q = load_tile(Q + h * stride_qh, rows, offs_d, stride_qt, stride_qd, mask, INT64)
-        if HAS_ROTARY:
-            q = rotate(q.to(tl.float32), cos, sin, partner, False).to(Q.dtype.element_ty)
-        p = block_probs(q, k, offs_m, row_ok, qk_scale, IS_CAUSAL, PRECISION)
-        o = tl.dot(p.to(V.dtype.element_ty), v, input_precision=PRECISION)
-        store_tile(O + h * stride_oh, o.to(O.dtype.element_ty), rows, offs_d, stride_ot, stride_od, mask, INT64)
+        sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
+        ka = load_cols(K + hk * stride_kh, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd, INT64)
+        kb = load_cols(K + hk * stride_kh, rows, row_ok, cols_b, r_ok, stride_kt, stride_kd, INT64)
+        ka, kb = rotate_pair(ka.to(tl.float32), kb.to(tl.float32), sin, cos, False)
+        ka = ka.to(dtype)
+        kb = kb.to(dtype)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        kp = load_cols(K + hk * stride_kh, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
+    for g in range(GROUPS):
+        q_ptr = Q + (hk * GROUPS + g) * stride_qh
+        s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        if ROT_DIM > 0:
+            qa = load_cols(q_ptr, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd, INT64)
+            qb = load_cols(q_ptr, rows, row_ok, cols_b, r_ok, stride_qt, stride_qd, INT64)
+            qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
+            s = tl.dot(qa.to(dtype), tl.trans(ka), s, input_precision=PRECISION)
+            s = tl.dot(qb.to(dtype), tl.trans(kb), s, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL)
+        o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
+        store_cols(O + (hk * GROUPS + g) * stride_oh, o, rows, row_ok, offs_d, d_ok, stride_ot, stride_od, INT64)
 
 
 def block_attention_fwd(
@@ -104,16 +86,12 @@ def block_attention_fwd(
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
         return o
-    cfg = tile_config(block_size, head_dim, backward=False)
-    has_rotary, rotary_dim, log2_theta = rotary_args(rope_theta, rotary_dim)
+    meta = kernel_meta(q, k, v, o, block_size=block_size, rope_theta=rope_theta, rotary_dim=rotary_dim,
+                       interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
     _block_fwd_kernel[(sched.programs, kv_heads)](
         q, k, v, o, sched.table, positions if positions is not None else sched.table,
-        sched.programs, scale * LOG2E, rotary_dim, log2_theta,
+        sched.programs, scale * LOG2E, meta.pop("log2_theta"),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        HEAD_DIM=head_dim, GROUPS=num_heads // kv_heads, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d, IS_CAUSAL=causal, HAS_ROTARY=has_rotary,
-        HAS_POS=positions is not None, INTERLEAVED=rotary_interleaved, FAST_TRIG=fast_trig(q),
-        INT64=needs_int64(q, k, v, o), PRECISION=input_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUPS=num_heads // kv_heads, **meta,
     )
     return o

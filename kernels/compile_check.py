@@ -55,10 +55,11 @@ def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
         kernels, ("bf16", "fp16", "fp32"), ((64, 128), (64, 64), (128, 128)), (False, True), (False, True),
     ):
         name = f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+        rot = dim if rotary else 0
         constexprs = dict(
-            HEAD_DIM=dim, GROUPS=1, BLOCK_SIZE=block, BLOCK_M=block, BLOCK_D=dim, IS_CAUSAL=causal,
-            HAS_ROTARY=rotary, HAS_POS=False, INTERLEAVED=False, FAST_TRIG=True, INT64=False,
-            PRECISION="tf32",
+            HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
+            BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
+            FAST_TRIG=True, INT64=False, PRECISION="tf32",
         )
         constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
         yield name, kernel, dtype, constexprs

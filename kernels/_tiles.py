@@ -1,0 +1,64 @@
+"""Tile loads and stores shared by the block-attention kernels (``@triton.jit`` only).
+
+A row tile of q or k is read as up to three column tiles (see ``_rotary``): ``a`` and ``b``
+hold the two channels of each rotary pair, ``p`` the channels that pass through (all of
+them without rotary). Column tiles are padded to powers of two and masked.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_cols(ptr, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64: tl.constexpr):
+    if INT64:
+        rows = rows.to(tl.int64)
+    mask = row_ok[:, None] & col_ok[None, :]
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :] * stride_d, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_cols(ptr, x, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64: tl.constexpr):
+    if INT64:
+        rows = rows.to(tl.int64)
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(ptr + rows[:, None] * stride_t + cols[None, :] * stride_d, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def pair_cols(BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns of the first and second channel of each rotary pair, and their mask."""
+    offs_r = tl.arange(0, BLOCK_R)
+    if INTERLEAVED:
+        cols_a = 2 * offs_r
+        cols_b = cols_a + 1
+    else:
+        cols_a = offs_r
+        cols_b = offs_r + ROT_DIM // 2
+    return offs_r, cols_a, cols_b, offs_r < ROT_DIM // 2
+
+
+@triton.jit
+def pass_cols(BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Columns past the rotary channels (all columns without rotary), and their mask."""
+    cols = ROT_DIM + tl.arange(0, BLOCK_P)
+    return cols, cols < HEAD_DIM
+
+
+@triton.jit
+def block_positions(Pos, block_start, first_row, offs_m, row_ok, HAS_POS: tl.constexpr):
+    """Rotary positions of the block's rows: given, or the index inside the sequence."""
+    if HAS_POS:
+        return tl.load(Pos + block_start + offs_m, mask=row_ok, other=0).to(tl.float32)
+    return (first_row + offs_m).to(tl.float32)
+
+
+@triton.jit
+def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr):
+    """Exact softmax of the block's raw scores ``s``, normalized, float32 ``[M, M]``."""
+    s = s * qk_scale
+    valid = row_ok[None, :]
+    if IS_CAUSAL:
+        valid = valid & (offs_m[:, None] >= offs_m[None, :])
+    s = tl.where(valid, s, float("-inf"))
+    p = tl.exp2(s - tl.max(s, 1)[:, None])
+    return p / tl.sum(p, 1)[:, None]
