@@ -30,7 +30,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(VENV)/.installed
-	$(PY) -m blockattn_layers bench $(ARGS)
+	$(PY) -m blockattn_layers.bench $(ARGS)
 
 info: $(VENV)/.installed
 	$(PY) -m blockattn_layers info

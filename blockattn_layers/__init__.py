@@ -1,6 +1,15 @@
 """blockattn-layers: block-diagonal self-attention over jagged sequences for ranking models."""
 from .dispatch import AttentionRequest, Backend, BackendSpec, explain, registered_backends
+from .config import EncoderConfig, EncoderLayerConfig, build_encoder, list_presets, load_config
 from .functional import block_attention, jagged_attention
+from .jagged import (
+    JaggedLayout, jagged_to_padded, lengths_to_key_padding_mask, lengths_to_offsets, offsets_to_lengths,
+    padded_to_jagged, to_values_offsets,
+)
+from .modules import (
+    BlockSelfAttention, JaggedSequenceEncoder, JaggedTransformerEncoder, JaggedTransformerEncoderLayer,
+    RotaryBlockAttention, from_torch_encoder,
+)
 
 __version__ = "0.1.0"
 
@@ -8,8 +17,26 @@ __all__ = [
     "AttentionRequest",
     "Backend",
     "BackendSpec",
+    "BlockSelfAttention",
+    "EncoderConfig",
+    "EncoderLayerConfig",
+    "JaggedLayout",
+    "JaggedSequenceEncoder",
+    "JaggedTransformerEncoder",
+    "JaggedTransformerEncoderLayer",
+    "RotaryBlockAttention",
     "block_attention",
+    "build_encoder",
     "explain",
+    "from_torch_encoder",
     "jagged_attention",
+    "jagged_to_padded",
+    "lengths_to_key_padding_mask",
+    "lengths_to_offsets",
+    "list_presets",
+    "load_config",
+    "offsets_to_lengths",
+    "padded_to_jagged",
     "registered_backends",
+    "to_values_offsets",
 ]

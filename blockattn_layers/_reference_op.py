@@ -28,10 +28,11 @@ def reference_fwd(
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tensor:
     """Reference forward; ``block_size == 0`` means full per-sequence attention."""
-    return reference.attention_forward(
-        q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets, max_seqlen,
-    )
+    with torch.autocast(q.device.type, enabled=False):
+        return reference.attention_forward(
+            q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
+            rotary_interleaved, cpu_offsets, max_seqlen,
+        )
 
 
 @reference_fwd.register_fake
@@ -48,11 +49,11 @@ def reference_bwd(
     rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: ``(dq, dk, dv)``."""
-    dq, dk, dv = reference.attention_backward(
-        grad_out, q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions,
-        rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen,
-    )
-    return dq, dk, dv
+    with torch.autocast(q.device.type, enabled=False):
+        return reference.attention_backward(
+            grad_out, q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions,
+            rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen,
+        )
 
 
 @reference_bwd.register_fake

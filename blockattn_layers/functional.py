@@ -65,6 +65,7 @@ def block_attention(
         >>> block_attention(q, k, v, offsets, block_size=64, causal=True).shape
         torch.Size([70, 4, 32])
     """
+    q, k, v = _autocast_inputs(q, k, v)
     params = validate_attention_args(
         q, k, v, offsets, block_size, scale=scale, causal=causal, rope_theta=rope_theta,
         positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
@@ -72,6 +73,19 @@ def block_attention(
     )
     spec = select_backend(backend, AttentionRequest.from_call(q, k, params))
     return spec.run(q, k, v, offsets, params)
+
+
+def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
+    """Under autocast, attention runs in the autocast dtype, as ``scaled_dot_product_attention`` does.
+
+    The registered ops then compute in their inputs' dtype (autocast is off inside them).
+    float64 inputs are left alone, as autocast leaves them.
+    """
+    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    cast = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.dtype in cast else x for x in (q, k, v))
 
 
 def jagged_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:

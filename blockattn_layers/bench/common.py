@@ -1,0 +1,178 @@
+"""Data shared by the benchmark's parts: a case, its inputs, and a prepared method.
+
+A :class:`Case` is one benchmark problem (lengths, heads, head dim, block size, rotary or
+a layer config). :func:`make_inputs` draws seeded random inputs for it. Every method
+(ours or a baseline) is a :class:`Method` whose ``setup`` turns a case and its inputs into
+a :class:`Prepared`: a forward callable plus what the runner needs to check and time it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """An encoder layer: ``d_model``, ``nhead``, ``dim_feedforward``."""
+
+    d_model: int
+    nhead: int
+    dim_feedforward: int
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One problem: ``lengths`` (host int64 ``[B]``), heads, head dim, block (None = full)."""
+
+    name: str
+    shape: str
+    lengths: Tensor
+    num_heads: int
+    head_dim: int
+    block_size: Optional[int]
+    rope_theta: Optional[float] = None
+    layer: Optional[LayerConfig] = None
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.numel()
+
+    @property
+    def total(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(self.lengths.max()) if self.batch else 0
+
+    @property
+    def offsets(self) -> Tensor:
+        """Host int64 ``[B+1]``."""
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self.lengths, 0)])
+
+    @property
+    def aligned(self) -> bool:
+        """Every sequence is a whole number of blocks (so blocks form a dense view)."""
+        return self.block_size is not None and bool((self.lengths % self.block_size == 0).all())
+
+    def unit_bounds(self) -> Tensor:
+        """Host int64 boundaries of the attention units (blocks, or sequences if full)."""
+        if self.block_size is None:
+            lengths, offsets = self.lengths, self.offsets
+            keep = torch.nonzero(lengths > 0).flatten()
+            return torch.cat([offsets[:-1][keep], offsets[-1:]])
+        bs = self.block_size
+        n_blocks = (self.lengths + bs - 1) // bs
+        seq = torch.repeat_interleave(torch.arange(self.batch), n_blocks)
+        first = torch.cumsum(n_blocks, 0) - n_blocks
+        starts = self.offsets[:-1][seq] + (torch.arange(int(n_blocks.sum())) - first[seq]) * bs
+        return torch.cat([starts, self.offsets[-1:]])
+
+    def describe(self) -> str:
+        block = "full" if self.block_size is None else f"block {self.block_size}"
+        rope = f", rope {self.rope_theta:g}" if self.rope_theta is not None else ""
+        if self.layer is not None:
+            cfg = self.layer
+            heads = f"d_model {cfg.d_model}, nhead {cfg.nhead}, ffn {cfg.dim_feedforward}"
+        else:
+            heads = f"H {self.num_heads}, D {self.head_dim}"
+        return f"B {self.batch}, T {self.total:,}, max len {self.max_seqlen}, {heads}, {block}{rope}"
+
+
+@dataclass(eq=False)
+class Inputs:
+    """One input set of an attention case on the benchmark device.
+
+    ``q, k, v`` are leaves that require grad; ``bounds`` (int32) are the attention units'
+    boundaries (block starts, or sequence starts for full attention) and ``max_unit`` the
+    longest unit; ``positions`` (int32) each token's index inside its sequence.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    grad_out: Tensor
+    offsets: Tensor
+    cpu_offsets: Tensor
+    bounds: Tensor
+    max_unit: int
+    positions: Tensor
+
+
+def make_inputs(case: Case, device: torch.device, dtype: torch.dtype, seed: int) -> Inputs:
+    """Seeded random ``q, k, v`` (leaves) and output gradient for ``case``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (case.total, case.num_heads, case.head_dim)
+
+    def rand(requires_grad: bool) -> Tensor:
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        return x.requires_grad_(requires_grad)
+
+    q, k, v = rand(True), rand(True), rand(True)
+    host = case.offsets
+    bounds = case.unit_bounds()
+    max_unit = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+    seq = torch.repeat_interleave(torch.arange(case.batch), case.lengths)
+    positions = torch.arange(case.total) - host[:-1][seq]
+    return Inputs(
+        q=q, k=k, v=v, grad_out=rand(False), offsets=host.to(device, torch.int32), cpu_offsets=host,
+        bounds=bounds.to(device, torch.int32), max_unit=max_unit, positions=positions.to(device, torch.int32),
+    )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Settings every method may read."""
+
+    device: torch.device
+    dtype: torch.dtype
+    with_reference: bool = False
+    host_offsets: bool = False
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A method ready to run on one input set.
+
+    ``forward()`` returns the output in the method's own layout; ``grad_out`` has that
+    layout, and gradients are taken w.r.t. ``leaves``. ``to_packed``/``grads_to_packed``
+    bring the output and the first gradients to the packed layout for the check.
+    ``checked=False`` marks a speed bound that computes a different function (for
+    example padded attention without a mask). ``oracle``, when set, returns the float32
+    reference ``(out, grads)`` for this method (layers); otherwise the case's attention
+    oracle is used.
+    """
+
+    forward: Callable[[], Tensor]
+    leaves: Tuple[Tensor, ...]
+    grad_out: Tensor
+    to_packed: Callable[[Tensor], Tensor] = field(default=lambda out: out)
+    grads_to_packed: Callable[[Sequence[Tensor]], Sequence[Tensor]] = field(default=tuple)
+    checked: bool = True
+    oracle: Optional[Callable[[], Tuple[Tensor, Sequence[Tensor]]]] = None
+    note: str = ""
+
+
+def _no_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    return None
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to compute a case: ``kind`` is ``"ours"`` or ``"baseline"``.
+
+    ``applies(case)`` False leaves the method out of that case's table; ``skip(case, cfg)``
+    returns a reason shown as a ``skipped: ...`` row; ``setup`` may raise, which the runner
+    reports as ``failed: ...``.
+    """
+
+    name: str
+    kind: str
+    setup: Callable[[Case, Inputs, RunConfig], Prepared]
+    applies: Callable[[Case], bool]
+    skip: Callable[[Case, RunConfig], Optional[str]] = _no_skip
+    gpu_only: bool = True
+    description: str = ""

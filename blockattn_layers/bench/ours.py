@@ -1,0 +1,79 @@
+"""Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+import blockattn_layers
+from blockattn_layers import _backends
+from blockattn_layers._validation import validate_attention_args
+
+from .common import Case, Inputs, Method, Prepared, RunConfig
+
+# Above this many tokens the reference backend runs on GPU only with --with-reference (it is slow).
+REFERENCE_MAX_TOKENS = 1 << 18
+
+
+def _request(case: Case, cfg: RunConfig) -> blockattn_layers.AttentionRequest:
+    """The dispatcher's view of a case, built from a one-token stand-in of its tensors."""
+    q = torch.empty(1, case.num_heads, case.head_dim, device=cfg.device, dtype=cfg.dtype)
+    offsets = torch.tensor([0, 1], device=cfg.device, dtype=torch.int32)
+    params = validate_attention_args(
+        q, q, q, offsets, case.block_size, scale=None, causal=False, rope_theta=case.rope_theta,
+        positions=None, rotary_dim=None, rotary_interleaved=False, cpu_offsets=None, max_seqlen=None,
+        validate=False,
+    )
+    return blockattn_layers.AttentionRequest.from_call(q, q, params)
+
+
+def _skip(spec: blockattn_layers.BackendSpec):
+    def skip(case: Case, cfg: RunConfig) -> Optional[str]:
+        reasons = spec.not_supported_reasons(_request(case, cfg))
+        if reasons:
+            return "; ".join(reasons)
+        slow = spec.name == "reference" and cfg.device.type == "cuda" and case.total > REFERENCE_MAX_TOKENS
+        if slow and not cfg.with_reference:
+            return "slow at this size; --with-reference runs it"
+        return None
+
+    return skip
+
+
+def _setup(name: str):
+    def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
+        kwargs = dict(rope_theta=case.rope_theta, backend=name)
+        if cfg.host_offsets:
+            kwargs.update(cpu_offsets=inp.cpu_offsets, max_seqlen=case.max_seqlen)
+
+        def forward():
+            return blockattn_layers.block_attention(inp.q, inp.k, inp.v, inp.offsets, case.block_size, **kwargs)
+
+        return Prepared(forward, (inp.q, inp.k, inp.v), inp.grad_out)
+
+    return setup
+
+
+def _attention(case: Case) -> bool:
+    return case.layer is None
+
+
+def _import_failed(err: BaseException):
+    def skip(case: Case, cfg: RunConfig) -> Optional[str]:
+        return f"not registered: {type(err).__name__}: {err}"
+
+    return skip
+
+
+def our_methods() -> List[Method]:
+    """One method per registered backend, highest priority first (a triton import failure shows as a row)."""
+    methods = [
+        Method(spec.name, "ours", _setup(spec.name), _attention, skip=_skip(spec), gpu_only=False,
+               description=spec.description)
+        for spec in blockattn_layers.registered_backends()
+    ]
+    err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
+    if err is not None and all(m.name != "triton" for m in methods):
+        methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),
+                                 gpu_only=False, description="Triton backend (import failed)"))
+    return methods

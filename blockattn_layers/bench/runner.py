@@ -1,0 +1,269 @@
+"""Check every method against the reference, then time fwd / bwd / fwd+bwd and measure peak memory.
+
+Timing: ``triton.testing.do_bench(..., return_mode="median")`` on CUDA (it flushes L2 before
+every call; small shapes also rotate between input sets), a host-clock median on CPU.
+
+* ``fwd``: the training forward (inputs require grad, so each method saves what its backward needs).
+* ``bwd``: the backward alone, as ``torch.autograd.grad(out, leaves, grad_out, retain_graph=True)`` on
+  a graph built once before timing. Going through autograd rather than calling each backward
+  kernel directly times every method the same way, including what its layout costs in backward
+  (transposes, gathers' index_add, rotary's backward); the autograd engine adds a few microseconds.
+* ``fwd+bwd``: a fresh forward and its backward per call.
+
+Peak memory is ``torch.cuda.max_memory_allocated()`` during one call minus what was allocated
+before it (for ``bwd`` the retained graph is already counted in the base).
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+import blockattn_layers
+
+from .common import Case, Inputs, Method, Prepared, RunConfig, make_inputs
+from .layer import make_layer_inputs
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 5e-3}
+# Floor bytes in units of T * H * D elements: fwd reads q, k, v and writes o; bwd reads q, k, v, do
+# and writes dq, dk, dv.
+FLOOR_TENSORS = {"fwd": 4, "bwd": 7, "fwd+bwd": 11}
+# Matmul FLOP per (query, key) pair inside a unit, per head and channel: fwd 2 dots, bwd 5.
+FLOP_PER_PAIR = {"fwd": 4.0, "bwd": 10.0, "fwd+bwd": 14.0}
+_MAX_SETS = 8
+
+
+@dataclass(frozen=True)
+class Timing:
+    """do_bench warm-up and repetition time (ms) on CUDA; repetitions on CPU."""
+
+    warmup_ms: int = 25
+    rep_ms: int = 150
+    cpu_reps: int = 5
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_ms(fn: Callable[[], object], device: torch.device, timing: Timing) -> float:
+    """Median milliseconds of ``fn``."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(timing.cpu_reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
+    """Extra device memory (MiB) at the peak of one call of ``fn``; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def rel_err(x: Tensor, ref: Tensor) -> float:
+    """``max|x - ref| / max|ref|``; inf for NaN/inf or a shape mismatch."""
+    if x.shape != ref.shape:
+        return math.inf
+    err = float((x.detach().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+    return err if math.isfinite(err) else math.inf
+
+
+def mode_fn(sets: Sequence[Prepared], mode: str) -> Callable[[], object]:
+    """The callable timed for ``mode``, cycling through the prepared input sets."""
+    turn = itertools.cycle(range(len(sets)))
+    if mode == "fwd":
+        return lambda: sets[next(turn)].forward()
+    if mode == "fwd+bwd":
+        def step():
+            p = sets[next(turn)]
+            return torch.autograd.grad(p.forward(), p.leaves, p.grad_out)
+        return step
+    outs = [p.forward() for p in sets]
+
+    def backward():
+        i = next(turn)
+        return torch.autograd.grad(outs[i], sets[i].leaves, sets[i].grad_out, retain_graph=True)
+    return backward
+
+
+def n_input_sets(case: Case, cfg: RunConfig) -> int:
+    """Enough input sets to cycle through three times the L2 cache (1 for large shapes)."""
+    if cfg.device.type != "cuda" or case.layer is not None:
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(cfg.device), "L2_cache_size", 50 << 20)
+    per_set = 8 * case.total * case.num_heads * case.head_dim * torch.finfo(cfg.dtype).bits // 8
+    return max(1, min(_MAX_SETS, math.ceil(3 * l2 / max(per_set, 1))))
+
+
+def attention_oracle(case: Case, inp: Inputs) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """The reference backend on float32 copies: output and ``(dq, dk, dv)``."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (inp.q, inp.k, inp.v))
+    out = blockattn_layers.block_attention(
+        q, k, v, inp.offsets, case.block_size, rope_theta=case.rope_theta, cpu_offsets=inp.cpu_offsets,
+        max_seqlen=case.max_seqlen, backend="reference",
+    )
+    grads = torch.autograd.grad(out, (q, k, v), inp.grad_out.float())
+    return out.detach(), grads
+
+
+def _short(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0] if lines else ''}".strip()
+    return text[:400]
+
+
+def _free(device: torch.device) -> None:
+    """Return a finished method's device memory (so the next one's peak is its own)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class CaseRunner:
+    """Runs the methods of one case on shared input sets, computing the oracle once."""
+
+    def __init__(self, case: Case, cfg: RunConfig, timing: Timing, modes: Sequence[str], seed: int):
+        self.case, self.cfg, self.timing, self.modes, self.seed = case, cfg, timing, modes, seed
+        self._sets: Optional[List[object]] = None
+        self._oracle: Optional[Tuple[Tensor, Sequence[Tensor]]] = None
+
+    def sets(self) -> List[object]:
+        if self._sets is None:
+            build = make_layer_inputs if self.case.layer is not None else make_inputs
+            n = n_input_sets(self.case, self.cfg)
+            self._sets = [build(self.case, self.cfg.device, self.cfg.dtype, self.seed + i) for i in range(n)]
+        return self._sets
+
+    def oracle(self, prepared: Prepared):
+        if prepared.oracle is not None:
+            return prepared.oracle()
+        if self._oracle is None:
+            self._oracle = attention_oracle(self.case, self.sets()[0])
+        return self._oracle
+
+    def row(self, method: Method) -> Dict[str, object]:
+        case, cfg = self.case, self.cfg
+        row: Dict[str, object] = dict(
+            case=case.name, shape=case.shape, method=method.name, kind=method.kind, status="", reason="",
+            err=None, tol=TOLERANCE.get(cfg.dtype), description=method.description,
+        )
+        if method.gpu_only and cfg.device.type != "cuda":
+            return dict(row, status="skipped", reason="GPU-only baseline (no CUDA device)")
+        try:
+            reason = method.skip(case, cfg)
+        except Exception as err:  # a broken capability check is a failure of that row only
+            return dict(row, status="failed", reason=_short(err))
+        if reason:
+            return dict(row, status="skipped", reason=reason)
+        try:
+            prepared = [method.setup(case, inp, cfg) for inp in self.sets()]
+            row.update(self._check(prepared[0]))
+            for mode in self.modes:
+                row.update(self._time(prepared, mode))
+        except Exception as err:
+            row.update(status="failed", reason=_short(err))
+        finally:
+            prepared = None
+            _free(cfg.device)
+        return row
+
+    def _check(self, p: Prepared) -> Dict[str, object]:
+        out = p.forward()
+        grads = torch.autograd.grad(out, p.leaves, p.grad_out)
+        ref_out, ref_grads = self.oracle(p)
+        got = [p.to_packed(out)] + list(p.grads_to_packed(grads))[:len(ref_grads)]
+        err = max(rel_err(x, r) for x, r in zip(got, [ref_out, *ref_grads]))
+        tol = TOLERANCE.get(self.cfg.dtype, 5e-3)
+        if not p.checked:
+            return dict(err=err, status="unchecked", reason=p.note)
+        if err > tol:
+            return dict(err=err, status="FAILED", reason=f"max rel error {err:.3g} > {tol:g}")
+        return dict(err=err, status="ok", reason=p.note)
+
+    def _time(self, prepared: List[Prepared], mode: str) -> Dict[str, object]:
+        try:
+            fn = mode_fn(prepared, mode)
+            peak = peak_mib(fn, self.cfg.device)
+            return {f"{mode}_ms": measure_ms(fn, self.cfg.device, self.timing), f"{mode}_peak_mib": peak}
+        except Exception as err:
+            return {f"{mode}_error": _short(err)}
+        finally:
+            fn = None
+            _free(self.cfg.device)
+
+
+def run_case(case: Case, methods: Sequence[Method], cfg: RunConfig, timing: Timing,
+             modes: Sequence[str] = MODES, seed: int = 0, progress: bool = False) -> List[Dict[str, object]]:
+    """One row per method that applies to ``case`` (compiled graphs are reset per case)."""
+    torch._dynamo.reset()
+    runner = CaseRunner(case, cfg, timing, modes, seed)
+    rows = []
+    # The bwd mode replays a retained graph, which compiled backwards with donated buffers refuse.
+    with torch._functorch.config.patch(donated_buffer=False):
+        for method in (m for m in methods if m.applies(case)):
+            start = time.perf_counter()
+            rows.append(runner.row(method))
+            if progress:
+                status = f"{rows[-1]['status']} {rows[-1]['reason']}"[:100]
+                print(f"  {case.name} {method.name}: {status} ({time.perf_counter() - start:.1f} s)", flush=True)
+    runner = None
+    _free(cfg.device)
+    return rows
+
+
+def case_summary(case: Case, dtype: torch.dtype, bandwidth: float) -> Dict[str, object]:
+    """Sizes, floors (ms at ``bandwidth`` bytes/s) and in-unit FLOP of a case; no floors for layers."""
+    summary: Dict[str, object] = dict(
+        case=case.name, shape=case.shape, describe=case.describe(), B=case.batch, T=case.total,
+        max_len=case.max_seqlen, H=case.num_heads, D=case.head_dim, block=case.block_size,
+        rope_theta=case.rope_theta, dtype=str(dtype).replace("torch.", ""),
+    )
+    if case.layer is None:
+        elems = case.total * case.num_heads * case.head_dim * torch.finfo(dtype).bits // 8
+        pairs = float((case.unit_bounds().diff().double() ** 2).sum())
+        for mode in MODES:
+            summary[f"{mode}_floor_ms"] = 1e3 * FLOOR_TENSORS[mode] * elems / bandwidth
+            summary[f"{mode}_flop"] = FLOP_PER_PAIR[mode] * pairs * case.num_heads * case.head_dim
+    return summary
+
+
+def finalize(rows: List[Dict[str, object]], summaries: Dict[str, Dict[str, object]]) -> None:
+    """Add ``x_floor``, TFLOP/s and speedup vs the best checked baseline to every timed row."""
+    for mode in MODES:
+        best: Dict[str, float] = {}
+        for r in rows:
+            ms = r.get(f"{mode}_ms")
+            if r["kind"] == "baseline" and r["status"] == "ok" and ms:
+                best[r["case"]] = min(best.get(r["case"], math.inf), ms)
+        for r in rows:
+            ms = r.get(f"{mode}_ms")
+            if not ms:
+                continue
+            s = summaries[r["case"]]
+            if s.get(f"{mode}_floor_ms"):
+                r[f"{mode}_x_floor"] = ms / s[f"{mode}_floor_ms"]
+                r[f"{mode}_tflops"] = s[f"{mode}_flop"] / (ms * 1e-3) / 1e12
+            if r["case"] in best:
+                r[f"{mode}_speedup"] = best[r["case"]] / ms

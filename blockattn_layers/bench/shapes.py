@@ -1,0 +1,116 @@
+"""Benchmark shapes (PERFORMANCE.md, issues 3, 4, 5 and 9), seeded so every run sees the same lengths."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+from torch import Tensor
+
+from .common import Case, LayerConfig
+
+PROD_HEADS = ((2, 128), (4, 64))  # (H, D): the two production head layouts
+BLOCK = 64
+
+
+def uniform_lengths(batch: int, low: int, high: int, seed: int) -> Tensor:
+    """``batch`` host int64 lengths uniform in ``[low, high]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int64)
+
+
+def prod_lengths() -> Tensor:
+    """B = 1152 lengths uniform in [1, 4000] (T ~ 2.3M)."""
+    return uniform_lengths(1152, 1, 4000, seed=0)
+
+
+def _round_up(lengths: Tensor, multiple: int) -> Tensor:
+    return (lengths + multiple - 1) // multiple * multiple
+
+
+def _heads(shape: str, lengths: Tensor, block, rope=None, heads=PROD_HEADS) -> List[Case]:
+    return [
+        Case(f"{shape}/d{d}h{h}", shape, lengths, h, d, block, rope_theta=rope) for h, d in heads
+    ]
+
+
+def prod() -> List[Case]:
+    return _heads("prod", prod_lengths(), BLOCK)
+
+
+def prod_aligned() -> List[Case]:
+    return _heads("prod_aligned", _round_up(prod_lengths(), BLOCK), BLOCK)
+
+
+def small() -> List[Case]:
+    return _heads("small", uniform_lengths(64, 1, 256, seed=1), BLOCK, heads=((4, 64),))
+
+
+def rotary() -> List[Case]:
+    return _heads("rotary", prod_lengths(), BLOCK, rope=10000.0)
+
+
+def seed3() -> List[Case]:
+    return _heads("seed3", uniform_lengths(32, 1024, 3072, seed=3), None, heads=((8, 128),))
+
+
+def prod_full() -> List[Case]:
+    return _heads("prod_full", prod_lengths(), None, heads=((2, 128),))
+
+
+def block256() -> List[Case]:
+    return _heads("block256", prod_lengths(), 256, heads=((2, 128),))
+
+
+def block512() -> List[Case]:
+    return _heads("block512", prod_lengths(), 512, heads=((2, 128),))
+
+
+def layer() -> List[Case]:
+    cfg = LayerConfig(d_model=256, nhead=2, dim_feedforward=1024)
+    return [Case("layer/d256h2", "layer", prod_lengths(), 2, 128, BLOCK, layer=cfg)]
+
+
+def tiny() -> List[Case]:
+    """CPU smoke-test cases: block, full, rotary and a layer, a few hundred tokens each."""
+    lengths = uniform_lengths(6, 1, 150, seed=4)
+    cfg = LayerConfig(d_model=64, nhead=2, dim_feedforward=128)
+    return [
+        Case("tiny/block", "tiny", lengths, 2, 32, BLOCK),
+        Case("tiny/full", "tiny", lengths, 2, 32, None),
+        Case("tiny/rotary", "tiny", lengths, 2, 32, BLOCK, rope_theta=10000.0),
+        Case("tiny/layer", "tiny", lengths, 2, 32, BLOCK, layer=cfg),
+    ]
+
+
+SHAPES: Dict[str, Callable[[], List[Case]]] = {
+    "prod": prod,
+    "prod_aligned": prod_aligned,
+    "small": small,
+    "rotary": rotary,
+    "seed3": seed3,
+    "prod_full": prod_full,
+    "block256": block256,
+    "block512": block512,
+    "layer": layer,
+    "tiny": tiny,
+}
+
+DEFAULT_SHAPES = ("prod", "prod_aligned", "small")
+ALL_SHAPES = tuple(name for name in SHAPES if name != "tiny")
+
+
+def resolve(spec: str) -> List[str]:
+    """``"prod,small"`` / ``"all"`` / ``"default"`` -> shape names (ValueError on unknown ones)."""
+    names: List[str] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        expanded = {"all": ALL_SHAPES, "default": DEFAULT_SHAPES}.get(part, (part,))
+        for name in expanded:
+            if name not in SHAPES:
+                raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}, all, default")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def build_cases(names: List[str]) -> List[Case]:
+    return [case for name in names for case in SHAPES[name]()]

@@ -1,0 +1,167 @@
+"""Frozen settings for the jagged encoder, YAML presets, and building an encoder from them.
+
+Presets live as YAML files in the package ``blockattn_layers.presets`` (the ``configs/``
+directory): ``load_config("small")`` reads ``small.yaml``; a path to any YAML file works too.
+A file holds ``num_layers``, ``final_norm`` and a ``layer`` mapping of
+:class:`EncoderLayerConfig` fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Union
+
+from torch import nn
+
+from .modules import JaggedTransformerEncoder, JaggedTransformerEncoderLayer
+
+PRESETS_PACKAGE = "blockattn_layers.presets"
+_ACTIVATIONS = ("relu", "gelu")
+_FLOAT_FIELDS = ("dropout", "rope_theta", "layer_norm_eps")
+
+
+def _positive_int(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
+
+
+def _real(name: str, value: Any, low: float, high: float, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not low <= value < high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}), got {value!r}")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _fields_from(cls: type, data: Mapping[str, Any], where: str) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {where} settings {unknown}; expected some of {sorted(names)}")
+    # YAML 1.1 reads 1e-5 (no dot) as a string: accept it for float fields.
+    return {k: float(v) if k in _FLOAT_FIELDS and isinstance(v, str) else v for k, v in data.items()}
+
+
+@dataclass(frozen=True)
+class EncoderLayerConfig:
+    """Arguments of :class:`~blockattn_layers.JaggedTransformerEncoderLayer`, validated on creation."""
+
+    d_model: int
+    nhead: int
+    dim_feedforward: int = 2048
+    dropout: float = 0.1
+    activation: str = "relu"
+    block_size: Optional[int] = 64
+    norm_first: bool = False
+    rope_theta: Optional[float] = None
+    num_kv_heads: Optional[int] = None
+    causal: bool = False
+    layer_norm_eps: float = 1e-5
+    bias: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "nhead", "dim_feedforward"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("block_size", self.block_size, optional=True)
+        _positive_int("num_kv_heads", self.num_kv_heads, optional=True)
+        if self.d_model % self.nhead:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of nhead ({self.nhead})")
+        if self.num_kv_heads is not None and self.nhead % self.num_kv_heads:
+            raise ValueError(f"nhead ({self.nhead}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _real("dropout", self.dropout, 0.0, 1.0)
+        _real("rope_theta", self.rope_theta, 1e-30, float("inf"), optional=True)
+        _real("layer_norm_eps", self.layer_norm_eps, 0.0, float("inf"))
+        for name in ("norm_first", "causal", "bias"):
+            _flag(name, getattr(self, name))
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, got {self.activation!r}")
+        if not isinstance(self.backend, str):
+            raise ValueError(f"backend must be a string, got {self.backend!r}")
+
+    def build(self) -> JaggedTransformerEncoderLayer:
+        """A new layer with these settings (fresh weights)."""
+        kwargs = dataclasses.asdict(self)
+        d_model, nhead = kwargs.pop("d_model"), kwargs.pop("nhead")
+        return JaggedTransformerEncoderLayer(d_model, nhead, **kwargs)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A :class:`~blockattn_layers.JaggedTransformerEncoder`: ``num_layers`` copies of ``layer``,
+    then a LayerNorm when ``final_norm`` (usual with ``norm_first`` layers)."""
+
+    layer: EncoderLayerConfig
+    num_layers: int = 1
+    final_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer, EncoderLayerConfig):
+            raise ValueError(f"layer must be an EncoderLayerConfig, got {type(self.layer).__name__}")
+        _positive_int("num_layers", self.num_layers)
+        _flag("final_norm", self.final_norm)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EncoderConfig":
+        """From a mapping like the YAML presets: ``{"num_layers": 2, "layer": {"d_model": 64, ...}}``."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("layer"), Mapping):
+            raise ValueError("an encoder config needs a 'layer' mapping of EncoderLayerConfig settings")
+        top = _fields_from(cls, data, "encoder")
+        top["layer"] = EncoderLayerConfig(**_fields_from(EncoderLayerConfig, data["layer"], "layer"))
+        return cls(**top)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def build(self) -> JaggedTransformerEncoder:
+        """A new encoder with these settings (fresh weights)."""
+        layer = self.layer
+        norm = nn.LayerNorm(layer.d_model, eps=layer.layer_norm_eps, bias=layer.bias) if self.final_norm else None
+        return JaggedTransformerEncoder(layer.build(), self.num_layers, norm=norm)
+
+
+def list_presets() -> List[str]:
+    """Names of the YAML presets shipped in ``blockattn_layers.presets``."""
+    files = importlib.resources.files(PRESETS_PACKAGE).iterdir()
+    return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+
+
+def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
+    """An :class:`EncoderConfig` from a preset name (``"small"``, ``"production"``) or a YAML file path.
+
+    Example:
+        >>> from blockattn_layers import load_config, build_encoder
+        >>> config = load_config("small")
+        >>> config.layer.d_model, config.num_layers
+        (64, 2)
+        >>> type(build_encoder(config)).__name__
+        'JaggedTransformerEncoder'
+    """
+    import yaml
+
+    text = os.fspath(name_or_path)
+    if os.sep in text or text.endswith((".yaml", ".yml")):
+        with open(text, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    else:
+        resource = importlib.resources.files(PRESETS_PACKAGE) / f"{text}.yaml"
+        if not resource.is_file():
+            raise ValueError(f"no preset named {text!r}; presets: {list_presets()} (or pass a .yaml path)")
+        data = yaml.safe_load(resource.read_text(encoding="utf-8"))
+    return EncoderConfig.from_dict(data)
+
+
+def build_encoder(config: Union[EncoderConfig, str, os.PathLike]) -> JaggedTransformerEncoder:
+    """A new :class:`~blockattn_layers.JaggedTransformerEncoder` from a config, preset name or YAML path."""
+    if not isinstance(config, EncoderConfig):
+        config = load_config(config)
+    return config.build()

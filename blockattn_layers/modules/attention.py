@@ -1,0 +1,171 @@
+"""Self-attention layers over jagged batches: fused QKV projection -> block attention -> output projection."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..dispatch import Backend
+from ..functional import block_attention
+from ..jagged import to_values_offsets
+
+
+def _check_heads(embed_dim: int, num_heads: int, num_kv_heads: Optional[int]) -> int:
+    if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    return num_kv_heads
+
+
+class BlockSelfAttention(nn.Module):
+    """Multi-head self-attention inside fixed blocks of each sequence of a jagged batch.
+
+    Every sequence is cut into blocks of ``block_size`` tokens (the last may be short) and each
+    token attends to the tokens of its own block; ``block_size=None`` attends over the whole
+    sequence. One fused ``in_proj`` gives q ``[T, H, D]`` and k, v ``[T, H_kv, D]``
+    (``D = embed_dim // num_heads``; grouped-query attention when ``num_kv_heads < num_heads``),
+    then :func:`~blockattn_layers.block_attention` and ``out_proj``.
+
+    Args:
+        embed_dim: E, model width; a multiple of ``num_heads``.
+        num_heads: H, query heads.
+        block_size: tokens per attention block, or ``None`` for full per-sequence attention.
+        num_kv_heads: H_kv, key/value heads (default ``num_heads``); divides ``num_heads``.
+        bias: biases in the projections.
+        causal: causal masking inside each block.
+        backend: ``"auto"``, ``"reference"``, ``"triton"`` (see :func:`~blockattn_layers.block_attention`).
+
+    Forward:
+        ``forward(x, offsets=None, *, cpu_offsets=None, max_seqlen=None)``: ``x`` is packed
+        ``values [T, E]`` with ``offsets [B+1]``, a torchrec ``JaggedTensor`` or a
+        ``Dict[str, JaggedTensor]``; the result is the same kind with values ``[T, E]`` and the
+        lengths unchanged. ``cpu_offsets``/``max_seqlen`` are optional host-side hints.
+
+    Example:
+        >>> import torch
+        >>> from blockattn_layers import BlockSelfAttention
+        >>> attn = BlockSelfAttention(32, 4, block_size=16, num_kv_heads=2)
+        >>> values, offsets = torch.randn(40, 32), torch.tensor([0, 5, 5, 40])
+        >>> attn(values, offsets).shape
+        torch.Size([40, 32])
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, *, block_size: Optional[int] = 64, num_kv_heads: Optional[int] = None,
+        bias: bool = True, causal: bool = False, backend: Union[str, Backend] = "auto",
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.num_kv_heads = _check_heads(embed_dim, num_heads, num_kv_heads)
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.block_size, self.causal, self.backend = block_size, causal, backend
+        factory = {"device": device, "dtype": dtype}
+        qkv_dim = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.in_proj = nn.Linear(embed_dim, qkv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"block_size={self.block_size}, causal={self.causal}, backend={self.backend!r}"
+        )
+
+    def _qkv(self, values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        kv_dim = self.num_kv_heads * self.head_dim
+        q, k, v = self.in_proj(values).split([self.embed_dim, kv_dim, kv_dim], dim=-1)
+        return (
+            q.unflatten(-1, (self.num_heads, self.head_dim)),
+            k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+            v.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+        )
+
+    def _attention_kwargs(self, positions: Optional[Tensor]) -> dict:
+        return {}
+
+    def _attend(
+        self, values: Tensor, offsets: Tensor, positions: Optional[Tensor],
+        cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+    ) -> Tensor:
+        q, k, v = self._qkv(values)
+        kwargs = dict(causal=self.causal, cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=self.backend,
+                      **self._attention_kwargs(positions))
+        out = block_attention(q, k, v, offsets, self.block_size, **kwargs)
+        return self.out_proj(out.flatten(1))
+
+    def forward(
+        self, x: Any, offsets: Optional[Tensor] = None, *, cpu_offsets: Optional[Tensor] = None,
+        max_seqlen: Optional[int] = None,
+    ) -> Any:
+        values, offsets, layout = to_values_offsets(x, offsets)
+        return layout.wrap(self._attend(values, offsets, None, cpu_offsets, max_seqlen))
+
+
+class RotaryBlockAttention(BlockSelfAttention):
+    """:class:`BlockSelfAttention` with rotary position embeddings on q and k (fused into the kernel).
+
+    Positions default to each token's index inside its sequence; pass ``positions`` (``[T]``
+    int or float, e.g. event timestamps, or a JaggedTensor / dict of them shaped like ``x``) to
+    rotate by other positions. For pair ``i < rotary_dim/2`` the angle is
+    ``position * rope_theta ** (-2 i / rotary_dim)``.
+
+    Args:
+        embed_dim, num_heads, block_size, num_kv_heads, bias, causal, backend: as in
+            :class:`BlockSelfAttention`.
+        rope_theta: rotary base.
+        rotary_dim: rotate the first ``rotary_dim`` channels of each head (even, <= head_dim);
+            default the whole head.
+        rotary_interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rotary_dim/2])``.
+
+    Forward:
+        ``forward(x, offsets=None, positions=None, *, cpu_offsets=None, max_seqlen=None)``,
+        returning the kind of ``x`` as in :class:`BlockSelfAttention`.
+
+    Example:
+        >>> import torch
+        >>> from blockattn_layers import RotaryBlockAttention
+        >>> attn = RotaryBlockAttention(32, 2, block_size=None, rotary_dim=8)
+        >>> values, offsets = torch.randn(7, 32), torch.tensor([0, 3, 7])
+        >>> event_times = torch.tensor([0.0, 1.5, 9.0, 2.0, 2.5, 3.0, 60.0])
+        >>> attn(values, offsets, positions=event_times).shape
+        torch.Size([7, 32])
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, *, block_size: Optional[int] = 64, rope_theta: float = 10000.0,
+        rotary_dim: Optional[int] = None, rotary_interleaved: bool = False, num_kv_heads: Optional[int] = None,
+        bias: bool = True, causal: bool = False, backend: Union[str, Backend] = "auto",
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
+            backend=backend, device=device, dtype=dtype,
+        )
+        head_dim = embed_dim // num_heads
+        if rotary_dim is not None and (rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim):
+            raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+        self.rope_theta, self.rotary_dim, self.rotary_interleaved = rope_theta, rotary_dim, rotary_interleaved
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, rope_theta={self.rope_theta}, rotary_dim={self.rotary_dim}, "
+            f"rotary_interleaved={self.rotary_interleaved}"
+        )
+
+    def _attention_kwargs(self, positions: Optional[Tensor]) -> dict:
+        return {
+            "rope_theta": self.rope_theta, "positions": positions, "rotary_dim": self.rotary_dim,
+            "rotary_interleaved": self.rotary_interleaved,
+        }
+
+    def forward(
+        self, x: Any, offsets: Optional[Tensor] = None, positions: Any = None, *,
+        cpu_offsets: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+    ) -> Any:
+        values, offsets, layout = to_values_offsets(x, offsets)
+        if positions is not None:
+            positions = layout.flatten(positions)
+        return layout.wrap(self._attend(values, offsets, positions, cpu_offsets, max_seqlen))

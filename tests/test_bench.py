@@ -1,0 +1,85 @@
+"""CPU smoke test of ``python -m blockattn_layers.bench`` on the tiny shapes (reference backend)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from blockattn_layers.bench import cli, report, runner, shapes
+from blockattn_layers.bench.common import Case, Method, Prepared, RunConfig, make_inputs
+from blockattn_layers.bench.ours import our_methods
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CPU = RunConfig(device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_tiny_run_on_cpu(tmp_path):
+    # conftest turns on the Triton interpreter; timing interpreted kernels would make this test slow.
+    backends = "reference,baselines,ours_layer"
+    argv = ["--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--quick", "--backends", backends]
+    assert cli.main(argv + ["--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["case"], r["method"]): r for r in results["rows"]}
+    assert set(results["cases"]) == {"tiny/block", "tiny/full", "tiny/rotary", "tiny/layer"}
+    for case in ("tiny/block", "tiny/full", "tiny/rotary"):
+        ref = rows[(case, "reference")]
+        assert ref["status"] == "ok" and ref["err"] < 1e-5
+        assert all(ref[f"{mode}_ms"] > 0 for mode in runner.MODES)
+        assert results["cases"][case]["fwd_floor_ms"] > 0
+    assert rows[("tiny/block", "eager")]["status"] == "ok"
+    assert rows[("tiny/block", "fa2_varlen")]["status"] == "skipped"
+    assert "GPU-only" in rows[("tiny/full", "nested_sdpa")]["reason"]
+    assert rows[("tiny/layer", "torch_padded")]["status"] == "ok"
+    ours_layer = rows[("tiny/layer", "ours_layer")]
+    assert ours_layer["status"] == "ok" or "not available" in ours_layer["reason"]
+    assert results["meta"]["commit"] and results["meta"]["torch"] == torch.__version__
+
+    with open(tmp_path / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(results["rows"])
+    md = report.markdown(results)
+    assert "### tiny/block" in md and "| reference |" in md
+
+
+def _reference_method(name, mangle):
+    reference = next(m for m in our_methods() if m.name == "reference")
+
+    def setup(case, inp, cfg):
+        p = reference.setup(case, inp, cfg)
+        return Prepared(lambda: mangle(p.forward()), p.leaves, p.grad_out)
+
+    return Method(name, "baseline", setup, lambda case: True, gpu_only=False)
+
+
+def _broken(case, inp, cfg):
+    raise RuntimeError("no kernel for this shape")
+
+
+def test_wrong_or_broken_methods_are_marked():
+    case = shapes.tiny()[0]
+    methods = [
+        _reference_method("right", lambda out: out),
+        _reference_method("wrong", lambda out: out * 1.5),
+        Method("broken", "baseline", _broken, lambda case: True, gpu_only=False),
+    ]
+    rows = {r["method"]: r for r in runner.run_case(case, methods, CPU, runner.Timing(cpu_reps=1), modes=("fwd",))}
+    assert rows["right"]["status"] == "ok" and rows["right"]["fwd_ms"] > 0
+    assert rows["wrong"]["status"] == "FAILED" and rows["wrong"]["err"] > 0.1
+    assert rows["broken"]["status"] == "failed" and "no kernel" in rows["broken"]["reason"]
+
+
+def test_unit_bounds_and_inputs():
+    lengths = torch.tensor([3, 0, 130])
+    assert Case("t", "t", lengths, 1, 8, 64).unit_bounds().tolist() == [0, 3, 67, 131, 133]
+    assert Case("t", "t", lengths, 1, 8, None).unit_bounds().tolist() == [0, 3, 133]
+    inp = make_inputs(Case("t", "t", lengths, 2, 8, 64), torch.device("cpu"), torch.float32, seed=0)
+    assert inp.max_unit == 64 and inp.positions[:4].tolist() == [0, 1, 2, 0]
+    assert inp.q.requires_grad and not inp.grad_out.requires_grad
+
+
+def test_shape_names():
+    assert "tiny" not in shapes.resolve("all") and shapes.resolve("default") == list(shapes.DEFAULT_SHAPES)
+    with pytest.raises(ValueError, match="unknown shape"):
+        shapes.resolve("prod,nope")
