@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from ._op_registration import register_attention_pair
 from ._params import AttentionParams
 from .dispatch import BackendSpec, register_backend
 
@@ -35,13 +36,6 @@ def reference_fwd(
         )
 
 
-@reference_fwd.register_fake
-def _(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-      rotary_interleaved, cpu_offsets, max_seqlen):
-    # The real op returns contiguous tensors whatever the input strides: new_empty, not empty_like.
-    return q.new_empty(q.shape)
-
-
 @torch.library.custom_op("blockattn::reference_bwd", mutates_args=())
 def reference_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
@@ -56,33 +50,7 @@ def reference_bwd(
         )
 
 
-@reference_bwd.register_fake
-def _(grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-      rotary_interleaved, cpu_offsets, max_seqlen):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-_SCALARS = ("block_size", "scale", "causal", "rope_theta", "rotary_dim", "rotary_interleaved", "max_seqlen")
-
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-     rotary_interleaved, cpu_offsets, max_seqlen) = inputs
-    ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets)
-    ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen)
-
-
-def _backward(ctx, grad_out):
-    q, k, v, offsets, positions, cpu_offsets = ctx.saved_tensors
-    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
-    dq, dk, dv = reference_bwd(
-        grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets, max_seqlen,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
-
-
-reference_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_attention_pair(reference_fwd, reference_bwd)
 
 
 def run_reference(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:

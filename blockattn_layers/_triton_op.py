@@ -17,6 +17,7 @@ from blockattn_layers.kernels._common import MAX_TILE
 from blockattn_layers.kernels.block_bwd import block_attention_bwd
 from blockattn_layers.kernels.block_fwd import block_attention_fwd
 
+from ._op_registration import register_attention_pair
 from ._params import AttentionParams
 from .dispatch import AttentionRequest, BackendSpec, register_backend
 
@@ -34,12 +35,6 @@ def triton_fwd(
     )
 
 
-@triton_fwd.register_fake
-def _(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-      rotary_interleaved, cpu_offsets, max_seqlen):
-    return q.new_empty(q.shape)
-
-
 @torch.library.custom_op("blockattn::triton_bwd", mutates_args=())
 def triton_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
@@ -53,30 +48,7 @@ def triton_bwd(
     )
 
 
-@triton_bwd.register_fake
-def _(grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-      rotary_interleaved, cpu_offsets, max_seqlen):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-     rotary_interleaved, cpu_offsets, max_seqlen) = inputs
-    ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets)
-    ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen)
-
-
-def _backward(ctx, grad_out):
-    q, k, v, offsets, positions, cpu_offsets = ctx.saved_tensors
-    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
-    dq, dk, dv = triton_bwd(
-        grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets, max_seqlen,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
-
-
-triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_attention_pair(triton_fwd, triton_bwd)
 
 
 def run_triton(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:

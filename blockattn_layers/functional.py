@@ -81,9 +81,12 @@ def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
     The registered ops then compute in their inputs' dtype (autocast is off inside them).
     float64 inputs are left alone, as autocast leaves them.
     """
-    if not isinstance(q, Tensor) or not torch.is_autocast_enabled(q.device.type):
+    if not isinstance(q, Tensor):
         return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
+    device_type = q.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
     cast = (torch.float32, torch.float16, torch.bfloat16)
     return tuple(x.to(dtype) if isinstance(x, Tensor) and x.dtype in cast else x for x in (q, k, v))
 

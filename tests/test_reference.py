@@ -557,3 +557,14 @@ def test_oracle_by_hand():
     assert causal[0, 0, 0].item() == 10.0
     torch.testing.assert_close(oracle_attention(q, k, v, offsets, 1), v, rtol=0, atol=0)
     assert oracle_attention(q, k, v, torch.tensor([0, 1, 2]), None).flatten().tolist() == [10.0, 20.0]
+
+
+def test_autocast_runs_attention_in_the_autocast_dtype():
+    q, k, v, offsets = make_jagged([5, 0, 70], 4, 2, 16, torch.float32, seed=3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block_attention(q, k, v, offsets, block_size=32, causal=True, rope_theta=100.0)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+    want = oracle_attention(q.double(), k.double(), v.double(), offsets, 32, causal=True, rope_theta=100.0)
+    assert rel_err(out, want) < 2e-2
