@@ -22,8 +22,7 @@ def _block(block_size: int) -> Optional[int]:
     return None if block_size == 0 else block_size
 
 
-@torch.library.custom_op("blockattn::reference_fwd", mutates_args=())
-def reference_fwd(
+def _reference_fwd(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
@@ -36,8 +35,7 @@ def reference_fwd(
         )
 
 
-@torch.library.custom_op("blockattn::reference_bwd", mutates_args=())
-def reference_bwd(
+def _reference_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
     causal: bool, rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int,
     rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
@@ -50,11 +48,13 @@ def reference_bwd(
         )
 
 
-register_attention_pair(reference_fwd, reference_bwd)
+reference_fwd = torch.library.custom_op("blockattn::reference_fwd", _reference_fwd, mutates_args=())
+reference_bwd = torch.library.custom_op("blockattn::reference_bwd", _reference_bwd, mutates_args=())
+_attention = register_attention_pair(reference_fwd, reference_bwd, _reference_fwd, _reference_bwd)
 
 
 def run_reference(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:
-    return reference_fwd(q, k, v, offsets, *params.op_args())
+    return _attention(q, k, v, offsets, *params.op_args())
 
 
 register_backend(BackendSpec(

@@ -22,8 +22,7 @@ from ._params import AttentionParams
 from .dispatch import AttentionRequest, BackendSpec, register_backend
 
 
-@torch.library.custom_op("blockattn::triton_fwd", mutates_args=())
-def triton_fwd(
+def _triton_fwd(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
@@ -35,8 +34,7 @@ def triton_fwd(
     )
 
 
-@torch.library.custom_op("blockattn::triton_bwd", mutates_args=())
-def triton_bwd(
+def _triton_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
     causal: bool, rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int,
     rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
@@ -48,11 +46,13 @@ def triton_bwd(
     )
 
 
-register_attention_pair(triton_fwd, triton_bwd)
+triton_fwd = torch.library.custom_op("blockattn::triton_fwd", _triton_fwd, mutates_args=())
+triton_bwd = torch.library.custom_op("blockattn::triton_bwd", _triton_bwd, mutates_args=())
+_attention = register_attention_pair(triton_fwd, triton_bwd, _triton_fwd, _triton_bwd)
 
 
 def run_triton(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:
-    return triton_fwd(q, k, v, offsets, *params.op_args())
+    return _attention(q, k, v, offsets, *params.op_args())
 
 
 def interpreter_active() -> bool:

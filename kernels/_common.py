@@ -1,6 +1,7 @@
 """Launch-side helpers shared by the block-attention launchers (no ``@triton.jit`` code)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -24,10 +25,8 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
-    """True when an element offset into one of the tensors can pass 2**31."""
-    return any(
-        t.numel() and sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31 - 1 for t in tensors
-    )
+    """True when an element offset into one of the tensors can pass 2**31 (bounded by its storage)."""
+    return any(t.untyped_storage().nbytes() >= (2**31 - 1) * t.element_size() for t in tensors)
 
 
 def num_warps(block_m: int, block_d: int, backward: bool) -> int:
@@ -36,20 +35,35 @@ def num_warps(block_m: int, block_d: int, backward: bool) -> int:
     return 4 if work <= 64 * 128 or (not backward and work <= 128 * 128) else 8
 
 
+@functools.lru_cache(maxsize=256)
+def _static_meta(
+    block_size: int, head_dim: int, rot: int, interleaved: bool, has_pos: bool, causal: bool,
+    on_cuda: bool, precision: str, backward: bool,
+) -> tuple:
+    block_m = _pow2(block_size)
+    block_d = _pow2(head_dim)
+    return tuple(dict(
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d,
+        BLOCK_R=_pow2(rot // 2), BLOCK_P=_pow2(head_dim - rot), ROT_DIM=rot, INTERLEAVED=interleaved,
+        HAS_POS=has_pos, IS_CAUSAL=causal, FAST_TRIG=on_cuda, PRECISION=precision,
+        num_warps=num_warps(block_m, block_d, backward), num_stages=1,
+    ).items())
+
+
 def kernel_meta(
     q: torch.Tensor, *tensors: torch.Tensor, block_size: int, rope_theta: Optional[float], rotary_dim: int,
     interleaved: bool, positions: Optional[torch.Tensor], causal: bool, backward: bool,
 ) -> dict:
-    """Constexpr flags, tile sizes and launch options of one call (plus ``log2_theta``)."""
-    head_dim = q.shape[-1]
+    """Constexpr flags, tile sizes and launch options of one call (plus ``log2_theta``).
+
+    The shape-only part is cached: it is recomputed for every launch otherwise, and host
+    time per call is what small batches pay for.
+    """
     rot = rotary_dim if rope_theta is not None else 0
-    block_m = _pow2(block_size)
-    block_d = _pow2(head_dim)
-    return dict(
-        log2_theta=math.log2(rope_theta) if rope_theta is not None else 0.0,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d,
-        BLOCK_R=_pow2(rot // 2), BLOCK_P=_pow2(head_dim - rot), ROT_DIM=rot, INTERLEAVED=interleaved,
-        HAS_POS=positions is not None, IS_CAUSAL=causal, FAST_TRIG=q.device.type == "cuda",
-        INT64=needs_int64(q, *tensors), PRECISION=input_precision(q.dtype),
-        num_warps=num_warps(block_m, block_d, backward), num_stages=1,
-    )
+    meta = dict(_static_meta(
+        block_size, q.shape[-1], rot, interleaved, positions is not None, causal, q.is_cuda,
+        input_precision(q.dtype), backward,
+    ))
+    meta["log2_theta"] = math.log2(rope_theta) if rope_theta is not None else 0.0
+    meta["INT64"] = needs_int64(q, *tensors)
+    return meta
