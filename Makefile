@@ -11,7 +11,7 @@ CPU_PINS := torch==2.13.0+cpu triton==3.6.0 fbgemm-gpu-cpu==1.8.0 "numpy<2.4"
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean
+.PHONY: demo test bench info install clean gpu-check
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ bench: $(VENV)/.installed
 
 info: $(VENV)/.installed
 	$(PY) -m blockattn_layers info
+
+# On a CUDA machine whose python3 already has torch and triton (the lent H200): install this
+# package there, run the GPU tests in parallel (JIT compiles dominate) and the full benchmark.
+GPU_OUT ?= bench_out
+gpu-check:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests
+	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

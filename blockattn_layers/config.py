@@ -130,9 +130,18 @@ class EncoderConfig:
 
 
 def list_presets() -> List[str]:
-    """Names of the YAML presets shipped in ``blockattn_layers.presets``."""
+    """Names of the encoder presets shipped in ``blockattn_layers.presets``.
+
+    Other YAML files there (experiment settings such as ``demo.yaml``) are not encoder
+    presets: only files with a top-level ``layer`` section are listed.
+    """
+    import yaml
+
     files = importlib.resources.files(PRESETS_PACKAGE).iterdir()
-    return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+    return sorted(
+        f.name[: -len(".yaml")] for f in files
+        if f.name.endswith(".yaml") and "layer" in (yaml.safe_load(f.read_text(encoding="utf-8")) or {})
+    )
 
 
 def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
@@ -154,7 +163,7 @@ def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
             data = yaml.safe_load(f)
     else:
         resource = importlib.resources.files(PRESETS_PACKAGE) / f"{text}.yaml"
-        if not resource.is_file():
+        if not resource.is_file() or text not in list_presets():
             raise ValueError(f"no preset named {text!r}; presets: {list_presets()} (or pass a .yaml path)")
         data = yaml.safe_load(resource.read_text(encoding="utf-8"))
     return EncoderConfig.from_dict(data)

@@ -1,0 +1,51 @@
+"""Which backend ``backend="auto"`` picks for an :class:`~blockattn_layers.AttentionRequest`, and why."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+from .. import _backends  # noqa: F401  (registers the backends)
+from ..dispatch import AttentionRequest, explain, registered_backends
+
+
+def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Optional[str], Dict[str, List[str]]]:
+    """``(name or None, reasons)``: what ``backend="auto"`` picks for ``req`` and every backend's
+    reasons to refuse it (an empty list: it can serve it; ``"auto: ..."``: only by name).
+
+    ``hypothetical=True`` judges a device this machine lacks by the backends' declared
+    capabilities only, leaving out their checks of the local machine (such as "CUDA is not available").
+    """
+    reasons = explain(req)
+    if hypothetical:
+        reasons = {
+            spec.name: dataclasses.replace(spec, extra_reasons=None).not_supported_reasons(req)
+            for spec in registered_backends()
+        }
+    choice = None
+    for spec in registered_backends():
+        if spec.auto_devices is not None and req.device_type not in spec.auto_devices:
+            if not reasons[spec.name]:
+                reasons[spec.name] = [f"auto: not picked on {req.device_type} (ask for it by name)"]
+            continue
+        if choice is None and not reasons[spec.name]:
+            choice = spec.name
+    return choice, reasons
+
+
+def format_choice(req: AttentionRequest, hypothetical: bool = False) -> List[str]:
+    """Lines saying what ``auto`` picks for ``req``, then each backend's reasons to refuse it (or ok)."""
+    choice, reasons = auto_choice(req, hypothetical)
+    lines = [f"auto -> {choice or 'no backend'}"]
+    for name, why in reasons.items():
+        lines.append(f"  {name}: {'; '.join(why) if why else 'ok'}")
+    return lines
+
+
+def describe_request(req: AttentionRequest) -> str:
+    """A one-line summary of ``req``: device, dtype, heads, head dim, block size, features."""
+    device = req.device_type + (f" sm_{req.capability[0]}{req.capability[1]}" if req.capability else "")
+    dtype = str(req.dtype).replace("torch.", "")
+    heads = f"H={req.num_heads}" + (f"/{req.num_kv_heads} kv" if req.num_kv_heads != req.num_heads else "")
+    block = "full (block_size=None)" if req.block_size is None else f"block {req.block_size}"
+    extras = [name for name, on in (("causal", req.causal), ("rotary", req.rotary)) if on]
+    return ", ".join([device, dtype, heads, f"D={req.head_dim}", block, *extras])
