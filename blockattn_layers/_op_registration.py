@@ -37,6 +37,14 @@ def _grads(bwd, ctx, grad_out):
     return (dq, dk, dv) + (None,) * (_NUM_ARGS - 3)
 
 
+def _eager(x: torch.Tensor) -> bool:
+    """Plain tensors with data outside any tracing: call the implementation directly.
+
+    Meta, fake and functional tensors (compile, export, user fake modes) go through the op.
+    """
+    return type(x) is torch.Tensor and x.device.type != "meta" and not torch.compiler.is_compiling()
+
+
 def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) -> Callable:
     """Register fakes and autograd for the ops ``fwd``/``bwd`` (implemented by ``fwd_impl`` /
     ``bwd_impl``); return the public autograd entry point."""
@@ -58,10 +66,10 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
         @staticmethod
         def forward(ctx, *args):
             _save(ctx, *args)
-            return (fwd if torch.compiler.is_compiling() else fwd_impl)(*args)
+            return (fwd_impl if _eager(args[0]) else fwd)(*args)
 
         @staticmethod
         def backward(ctx, grad_out):
-            return _grads(bwd if torch.compiler.is_compiling() else bwd_impl, ctx, grad_out)
+            return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out)
 
     return _Attention.apply

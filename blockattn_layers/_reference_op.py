@@ -5,6 +5,7 @@ planning stays inside the op, graphs never break on it, and dynamic T and B do n
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -18,6 +19,13 @@ from .dispatch import BackendSpec, register_backend
 _FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 
+def _autocast_off(device_type: str):
+    """The reference computes in its inputs' dtype: autocast must not recast its internals."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _block(block_size: int) -> Optional[int]:
     return None if block_size == 0 else block_size
 
@@ -28,7 +36,7 @@ def _reference_fwd(
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tensor:
     """Reference forward; ``block_size == 0`` means full per-sequence attention."""
-    with torch.autocast(q.device.type, enabled=False):
+    with _autocast_off(q.device.type):
         return reference.attention_forward(
             q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
             rotary_interleaved, cpu_offsets, max_seqlen,
@@ -41,7 +49,7 @@ def _reference_bwd(
     rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: ``(dq, dk, dv)``."""
-    with torch.autocast(q.device.type, enabled=False):
+    with _autocast_off(q.device.type):
         return reference.attention_backward(
             grad_out, q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions,
             rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen,
