@@ -8,3 +8,4 @@ except ImportError as _err:  # no triton on this platform: only the reference ba
 else:
     TRITON_IMPORT_ERROR = None
     from . import _triton_op  # noqa: F401
+    from . import _triton_flash_op  # noqa: F401

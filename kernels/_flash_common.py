@@ -1,0 +1,279 @@
+"""Tile scheduling and ``@triton.jit`` helpers shared by the multi-tile ("jagged flash") kernels.
+
+Scheduling without host sync: every block (``block_size`` tokens of a sequence, or the whole
+sequence for full attention) is cut into row tiles of ``TILE`` rows. One kernel writes the
+tile prefix sums ``cum [B+1]`` (``cum[i]`` = tiles of the sequences before slot ``i``), a
+second one fills a table ``[4, slots]`` of ``(block start token, block length, first row of
+the block in its sequence, first row of the tile in its block)``: each slot finds its
+sequence by a branch-free binary search over ``cum``. Kernels launch one program per slot of
+an upper bound on the tile count (``cdiv(T, TILE) + cdiv(T, block) + B``, from shapes alone)
+and exit on slots of length 0; with a host copy of the offsets the grid is exact.
+
+Balance: for full attention the sequences can be visited longest first (an ``argsort`` of
+the lengths on the device, no sync); inside a sequence the tiles are visited last first
+(``LATE_FIRST``: causal query tiles near the end see the most keys) or first first (causal
+key tiles near the start see the most queries), so the heaviest programs start earliest.
+
+q and k tiles are held as rotary pair tiles ``a``, ``b`` and pass-through tile ``p`` (see
+``_rotary`` and ``_tiles``); helpers return dummy zero tiles for the parts a call does not
+have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches never use.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rotary import rotary_sin_cos, rotate_pair
+from ._tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
+
+_PREFIX_CHUNK = 1024
+_TABLE_CHUNK = 256
+
+
+@triton.jit
+def _tiles_of(length, block_size, TILE: tl.constexpr):
+    """Row tiles of a sequence of ``length`` tokens cut into blocks of ``block_size``."""
+    per_block = (block_size + TILE - 1) // TILE
+    return (length // block_size) * per_block + ((length % block_size) + TILE - 1) // TILE
+
+
+@triton.jit(do_not_specialize=["num_seqs", "block_size"])
+def _tile_prefix_kernel(
+    Offsets, Perm, Cum, num_seqs, block_size,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_PERM: tl.constexpr,
+):
+    block_size = block_size.to(tl.int64)
+    carry = tl.zeros((), dtype=tl.int64)
+    tl.store(Cum, carry)
+    for lo in range(0, num_seqs, CHUNK):
+        i = lo + tl.arange(0, CHUNK)
+        m = i < num_seqs
+        if HAS_PERM:
+            seq = tl.load(Perm + i, mask=m, other=0)
+        else:
+            seq = i
+        start = tl.load(Offsets + seq, mask=m, other=0).to(tl.int64)
+        end = tl.load(Offsets + seq + 1, mask=m, other=0).to(tl.int64)
+        n = _tiles_of(end - start, block_size, TILE)
+        tl.store(Cum + 1 + i, tl.cumsum(n, 0) + carry, mask=m)
+        carry += tl.sum(n, 0)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "slots", "search_top", "search_steps", "block_size"])
+def _tile_table_kernel(
+    Offsets, Perm, Cum, Table, num_seqs, slots, search_top, search_steps, block_size,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_PERM: tl.constexpr, LATE_FIRST: tl.constexpr,
+):
+    block_size = block_size.to(tl.int64)
+    b = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    in_table = b < slots
+    b64 = b.to(tl.int64)
+    # Largest i with cum[i] <= b; empty sequences share their neighbour's prefix and are skipped.
+    i = b * 0
+    for step in range(search_steps):
+        cand = i + (search_top >> step)
+        c = tl.load(Cum + tl.minimum(cand, num_seqs), mask=in_table, other=0)
+        i = tl.where((cand <= num_seqs) & (c <= b64), cand, i)
+    real = in_table & (i < num_seqs)
+    i = tl.minimum(i, num_seqs - 1)
+    if HAS_PERM:
+        seq = tl.load(Perm + i, mask=real, other=0)
+    else:
+        seq = i
+    seq_start = tl.load(Offsets + seq, mask=real, other=0).to(tl.int64)
+    seq_len = tl.load(Offsets + seq + 1, mask=real, other=0).to(tl.int64) - seq_start
+    lo = tl.load(Cum + i, mask=real, other=0)
+    j = b64 - lo
+    if LATE_FIRST:
+        j = tl.load(Cum + i + 1, mask=real, other=0) - lo - 1 - j
+    per_block = (block_size + TILE - 1) // TILE
+    first_row = (j // per_block) * block_size
+    block_len = tl.where(real, tl.minimum(seq_len - first_row, block_size), 0)
+    tile_row = (j % per_block) * TILE
+    ty = Table.dtype.element_ty
+    tl.store(Table + b, (seq_start + first_row).to(ty), mask=in_table)
+    tl.store(Table + slots + b, block_len.to(ty), mask=in_table)
+    tl.store(Table + 2 * slots + b, first_row.to(ty), mask=in_table)
+    tl.store(Table + 3 * slots + b, tile_row.to(ty), mask=in_table)
+
+
+class FlashSchedule:
+    """Device tile tables ``[4, programs]`` of one (offsets, block, tile) triple and the grid size.
+
+    ``block_size == 0`` means full attention (each sequence is one block). ``longest_first``
+    visits sequences in decreasing length (worth it only for full attention).
+    """
+
+    def __init__(self, offsets: torch.Tensor, total: int, block_size: int, tile: int,
+                 cpu_offsets: Optional[torch.Tensor], longest_first: bool):
+        self.offsets = offsets
+        self.num_seqs = offsets.numel() - 1
+        self.tile = tile
+        # Full attention: one block as long as the whole batch covers every sequence.
+        self.block = block_size if block_size > 0 else max(total, 1)
+        if cpu_offsets is not None:
+            lengths = (cpu_offsets[1:] - cpu_offsets[:-1]).to(torch.int64)
+            per_block = -(-self.block // tile)
+            tiles = (lengths // self.block) * per_block + (lengths % self.block + tile - 1) // tile
+            self.programs = int(tiles.sum())
+        else:
+            self.programs = min(total, triton.cdiv(total, tile) + triton.cdiv(total, self.block) + self.num_seqs)
+        self.dtype = torch.int32 if total < 2**31 else torch.int64
+        self.perm = None
+        self.cum = None
+        if self.programs == 0:
+            return
+        if longest_first and self.num_seqs > 1:
+            lengths = offsets[1:] - offsets[:-1]
+            self.perm = torch.argsort(lengths, descending=True, stable=True)
+        self.cum = torch.empty(self.num_seqs + 1, dtype=torch.int64, device=offsets.device)
+        _tile_prefix_kernel[(1,)](
+            offsets, self.perm if self.perm is not None else offsets, self.cum, self.num_seqs, self.block,
+            TILE=tile, CHUNK=_PREFIX_CHUNK, HAS_PERM=self.perm is not None,
+        )
+
+    def table(self, late_first: bool) -> torch.Tensor:
+        """The table with the tiles of each sequence last first (``late_first``) or first first."""
+        table = torch.empty((4, max(self.programs, 1)), dtype=self.dtype, device=self.offsets.device)
+        if self.programs == 0:
+            return table
+        _tile_table_kernel[(triton.cdiv(self.programs, _TABLE_CHUNK),)](
+            self.offsets, self.perm if self.perm is not None else self.offsets, self.cum, table,
+            self.num_seqs, self.programs, 1 << (self.num_seqs.bit_length() - 1), self.num_seqs.bit_length(),
+            self.block, TILE=self.tile, CHUNK=_TABLE_CHUNK, HAS_PERM=self.perm is not None,
+            LATE_FIRST=late_first,
+        )
+        return table
+
+
+def flash_tiles(head_dim: int, device_type: str) -> dict:
+    """Tile rows per pass: ``fwd`` (query tile, key tile), ``dkv`` (key tile, query tile),
+    ``dq`` (query tile, key tile). Untuned starting points from FA2-style kernels on GPU
+    (32-row inner tiles in the backward: with 64, the dK/dV loop does not compile for sm_100);
+    64-row tiles under the interpreter so that edge lengths (63, 64, 65) cross tile borders.
+    """
+    if device_type != "cuda":
+        return dict(fwd=(64, 64), dkv=(64, 64), dq=(64, 64))
+    if head_dim <= 128:
+        return dict(fwd=(128, 64), dkv=(128, 32), dq=(128, 32))
+    return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
+
+
+@triton.jit
+def tile_of_program(Table, slots, slot):
+    """``(block start, block length, first row of the block, first row of the tile)``; length 0: none."""
+    start = tl.load(Table + slot)
+    length = tl.load(Table + slots + slot)
+    first_row = tl.load(Table + 2 * slots + slot)
+    tile_row = tl.load(Table + 3 * slots + slot)
+    return start, length, first_row, tile_row
+
+
+@triton.jit
+def tile_sin_cos(
+    Pos, block_start, first_row, offs, ok, log2_theta,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr,
+):
+    """Rotary ``(sin, cos)`` ``[BLOCK, BLOCK_R]`` of rows ``offs`` of a block (zeros without rotary)."""
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        pos = block_positions(Pos, block_start, first_row, offs, ok, HAS_POS)
+        sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
+    else:
+        sin = tl.zeros((BLOCK, BLOCK_R), dtype=tl.float32)
+        cos = tl.zeros((BLOCK, BLOCK_R), dtype=tl.float32)
+    return sin, cos
+
+
+@triton.jit
+def load_split(
+    ptr, rows, ok, sin, cos, stride_t, stride_d,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
+):
+    """Rows of q or k as ``(a, b, p)`` tiles in the input dtype, rotated by ``(sin, cos)``."""
+    dtype = ptr.dtype.element_ty
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        a = load_cols(ptr, rows, ok, cols_a, r_ok, stride_t, stride_d, INT64)
+        b = load_cols(ptr, rows, ok, cols_b, r_ok, stride_t, stride_d, INT64)
+        a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
+        a = a.to(dtype)
+        b = b.to(dtype)
+    else:
+        a = tl.zeros((BLOCK, BLOCK_R), dtype=dtype)
+        b = tl.zeros((BLOCK, BLOCK_R), dtype=dtype)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        p = load_cols(ptr, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
+    else:
+        p = tl.zeros((BLOCK, BLOCK_P), dtype=dtype)
+    return a, b, p
+
+
+@triton.jit
+def split_scores(
+    qa, qb, qp, ka, kb, kp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Raw scores ``q k^T`` ``[BLOCK_M, BLOCK_N]`` float32: one dot per column tile."""
+    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ROT_DIM > 0:
+        s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
+        s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
+    if ROT_DIM < HEAD_DIM:
+        s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def split_acc(
+    x, a, b, p, acc_a, acc_b, acc_p,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``acc += x @ [a | b | p]`` per column tile (dq from dS and k, dk from dS^T and q)."""
+    if ROT_DIM > 0:
+        acc_a = tl.dot(x, a, acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, b, acc_b, input_precision=PRECISION)
+    if ROT_DIM < HEAD_DIM:
+        acc_p = tl.dot(x, p, acc_p, input_precision=PRECISION)
+    return acc_a, acc_b, acc_p
+
+
+@triton.jit
+def store_split(
+    ptr, a, b, p, scale, sin, cos, rows, ok, stride_t, stride_d,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
+):
+    """Store a gradient held as ``(a, b, p)`` times ``scale``, rotated back (transpose rotation)."""
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        a, b = rotate_pair(a * scale, b * scale, sin, cos, True)
+        store_cols(ptr, a, rows, ok, cols_a, r_ok, stride_t, stride_d, INT64)
+        store_cols(ptr, b, rows, ok, cols_b, r_ok, stride_t, stride_d, INT64)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        store_cols(ptr, p * scale, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
+
+
+@triton.jit
+def allowed(offs_m, offs_n, n_ok, IS_CAUSAL: tl.constexpr):
+    """Mask of the keys each query row may attend to inside its block (``[1, N]`` or ``[M, N]``)."""
+    ok = n_ok[None, :]
+    if IS_CAUSAL:
+        ok = ok & (offs_m[:, None] >= offs_n[None, :])
+    return ok
+
+
+@triton.jit
+def row_ptrs(ptr, h, stride_h, rows, INT64: tl.constexpr):
+    """Pointers to ``x[h, rows]`` of a ``[H, T]`` float32 row statistic (lse, delta)."""
+    if INT64:
+        return ptr + h.to(tl.int64) * stride_h + rows.to(tl.int64)
+    return ptr + h * stride_h + rows

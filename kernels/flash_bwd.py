@@ -1,0 +1,315 @@
+"""Multi-tile ("jagged flash") attention backward, FA2-style, without atomics.
+
+Three launches after the forward has saved ``O`` and ``lse [H, T]``:
+
+1. ``delta = rowsum(dO * O)`` per query row and head, float32 ``[H, T]``.
+2. One program per key tile (``BLOCK_N`` rows) of a block and kv head: it loops over the
+   ``GROUPS`` query heads and the query tiles of the block (causal: from the diagonal on),
+   recomputes ``P = exp(S - lse)`` and accumulates ``dV += P^T dO`` and
+   ``dK += dS^T Q`` (``dS = P (dP - delta)``) in registers; each dK, dV row is written once.
+3. One program per query tile (``BLOCK_M`` rows) of a block and kv head, each query head in
+   turn: it loops over the key tiles of the block (causal: up to the diagonal) and
+   accumulates ``dQ += dS K``.
+
+Masks only where they matter: tiles crossing the causal diagonal (both passes) and, in the
+dQ pass, the last key tile of a block; padding query rows load q = dO = 0 and add nothing,
+padding key rows of the dK/dV pass are never stored. Every gradient element is written by
+exactly one program in a fixed order, so the backward is bitwise deterministic. Rotary
+gradients are rotated back by the transpose rotation before dq and dk are stored
+(``rotate_pair(..., INVERSE=True)``).
+
+Requirements: as ``flash_fwd``; ``o`` and ``lse`` from ``flash_attention_fwd`` of the same call.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, kernel_meta, needs_int64
+from ._flash_common import (
+    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
+    tile_of_program, tile_sin_cos,
+)
+from ._tiles import load_cols, store_cols
+
+_DELTA_ROWS = 64
+_LOG2E = tl.constexpr(LOG2E)
+
+
+def bwd_launch_options(block: int, head_dim: int, device_type: str) -> dict:
+    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; 2 stages to overlap inner-loop loads."""
+    warps = 8 if (block > 64 and head_dim > 64) or head_dim > 128 else 4
+    return dict(num_warps=warps, num_stages=2 if device_type == "cuda" else 1)
+
+
+@triton.jit(do_not_specialize=["total", "stride_lh"])
+def _flash_delta_kernel(
+    O, DO, Delta, total,
+    stride_ot, stride_oh, stride_od, stride_dot, stride_doh, stride_dod, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INT64: tl.constexpr,
+):
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < total
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    o = load_cols(O + h * stride_oh, rows, ok, offs_d, d_ok, stride_ot, stride_od, INT64)
+    do = load_cols(DO + h * stride_doh, rows, ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(row_ptrs(Delta, h, stride_lh, rows, INT64), delta, mask=ok)
+
+
+@triton.jit
+def _dkdv_query_tiles(
+    dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+    offs_d, d_ok, m_lo, m_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
+    stride_dot, stride_doh, stride_dod, stride_lh,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Accumulate ``dK`` (as ``a, b, p`` tiles) and ``dV`` of one key tile over ``m_tiles`` query
+    tiles from row ``m_lo``, for every query head of the group."""
+    dtype = ka.dtype
+    # One flat loop over (query head, query tile): nested loops that carry the dK, dV
+    # accumulators across the outer loop break the software pipeliner on sm_100.
+    for it in range(0, GROUPS * m_tiles):
+        h = hk * GROUPS + it // m_tiles
+        offs_m = m_lo + (it % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n
+        rows_m = start + offs_m
+        q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
+                                    BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+        qa, qb, qp = load_split(Q + h * stride_qh, rows_m, m_ok, q_sin, q_cos, stride_qt, stride_qd,
+                                BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        do = load_cols(DO + h * stride_doh, rows_m, m_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        lse = tl.load(row_ptrs(Lse, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0) * _LOG2E
+        delta = tl.load(row_ptrs(Delta, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0)
+        s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None], p, 0.0)
+        dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds_t = tl.trans((p * (dp - delta[:, None])).to(dtype))
+        dka, dkb, dkp = split_acc(ds_t, qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
+    return dka, dkb, dkp, dv
+
+
+@triton.jit
+def _dq_key_tiles(
+    dqa, dqb, dqp, qa, qb, qp, do, lse, delta, K, V, Pos, hk, start, first_row, n, offs_m, m_ok,
+    offs_d, d_ok, n_lo, n_hi, qk_scale, log2_theta, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Accumulate ``dQ`` (as ``a, b, p`` tiles) of one query tile and head over the key tiles
+    starting in ``[n_lo, n_hi)``."""
+    dtype = do.dtype
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        rows_n = start + offs_n
+        k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
+                                    BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+        ka, kb, kp = load_split(K + hk * stride_kh, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
+                                BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        v = load_cols(V + hk * stride_vh, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            # Padding key columns must be zeroed here: exp2 of an unbounded score times k = 0
+            # could otherwise make inf * 0 in dS K.
+            p = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dqa, dqb, dqp = split_acc(ds, ka, kb, kp, dqa, dqb, dqp, HEAD_DIM, ROT_DIM, PRECISION)
+    return dqa, dqb, dqp
+
+
+@triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "qk_scale", "log2_theta", "stride_lh"])
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, Table, Pos,
+    slots, kv_heads, scale, qk_scale, log2_theta,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dkt, stride_dkh, stride_dkd, stride_dvt, stride_dvh, stride_dvd, stride_lh,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    slot = pid // kv_heads
+    hk = pid % kv_heads
+    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    if n == 0:
+        return
+    offs_n = tile_row + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    rows_n = start + offs_n
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
+                                BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+    ka, kb, kp = load_split(K + hk * stride_kh, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
+                            BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+    v = load_cols(V + hk * stride_vh, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+    dka = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    dkb = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    dkp = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # Query tiles from the diagonal on (causal) or all of them; only those that cross the
+    # diagonal need the causal mask. Padding query rows load q = dO = 0 and contribute 0;
+    # padding key rows are never stored, so unmasked tiles need no mask at all.
+    m_begin = 0
+    masked_tiles = 0
+    if IS_CAUSAL:
+        m_begin = (tile_row // BLOCK_M) * BLOCK_M
+        masked_tiles = tl.cdiv(tl.minimum(n, tile_row + BLOCK_N) - m_begin, BLOCK_M)
+    m_free = m_begin + masked_tiles * BLOCK_M
+    dka, dkb, dkp, dv = _dkdv_query_tiles(
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+        offs_d, d_ok, m_begin, masked_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
+        stride_dot, stride_doh, stride_dod, stride_lh,
+        True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
+        FAST_TRIG, INT64, PRECISION,
+    )
+    dka, dkb, dkp, dv = _dkdv_query_tiles(
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+        offs_d, d_ok, m_free, tl.cdiv(n - m_free, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
+        stride_dot, stride_doh, stride_dod, stride_lh,
+        False, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
+        FAST_TRIG, INT64, PRECISION,
+    )
+    store_split(DK + hk * stride_dkh, dka, dkb, dkp, scale, k_sin, k_cos, rows_n, n_ok, stride_dkt, stride_dkd,
+                HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+    store_cols(DV + hk * stride_dvh, dv, rows_n, n_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
+
+
+@triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "qk_scale", "log2_theta", "stride_lh"])
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Table, Pos,
+    slots, kv_heads, scale, qk_scale, log2_theta,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd, stride_lh,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    slot = pid // kv_heads
+    hk = pid % kv_heads
+    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    if n == 0:
+        return
+    offs_m = tile_row + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    rows_m = start + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
+                                BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+    n_end = n
+    full_end = (n // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        n_end = tl.minimum(n, tile_row + BLOCK_M)
+        full_end = (tile_row // BLOCK_N) * BLOCK_N
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        qa, qb, qp = load_split(Q + h * stride_qh, rows_m, m_ok, q_sin, q_cos, stride_qt, stride_qd,
+                                BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        do = load_cols(DO + h * stride_doh, rows_m, m_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        lse = tl.load(row_ptrs(Lse, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0) * _LOG2E
+        delta = tl.load(row_ptrs(Delta, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0)
+        dqa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        dqb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        dqp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        # Unmasked key tiles first (wholly inside the block and left of the diagonal), then
+        # the diagonal / block-end tiles with the mask.
+        dqa, dqb, dqp = _dq_key_tiles(
+            dqa, dqb, dqp, qa, qb, qp, do, lse, delta, K, V, Pos, hk, start, first_row, n, offs_m, m_ok,
+            offs_d, d_ok, 0, full_end, qk_scale, log2_theta, stride_kt, stride_kh, stride_kd,
+            stride_vt, stride_vh, stride_vd,
+            False, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
+            FAST_TRIG, INT64, PRECISION,
+        )
+        dqa, dqb, dqp = _dq_key_tiles(
+            dqa, dqb, dqp, qa, qb, qp, do, lse, delta, K, V, Pos, hk, start, first_row, n, offs_m, m_ok,
+            offs_d, d_ok, full_end, n_end, qk_scale, log2_theta, stride_kt, stride_kh, stride_kd,
+            stride_vt, stride_vh, stride_vd,
+            True, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
+            FAST_TRIG, INT64, PRECISION,
+        )
+        store_split(DQ + h * stride_dqh, dqa, dqb, dqp, scale, q_sin, q_cos, rows_m, m_ok, stride_dqt, stride_dqd,
+                    HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+
+
+def flash_attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    offsets: torch.Tensor, block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
+    positions: Optional[torch.Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[torch.Tensor], tiles: Optional[dict] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
+
+    ``block_size == 0``: full attention; ``tiles``: ``{"dkv": (key, query), "dq": (query, key)}``
+    tile rows, default ``flash_tiles``.
+    """
+    total, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    dq = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    dk = torch.empty((total, kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    dv = torch.empty((total, kv_heads, head_dim), dtype=v.dtype, device=v.device)
+    if total == 0:
+        return dq, dk, dv
+    tiles = tiles or flash_tiles(head_dim, q.device.type)
+    dkv_n, dkv_m = tiles["dkv"]
+    dq_m, dq_n = tiles["dq"]
+    longest_first = block_size == 0
+    dkv_sched = FlashSchedule(offsets, total, block_size, dkv_n, cpu_offsets, longest_first)
+    if dkv_sched.programs == 0:
+        return dq, dk, dv
+    dq_sched = dkv_sched if dq_m == dkv_n else FlashSchedule(
+        offsets, total, block_size, dq_m, cpu_offsets, longest_first)
+    lse = lse.contiguous()
+    delta = torch.empty((num_heads, total), dtype=torch.float32, device=q.device)
+    _flash_delta_kernel[(triton.cdiv(total, _DELTA_ROWS), num_heads)](
+        o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0),
+        HEAD_DIM=head_dim, BLOCK_T=_DELTA_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),
+        INT64=needs_int64(o, do),
+    )
+    common = dict(rope_theta=rope_theta, rotary_dim=rotary_dim, interleaved=rotary_interleaved,
+                  positions=positions, causal=causal, backward=True)
+    groups = num_heads // kv_heads
+
+    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dkv_m, **common)
+    log2_theta = meta.pop("log2_theta")
+    meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type))
+    table = dkv_sched.table(late_first=False)
+    _flash_bwd_dkdv_kernel[(dkv_sched.programs * kv_heads,)](
+        q, k, v, do, lse, delta, dk, dv, table, positions if positions is not None else table,
+        dkv_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
+        GROUPS=groups, BLOCK_N=dkv_n, **meta,
+    )
+
+    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dq_m, **common)
+    meta.pop("log2_theta")
+    meta.update(bwd_launch_options(dq_m, head_dim, q.device.type))
+    table = dq_sched.table(late_first=True)
+    _flash_bwd_dq_kernel[(dq_sched.programs * kv_heads,)](
+        q, k, v, do, lse, delta, dq, table, positions if positions is not None else table,
+        dq_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), lse.stride(0),
+        GROUPS=groups, BLOCK_N=dq_n, **meta,
+    )
+    return dq, dk, dv

@@ -1,0 +1,160 @@
+"""Multi-tile ("jagged flash") attention forward: blocks longer than one tile and full attention.
+
+Per program: one query tile (``BLOCK_M`` rows) of one block of one kv head, and the
+``GROUPS`` query heads that share it (GQA, looped). Each head runs over the key tiles of
+its block (causal: only up to the tile's diagonal) with an online softmax: a running max
+and running sum in float32, the accumulator rescaled when the max grows. It writes ``O``
+and the natural-log logsumexp ``lse [H, T]`` (float32, of the scaled scores) that the
+backward needs. Rotary is applied to the q and k tiles right after loading (see
+``_rotary``); positions are the index in the sequence or the given ones.
+
+Requirements: ``q [T, H, D]``, ``k, v [T, H_kv, D]`` with ``H % H_kv == 0``, any strides;
+``offsets [B+1]`` int32/int64; ``block_size`` >= 1, or 0 for full per-sequence attention.
+Programs come from a device tile table (``_flash_common.FlashSchedule``): no host sync.
+Rows past the block are masked, so memory beyond valid rows is never read.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, kernel_meta
+from ._flash_common import (
+    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
+)
+from ._tiles import load_cols, store_cols
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+def fwd_launch_options(block_m: int, head_dim: int, device_type: str) -> dict:
+    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; 2 stages to overlap key-tile loads."""
+    warps = 8 if (block_m > 64 and head_dim > 64) or head_dim > 128 else 4
+    return dict(num_warps=warps, num_stages=2 if device_type == "cuda" else 1)
+
+
+@triton.jit
+def _fwd_key_tiles(
+    acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+    n_lo, n_hi, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update of ``(acc, l_i, m_i)`` over the key tiles starting in ``[n_lo, n_hi)``."""
+    dtype = qa.dtype
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        rows_n = start + offs_n
+        k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
+                                    BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+        ka, kb, kp = load_split(k_ptr, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
+                                BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        v = load_cols(v_ptr, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL), s, float("-inf"))
+        # The first key tile of a row tile has a column allowed for every row (padding rows
+        # included: unmasked tiles, or the diagonal tile's first column), so m_new is finite
+        # from the first tile on and no row divides by zero.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["slots", "kv_heads", "qk_scale", "log2_theta", "stride_lh"])
+def _flash_fwd_kernel(
+    Q, K, V, O, Lse, Table, Pos,
+    slots, kv_heads, qk_scale, log2_theta,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    slot = pid // kv_heads
+    hk = pid % kv_heads
+    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    if n == 0:
+        return
+    offs_m = tile_row + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    rows_m = start + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    k_ptr = K + hk * stride_kh
+    v_ptr = V + hk * stride_vh
+    q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
+                                BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+    n_end = n
+    full_end = (n // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        n_end = tl.minimum(n, tile_row + BLOCK_M)
+        full_end = (tile_row // BLOCK_N) * BLOCK_N
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        qa, qb, qp = load_split(Q + h * stride_qh, rows_m, m_ok, q_sin, q_cos, stride_qt, stride_qd,
+                                BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        # Key tiles wholly inside the block (and, causal, wholly left of this query tile's
+        # first row) need no mask; only the tiles on the diagonal or at the block end do.
+        acc, l_i, m_i = _fwd_key_tiles(
+            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+            0, full_end, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
+            False, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, FAST_TRIG,
+            INT64, PRECISION,
+        )
+        acc, l_i, m_i = _fwd_key_tiles(
+            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+            full_end, n_end, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
+            True, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, FAST_TRIG,
+            INT64, PRECISION,
+        )
+        o = acc / l_i[:, None]
+        store_cols(O + h * stride_oh, o, rows_m, m_ok, offs_d, d_ok, stride_ot, stride_od, INT64)
+        tl.store(row_ptrs(Lse, h, stride_lh, rows_m, INT64), (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
+
+
+def flash_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
+    scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
+    rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
+    tiles: Optional[Tuple[int, int]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns ``o [T, H, D]`` (contiguous, dtype of ``q``) and
+    ``lse [H, T]`` float32. ``block_size == 0``: full attention; ``tiles``: (query, key) tile
+    rows, default ``flash_tiles``.
+    """
+    total, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    o = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, total), dtype=torch.float32, device=q.device)
+    if total == 0:
+        return o, lse
+    block_m, block_n = tiles or flash_tiles(head_dim, q.device.type)["fwd"]
+    sched = FlashSchedule(offsets, total, block_size, block_m, cpu_offsets, longest_first=block_size == 0)
+    if sched.programs == 0:
+        return o, lse
+    table = sched.table(late_first=True)
+    meta = kernel_meta(q, k, v, o, block_size=block_m, rope_theta=rope_theta, rotary_dim=rotary_dim,
+                       interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
+    meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type))
+    _flash_fwd_kernel[(sched.programs * kv_heads,)](
+        q, k, v, o, lse, table, positions if positions is not None else table,
+        sched.programs, kv_heads, scale * LOG2E, meta.pop("log2_theta"),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0),
+        GROUPS=num_heads // kv_heads, BLOCK_N=block_n, **meta,
+    )
+    return o, lse

@@ -1,0 +1,337 @@
+"""The multi-tile ("jagged flash") Triton kernels on CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest when no GPU is present): forward and the three
+gradients against the float64 oracle, full attention and blocks of 256, GQA, causal, rotary,
+odd tile borders, NaN-poisoned memory, determinism, opcheck and dispatch. A ``gpu`` test
+checks bf16/fp16/fp32 on CUDA against the float64 reference (never run yet: no GPU here), and
+the last test compiles the kernels for sm_90 and sm_100 (no interpreter, no GPU needed).
+
+fp32 and fp16 only: bf16 arithmetic is wrong in the interpreter; bf16 needs the GPU.
+The interpreter runs the 64-row tiles it uses by default, so lengths 63, 64, 65, 130 and 200
+cross tile borders; one test drives the launchers with 16/32-row tiles on blocks of 40.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blockattn_layers as bl
+from blockattn_layers._triton_op import interpreter_active
+from blockattn_layers.kernels._flash_common import FlashSchedule
+from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
+
+from tests.oracle import offsets_from_lengths, oracle_attention, rel_err
+
+interpret_only = pytest.mark.skipif(
+    not interpreter_active(), reason="CPU interpreter tests; the GPU tests cover the kernels on a GPU"
+)
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FULL_LENGTHS = [0, 1, 63, 64, 65, 200]
+BLOCK_LENGTHS = [1, 0, 65, 300]
+ROTARY_LENGTHS = [1, 65, 130]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def _inputs(lengths, heads, kv_heads, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    return tuple(torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+
+
+def _oracle(q, k, v, offsets, block_size, grad_out, **kw):
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = oracle_attention(qd, kd, vd, offsets, block_size, **kw)
+    return want, torch.autograd.grad(want, (qd, kd, vd), grad_out.double())
+
+
+def _assert_close(out, grads, want, want_grads, tol):
+    assert rel_err(out, want) < tol
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert got.dtype == out.dtype and rel_err(got, ref) < 2 * tol, f"d{name}"
+
+
+def _check(lengths, heads, kv_heads, dim, dtype, block_size, seed=0, tol=None, **kw):
+    q, k, v = _inputs(lengths, heads, kv_heads, dim, dtype, seed)
+    offsets = offsets_from_lengths(lengths)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, block_size, backend="triton_flash", **kw)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    assert out.dtype == dtype and out.shape == q.shape
+    _assert_close(out, grads, *_oracle(q, k, v, offsets, block_size, grad_out, **kw), tol or TOL[dtype])
+
+
+@interpret_only
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 300), max_size=12),
+    block_size=st.sampled_from([0, 1, 7, 40, 64, 256]),
+    tile=st.sampled_from([16, 64]),
+    exact=st.booleans(),
+    late_first=st.booleans(),
+)
+def test_tile_table_covers_every_row_once(lengths, block_size, tile, exact, late_first):
+    """Every token is a row of exactly one tile, inside its own block; other slots are empty."""
+    offsets = offsets_from_lengths(lengths)
+    total = sum(lengths)
+    sched = FlashSchedule(offsets, total, block_size, tile, offsets.clone() if exact else None, block_size == 0)
+    blocks = [[min(block_size or n, n - f) for f in range(0, n, block_size or max(n, 1))] for n in lengths]
+    assert sched.programs <= total
+    assert not exact or sched.programs == sum(-(-b // tile) for seq in blocks for b in seq)
+    start, length, first_row, tile_row = sched.table(late_first).tolist() if sched.programs else ([],) * 4
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+    seen = torch.zeros(total, dtype=torch.int64)
+    for s, n, f, r in zip(start, length, first_row, tile_row):
+        if n == 0:
+            continue
+        seq = int(seq_of[s])
+        assert s - f == offsets[seq] and 0 < n <= (block_size or lengths[seq]) and f + n <= lengths[seq]
+        assert 0 <= r < n and r % tile == 0
+        seen[s + r:s + min(r + tile, n)] += 1
+    assert torch.equal(seen, torch.ones(total, dtype=torch.int64))
+
+
+@interpret_only
+@pytest.mark.parametrize(
+    "lengths,block_size,heads,kv_heads,dim,causal,dtype",
+    [
+        (FULL_LENGTHS, None, 2, 2, 32, False, torch.float32),
+        (FULL_LENGTHS, None, 4, 2, 16, True, torch.float16),
+        (BLOCK_LENGTHS, 256, 2, 1, 24, True, torch.float32),
+        (BLOCK_LENGTHS, 256, 2, 2, 32, False, torch.float16),
+    ],
+    ids=["full-fp32", "full-gqa-causal-fp16", "b256-mqa-causal-d24-fp32", "b256-fp16"],
+)
+def test_matches_oracle(lengths, block_size, heads, kv_heads, dim, causal, dtype):
+    _check(lengths, heads, kv_heads, dim, dtype, block_size, causal=causal)
+
+
+@interpret_only
+@pytest.mark.parametrize(
+    "rotary",
+    [
+        dict(rope_theta=10000.0, causal=True),
+        dict(rope_theta=500.0, rotary_dim=16, rotary_interleaved=True),
+        dict(rope_theta=10000.0, rotary_dim=16, positions="int"),
+        dict(rope_theta=10000.0, rotary_interleaved=True, causal=True, positions="float"),
+    ],
+    ids=["half-causal", "interleaved-partial", "partial-int-positions", "interleaved-float-positions"],
+)
+def test_rotary(rotary):
+    rotary = dict(rotary)
+    total = sum(ROTARY_LENGTHS)
+    kind = rotary.pop("positions", None)
+    tol = None
+    # Given positions reach thousands: float32 angles then carry ~1e-4 relative error.
+    if kind == "int":
+        rotary["positions"] = torch.randint(0, 5000, (total,), generator=torch.Generator().manual_seed(3))
+        tol = 2e-3
+    elif kind == "float":
+        rotary["positions"] = torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25
+        tol = 2e-3
+    _check(ROTARY_LENGTHS, 2, 1, 32, torch.float32, None, tol=tol, **rotary)
+
+
+@interpret_only
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_small_tiles_on_unaligned_blocks_and_cpu_offsets(causal):
+    """Blocks of 40 rows on 16-row query / 32-row key tiles (dK/dV: 32-row key / 16-row query tiles)."""
+    lengths = [1, 40, 0, 97]
+    q, k, v = _inputs(lengths, 2, 1, 16, torch.float32, 7)
+    offsets = offsets_from_lengths(lengths)
+    args = (offsets, 40, 0.3, causal, 300.0, None, 8, True)
+    out, lse = flash_attention_fwd(q, k, v, *args, None, tiles=(16, 32))
+    exact, _ = flash_attention_fwd(q, k, v, *args, offsets.clone(), tiles=(16, 32))
+    assert torch.equal(out, exact)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    grads = flash_attention_bwd(grad_out, q, k, v, out, lse, *args, None, tiles=dict(dkv=(32, 16), dq=(16, 32)))
+    want, want_grads = _oracle(q, k, v, offsets, 40, grad_out, scale=0.3, causal=causal, rope_theta=300.0,
+                               rotary_dim=8, rotary_interleaved=True)
+    _assert_close(out, grads, want, want_grads, TOL[torch.float32])
+
+
+@interpret_only
+def test_lse_is_the_logsumexp_of_scaled_scores():
+    lengths = [100, 0, 37]
+    q, k, v = _inputs(lengths, 2, 1, 16, torch.float32, 11)
+    offsets = offsets_from_lengths(lengths)
+    _, lse = flash_attention_fwd(q, k, v, offsets, 0, 0.25, False, None, None, 0, False, None)
+    want = torch.cat([
+        torch.logsumexp(torch.einsum("thd,sd->hts", q[a:b].double(), k[a:b, 0].double()) * 0.25, -1)
+        for a, b in ((0, 100), (100, 137))
+    ], dim=1)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 137)
+    assert rel_err(lse, want) < 1e-6
+
+
+@interpret_only
+def test_nan_poisoned_memory_noncontiguous_int32_offsets():
+    lengths = [3, 0, 130]
+    total = sum(lengths)
+    poison = torch.full((total + 64, 2, 3, 32), float("nan"))
+    poison[:total] = torch.randn(total, 2, 3, 32, generator=torch.Generator().manual_seed(9))
+    q, k, v = poison[:total, :, 0], poison[:total, :, 1], poison[:total, :, 2]
+    assert not q.is_contiguous()
+    offsets = offsets_from_lengths(lengths, torch.int32)
+    qs, ks, vs = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
+    out = bl.block_attention(qs, ks, vs, offsets, None, scale=0.2, backend="triton_flash")
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(10))
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    _assert_close(out, grads, *_oracle(q, k, v, offsets, None, grad_out, scale=0.2), TOL[torch.float32])
+
+
+@interpret_only
+def test_backward_bitwise_deterministic():
+    q, k, v = (x.requires_grad_() for x in _inputs(ROTARY_LENGTHS, 2, 1, 16, torch.float32, 5))
+    offsets = offsets_from_lengths(ROTARY_LENGTHS)
+    out = bl.block_attention(q, k, v, offsets, None, causal=True, backend="triton_flash")
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@interpret_only
+def test_opcheck_forward_op():
+    lengths = [5, 0, 33]
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 6))
+    args = (q, k, v, offsets_from_lengths(lengths), 0, 0.25, True, 1000.0, None, 16, False, None, None)
+    torch.library.opcheck(torch.ops.blockattn.triton_flash_fwd.default, args)
+
+
+@interpret_only
+def test_torch_compile_fullgraph():
+    """The autograd entry traces to the registered ops (fakes included) without graph breaks."""
+    lengths = [5, 0, 33]
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 12))
+    offsets = offsets_from_lengths(lengths)
+
+    def loss(q, k, v, offsets):
+        return (bl.block_attention(q, k, v, offsets, None, causal=True, backend="triton_flash") ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, offsets), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v, offsets), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+@interpret_only
+def test_dispatch_explicit_only_and_refuses_small_blocks():
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="triton_flash.*block_size 64 <= 128"):
+        bl.block_attention(q, q, q, torch.tensor([0, 4]), block_size=64, backend="triton_flash")
+    for device in ("cpu", "cuda"):
+        req = bl.AttentionRequest(device, (9, 0), torch.bfloat16, 128, 8, 8, None, True, True)
+        assert bl.dispatch.select_backend("auto", req).name != "triton_flash"
+    req = bl.AttentionRequest("cpu", None, torch.float32, 16, 2, 2, None, False, False)
+    assert bl.explain(req)["triton_flash"] == []
+
+
+
+GPU_LENGTHS = [0, 1, 127, 128, 129, 700, 0, 1500, 33]
+GPU_CASES = [
+    dict(heads=4, kv_heads=2, dim=128, block_size=None, causal=True),
+    dict(heads=4, kv_heads=4, dim=64, block_size=None),
+    dict(heads=4, kv_heads=1, dim=128, block_size=512, rope_theta=10000.0),
+    dict(heads=2, kv_heads=2, dim=80, block_size=256, causal=True),
+    dict(heads=2, kv_heads=2, dim=256, block_size=None, rope_theta=500.0, rotary_dim=64, rotary_interleaved=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_matches_float64_reference(case, dtype):
+    """Error within 2x (forward) / 3x (gradients) of the naive same-dtype error, with a floor."""
+    from blockattn_layers import reference
+
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(GPU_LENGTHS)
+    q, k, v = (torch.randn(total, h, dim, device="cuda", generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    offsets = offsets_from_lengths(GPU_LENGTHS, device="cuda")
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    again = torch.autograd.grad(bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case),
+                                (qs, ks, vs), grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "backward not bitwise deterministic"
+    rot = case.get("rotary_dim", dim) if "rope_theta" in case else 0
+    args = (case["block_size"], dim ** -0.5, case.get("causal", False), case.get("rope_theta"), None, rot,
+            case.get("rotary_interleaved", False))
+    d = [x.double() for x in (q, k, v)]
+    oracle = reference.attention_forward(*d, offsets, *args)
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
+    naive = reference.attention_forward(q, k, v, offsets, *args, dtype=dtype)
+    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
+    floor = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    assert torch.isfinite(out).all()
+    assert rel_err(out, oracle) <= max(2 * rel_err(naive, oracle), floor)
+    for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
+        assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockattn_layers.kernels._flash_common import flash_tiles
+from blockattn_layers.kernels.flash_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
+from blockattn_layers.kernels.flash_fwd import _flash_fwd_kernel, fwd_launch_options
+
+capability, dim, rot = int(sys.argv[1]), 128, 64
+tiles = flash_tiles(dim, "cuda")
+for name, kernel, (outer, inner), options in (
+    ("fwd", _flash_fwd_kernel, tiles["fwd"], fwd_launch_options),
+    ("dkv", _flash_bwd_dkdv_kernel, tiles["dkv"], bwd_launch_options),
+    ("dq", _flash_bwd_dq_kernel, tiles["dq"], bwd_launch_options),
+):
+    block_m, block_n = (inner, outer) if name == "dkv" else (outer, inner)
+    constexprs = dict(
+        HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=rot // 2,
+        BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True, FAST_TRIG=True,
+        INT64=False, PRECISION="tf32",
+    )
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg.startswith("stride_") and arg.endswith("d"):
+            constexprs[arg] = 1
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+            continue
+        if arg in ("Table", "Pos"):
+            signature[arg] = "*i32"
+        elif arg in ("Lse", "Delta"):
+            signature[arg] = "*fp32"
+        elif arg[0].isupper():
+            signature[arg] = "*bf16"
+        else:
+            signature[arg] = "fp32" if arg in ("scale", "qk_scale", "log2_theta") else "i32"
+        if arg[0].isupper() or arg.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    opts = options(outer, dim, "cuda")
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
+    print(name, compiled.asm["ptx"].count(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("capability,instruction", [(90, "wgmma"), (100, "tcgen05.mma")], ids=["sm_90", "sm_100"])
+def test_kernels_compile_for_hopper_and_blackwell(capability, instruction):
+    """bf16, D=128, half rotary, causal, GQA, with the GPU tiles and launch options."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(capability), instruction],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    counts = dict(line.split() for line in result.stdout.split("\n") if line)
+    assert set(counts) == {"fwd", "dkv", "dq"}
+    assert all(int(n) > 0 for n in counts.values()), counts
