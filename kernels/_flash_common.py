@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._rotary import rotary_sin_cos, rotate_pair
+from ._schedule import search_prefix
 from ._tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
 
 _PREFIX_CHUNK = 1024
@@ -71,12 +72,7 @@ def _tile_table_kernel(
     b = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_table = b < slots
     b64 = b.to(tl.int64)
-    # Largest i with cum[i] <= b; empty sequences share their neighbour's prefix and are skipped.
-    i = b * 0
-    for step in range(search_steps):
-        cand = i + (search_top >> step)
-        c = tl.load(Cum + tl.minimum(cand, num_seqs), mask=in_table, other=0)
-        i = tl.where((cand <= num_seqs) & (c <= b64), cand, i)
+    i = search_prefix(Cum, b64, in_table, num_seqs, search_top, search_steps)
     real = in_table & (i < num_seqs)
     i = tl.minimum(i, num_seqs - 1)
     if HAS_PERM:

@@ -34,6 +34,22 @@ def _block_prefix_kernel(Offsets, Cum, num_seqs, BLOCK_SIZE: tl.constexpr, CHUNK
         carry += tl.sum(n, 0)
 
 
+@triton.jit
+def search_prefix(Cum, b, mask, num_seqs, search_top, search_steps):
+    """For each slot ``b``: the largest ``s <= num_seqs`` with ``cum[s] <= b`` (branch-free).
+
+    Empty sequences share their neighbour's prefix sum and so are skipped; ``s == num_seqs``
+    means ``b`` is past the last unit. ``search_top`` is the highest power of two
+    ``<= num_seqs`` and ``search_steps`` its bit length.
+    """
+    s = b * 0
+    for i in range(search_steps):
+        cand = s + (search_top >> i)
+        c = tl.load(Cum + tl.minimum(cand, num_seqs), mask=mask, other=0)
+        s = tl.where((cand <= num_seqs) & (c <= b), cand, s)
+    return s
+
+
 @triton.jit(do_not_specialize=["num_seqs", "slots", "search_top", "search_steps"])
 def _block_table_kernel(
     Offsets, Cum, Table, num_seqs, slots, search_top, search_steps,
@@ -41,12 +57,7 @@ def _block_table_kernel(
 ):
     b = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_table = b < slots
-    # Largest s with cum[s] <= b; empty sequences share their neighbour's prefix and are skipped.
-    s = b * 0
-    for i in range(search_steps):
-        cand = s + (search_top >> i)
-        c = tl.load(Cum + tl.minimum(cand, num_seqs), mask=in_table, other=0)
-        s = tl.where((cand <= num_seqs) & (c <= b), cand, s)
+    s = search_prefix(Cum, b, in_table, num_seqs, search_top, search_steps)
     real = in_table & (s < num_seqs)
     s = tl.minimum(s, num_seqs - 1)
     seq_start = tl.load(Offsets + s, mask=real, other=0)
