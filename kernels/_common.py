@@ -67,3 +67,8 @@ def kernel_meta(
     meta["log2_theta"] = math.log2(rope_theta) if rope_theta is not None else 0.0
     meta["INT64"] = needs_int64(q, *tensors)
     return meta
+
+
+def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Contiguous ``(dq, dk, dv)`` buffers with the inputs' shapes and dtypes."""
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta
+from ._common import LOG2E, empty_grads, kernel_meta
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
 from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
@@ -117,9 +117,7 @@ def block_attention_bwd(
     """Launch the backward kernel; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    dq = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((total, kv_heads, head_dim), dtype=k.dtype, device=k.device)
-    dv = torch.empty((total, kv_heads, head_dim), dtype=v.dtype, device=v.device)
+    dq, dk, dv = empty_grads(q, k, v)
     if total == 0:
         return dq, dk, dv
     sched = Schedule(offsets, total, block_size, cpu_offsets)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta, needs_int64
+from ._common import LOG2E, empty_grads, kernel_meta, needs_int64
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
@@ -266,9 +266,7 @@ def flash_attention_bwd(
     """
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    dq = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((total, kv_heads, head_dim), dtype=k.dtype, device=k.device)
-    dv = torch.empty((total, kv_heads, head_dim), dtype=v.dtype, device=v.device)
+    dq, dk, dv = empty_grads(q, k, v)
     if total == 0:
         return dq, dk, dv
     tiles = tiles or flash_tiles(head_dim, q.device.type)

@@ -148,3 +148,14 @@ def rel_err(a: Tensor, b: Tensor) -> float:
     num = torch.linalg.vector_norm(a - b).item()
     den = torch.linalg.vector_norm(b).item()
     return num / den if den > 0 else num
+
+
+def rotary_positions(kind, total: int):
+    """``(positions, tolerance)`` for rotary tests: ``None`` (index in the sequence, default
+    tolerance), ``"int"`` or ``"float"`` positions in the thousands, where float32 angles carry
+    ~1e-4 relative error and the tolerance is 2e-3."""
+    if kind == "int":
+        return torch.randint(0, 5000, (total,), generator=torch.Generator().manual_seed(3)), 2e-3
+    if kind == "float":
+        return torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25, 2e-3
+    return None, None

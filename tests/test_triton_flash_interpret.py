@@ -24,7 +24,7 @@ from blockattn_layers.kernels._flash_common import FlashSchedule
 from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
 
-from tests.oracle import offsets_from_lengths, oracle_attention, rel_err
+from tests.oracle import offsets_from_lengths, oracle_attention, rel_err, rotary_positions
 
 interpret_only = pytest.mark.skipif(
     not interpreter_active(), reason="CPU interpreter tests; the GPU tests cover the kernels on a GPU"
@@ -125,15 +125,9 @@ def test_matches_oracle(lengths, block_size, heads, kv_heads, dim, causal, dtype
 def test_rotary(rotary):
     rotary = dict(rotary)
     total = sum(ROTARY_LENGTHS)
-    kind = rotary.pop("positions", None)
-    tol = None
-    # Given positions reach thousands: float32 angles then carry ~1e-4 relative error.
-    if kind == "int":
-        rotary["positions"] = torch.randint(0, 5000, (total,), generator=torch.Generator().manual_seed(3))
-        tol = 2e-3
-    elif kind == "float":
-        rotary["positions"] = torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25
-        tol = 2e-3
+    positions, tol = rotary_positions(rotary.pop("positions", None), total)
+    if positions is not None:
+        rotary["positions"] = positions
     _check(ROTARY_LENGTHS, 2, 1, 32, torch.float32, None, tol=tol, **rotary)
 
 

@@ -9,7 +9,7 @@ import torch
 import blockattn_layers as bl
 from blockattn_layers._triton_op import interpreter_active
 
-from tests.oracle import oracle_attention, rel_err
+from tests.oracle import oracle_attention, rel_err, rotary_positions
 
 pytestmark = pytest.mark.skipif(
     not interpreter_active(), reason="CPU interpreter tests; on a GPU machine test_triton_gpu.py covers the kernels"
@@ -75,14 +75,9 @@ def test_edge_lengths(heads, kv_heads, dim, block_size, causal, dtype):
 def test_rotary(rotary):
     rotary = dict(rotary)
     total = sum(EDGE_LENGTHS)
-    kind = rotary.pop("positions", None)
-    tol = None
-    if kind == "int":
-        rotary["positions"] = torch.randint(0, 5000, (total,), generator=torch.Generator().manual_seed(3))
-        tol = 2e-3
-    elif kind == "float":
-        rotary["positions"] = torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25
-        tol = 2e-3
+    positions, tol = rotary_positions(rotary.pop("positions", None), total)
+    if positions is not None:
+        rotary["positions"] = positions
     _check(EDGE_LENGTHS, 4, 2, 32, torch.float32, block_size=32, tol=tol, **rotary)
 
 
