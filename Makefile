@@ -40,7 +40,7 @@ info: $(VENV)/.installed
 GPU_OUT ?= bench_out
 gpu-check:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests
+	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider tests
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 clean:

@@ -63,13 +63,18 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
     fwd.register_autograd(lambda ctx, grad_out: _grads(bwd, ctx, grad_out), setup_context=setup_context)
 
     class _Attention(torch.autograd.Function):
+        # The trailing op arguments travel as one tuple: autograd.Function.apply's host time
+        # grows with the number of arguments.
         @staticmethod
-        def forward(ctx, *args):
-            _save(ctx, *args)
-            return (fwd_impl if _eager(args[0]) else fwd)(*args)
+        def forward(ctx, q, k, v, offsets, rest):
+            _save(ctx, q, k, v, offsets, *rest)
+            return (fwd_impl if _eager(q) else fwd)(q, k, v, offsets, *rest)
 
         @staticmethod
         def backward(ctx, grad_out):
-            return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out)
+            return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out)[:4] + (None,)
 
-    return _Attention.apply
+    def attention(q, k, v, offsets, *rest):
+        return _Attention.apply(q, k, v, offsets, rest)
+
+    return attention

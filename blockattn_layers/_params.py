@@ -1,15 +1,14 @@
 """The normalized, validated arguments of one attention call, shared by every backend."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """Scalars and optional tensors of a call after validation and defaulting.
+class AttentionParams(NamedTuple):
+    """Scalars and optional tensors of a call after validation and defaulting (a named tuple:
+    cheap to build, which matters for the host time of small calls).
 
     ``block_size`` is ``None`` for full per-sequence attention; ``rotary_dim`` is 0
     when ``rope_theta`` is ``None``; ``scale`` is already resolved to a float.

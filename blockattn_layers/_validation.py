@@ -20,7 +20,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _is_real(x) -> bool:
@@ -63,36 +63,39 @@ def validate_attention_args(
     rotary_interleaved, cpu_offsets, max_seqlen, validate: Optional[bool],
 ) -> AttentionParams:
     """Check every argument of ``block_attention`` and return the normalized parameters."""
-    q, k, v = (_check_tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    offsets = _check_tensor("offsets", offsets)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} must have shape [T, heads, head_dim], got {tuple(x.shape)}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float64/float32/float16/bfloat16, got {x.dtype}")
-    T, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != T or k.shape[2] != D:
+    # Written for host time: small batches pay for every attribute read here.
+    _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v), _check_tensor("offsets", offsets)
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 3:
+            raise ValueError(f"{name} must have shape [T, heads, head_dim], got {tuple(shape)}")
+    dtype = q.dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be float64/float32/float16/bfloat16, got {dtype}")
+    T, H, D = q_shape
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v_shape)}")
+    if k_shape[0] != T or k_shape[2] != D:
         raise ValueError(
-            f"k must have shape [T={T}, H_kv, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+            f"k must have shape [T={T}, H_kv, D={D}] to match q {tuple(q_shape)}, got {tuple(k_shape)}"
         )
-    h_kv = k.shape[1]
+    h_kv = k_shape[1]
     if h_kv < 1 or H < 1 or H % h_kv:
         raise ValueError(f"q heads ({H}) must be a positive multiple of k/v heads ({h_kv})")
     if D < 1:
         raise ValueError(f"head_dim (q.shape[2]) must be >= 1, got {D}")
+    device = q.device
     for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {x.dtype} must match q dtype {q.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} dtype {x.dtype} must match q dtype {dtype}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"offsets must be a 1-D tensor [B+1], got shape {tuple(offsets.shape)}")
     if offsets.dtype not in _INDEX_DTYPES:
         raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
-    if offsets.device != q.device:
-        raise ValueError(f"offsets is on {offsets.device} but q is on {q.device}")
+    if offsets.device != device:
+        raise ValueError(f"offsets is on {offsets.device} but q is on {device}")
     if offsets.dtype == torch.int32 and T >= 2**31:
         raise ValueError(f"offsets must be int64 when T ({T}) >= 2**31")
 
@@ -135,8 +138,8 @@ def validate_attention_args(
                 raise ValueError(f"positions must have shape [T={T}], got {tuple(positions.shape)}")
             if positions.dtype == torch.bool or positions.is_complex():
                 raise TypeError(f"positions must be an integer or float tensor, got {positions.dtype}")
-            if positions.device != q.device:
-                raise ValueError(f"positions is on {positions.device} but q is on {q.device}")
+            if positions.device != device:
+                raise ValueError(f"positions is on {positions.device} but q is on {device}")
 
     if cpu_offsets is not None:
         cpu_offsets = _check_tensor("cpu_offsets", cpu_offsets)
@@ -155,7 +158,7 @@ def validate_attention_args(
         raise TypeError(f"validate must be a bool or None, got {validate!r}")
     compiling = torch.compiler.is_compiling()
     host = None
-    if not compiling and (validate or (validate is None and offsets.device.type == "cpu")):
+    if not compiling and (validate or (validate is None and device.type == "cpu")):
         host = check_offsets_values("offsets", offsets, T)
     if not compiling and cpu_offsets is not None and validate is not False:
         host_cpu = check_offsets_values("cpu_offsets", cpu_offsets, T)

@@ -41,14 +41,24 @@ class AttentionRequest:
 
     @classmethod
     def from_call(cls, q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> "AttentionRequest":
-        capability = None
-        if q.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(q.device)
+        return cls._from_key(_call_key(q, k, params))
+
+    @classmethod
+    def _from_key(cls, key: tuple) -> "AttentionRequest":
+        device, dtype, head_dim, num_heads, num_kv_heads, block_size, causal, rotary = key
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(
-            device_type=q.device.type, capability=capability, dtype=q.dtype, head_dim=q.shape[-1],
-            num_heads=q.shape[1], num_kv_heads=k.shape[1], block_size=params.block_size,
-            causal=params.causal, rotary=params.rotary,
+            device_type=device.type, capability=capability, dtype=dtype, head_dim=head_dim,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, causal=causal,
+            rotary=rotary,
         )
+
+
+def _call_key(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple:
+    """Everything about a call that backends decide on (the fields of its request, by device)."""
+    _, num_heads, head_dim = q.shape
+    return (q.device, q.dtype, head_dim, num_heads, k.shape[1], params.block_size, params.causal,
+            params.rope_theta is not None)
 
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionParams], torch.Tensor]
@@ -108,16 +118,21 @@ class BackendSpec:
 
 
 _REGISTRY: Dict[str, BackendSpec] = {}
+_BY_PRIORITY: List[BackendSpec] = []
+# (backend argument, call key) -> spec: a call's answer depends only on what the key holds.
+_SELECTED: Dict[tuple, BackendSpec] = {}
 
 
 def register_backend(spec: BackendSpec) -> None:
     """Add or replace a backend in the registry."""
     _REGISTRY[spec.name] = spec
+    _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda s: -s.priority)
+    _SELECTED.clear()
 
 
 def registered_backends() -> List[BackendSpec]:
     """Registered backends, highest priority first."""
-    return sorted(_REGISTRY.values(), key=lambda s: -s.priority)
+    return list(_BY_PRIORITY)
 
 
 def explain(req: AttentionRequest) -> Dict[str, List[str]]:
@@ -136,7 +151,7 @@ def select_backend(backend: Union[str, Backend], req: AttentionRequest) -> Backe
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string or Backend enum, got {backend!r}")
     if backend == Backend.AUTO.value:
-        for spec in registered_backends():
+        for spec in _BY_PRIORITY:
             auto_ok = spec.auto_devices is None or req.device_type in spec.auto_devices
             if auto_ok and not spec.not_supported_reasons(req):
                 return spec
@@ -151,4 +166,18 @@ def select_backend(backend: Union[str, Backend], req: AttentionRequest) -> Backe
             f"backend={backend!r} cannot serve this call: {', '.join(reasons)}. "
             f"All backends: {_format(explain(req))}"
         )
+    return spec
+
+
+def select_for_call(backend: Union[str, Backend], q: torch.Tensor, k: torch.Tensor,
+                    params: AttentionParams) -> BackendSpec:
+    """:func:`select_backend` for a validated call, remembered per call key (host time matters)."""
+    if not isinstance(backend, (str, enum.Enum)) or torch.compiler.is_compiling():
+        # (Under torch.compile, a cache mutated by the first call would only add a recompile.)
+        return select_backend(backend, AttentionRequest.from_call(q, k, params))
+    key = (backend, _call_key(q, k, params))
+    spec = _SELECTED.get(key)
+    if spec is None:
+        spec = select_backend(backend, AttentionRequest._from_key(key[1]))
+        _SELECTED[key] = spec
     return spec

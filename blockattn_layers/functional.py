@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import _backends  # noqa: F401  (registers the backends)
 from ._validation import validate_attention_args
-from .dispatch import AttentionRequest, Backend, select_backend
+from .dispatch import Backend, select_for_call
 
 
 def block_attention(
@@ -71,8 +71,11 @@ def block_attention(
         positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
         cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, validate=validate,
     )
-    spec = select_backend(backend, AttentionRequest.from_call(q, k, params))
+    spec = select_for_call(backend, q, k, params)
     return spec.run(q, k, v, offsets, params)
+
+
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone"})
 
 
 def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
@@ -84,7 +87,11 @@ def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
     if not isinstance(q, Tensor):
         return q, k, v
     device_type = q.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # Constant-folded by torch.compile (``torch.amp.is_autocast_available`` is not traceable in
+    # torch 2.11); the device types without autocast never get past the first test.
+    if not torch._C._is_any_autocast_enabled() or device_type not in _AUTOCAST_DEVICES:
+        return q, k, v
+    if not torch.is_autocast_enabled(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
     cast = (torch.float32, torch.float16, torch.bfloat16)

@@ -25,8 +25,13 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
-    """True when an element offset into one of the tensors can pass 2**31 (bounded by its storage)."""
-    return any(t.untyped_storage().nbytes() >= (2**31 - 1) * t.element_size() for t in tensors)
+    """True when an element offset from the first element of one of the tensors can reach 2**31."""
+    for t in tensors:
+        if t.numel() < 2**31 - 1 and t.is_contiguous():
+            continue
+        if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) >= 2**31 - 1:
+            return True
+    return False
 
 
 def num_warps(block_m: int, block_d: int, backward: bool) -> int:

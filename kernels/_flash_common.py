@@ -20,6 +20,7 @@ have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -145,17 +146,32 @@ class FlashSchedule:
         return table
 
 
-def flash_tiles(head_dim: int, device_type: str) -> dict:
+def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int = 9) -> dict:
     """Tile rows per pass: ``fwd`` (query tile, key tile), ``dkv`` (key tile, query tile),
-    ``dq`` (query tile, key tile). Untuned starting points from FA2-style kernels on GPU
-    (32-row inner tiles in the backward: with 64, the dK/dV loop does not compile for sm_100);
+    ``dq`` (query tile, key tile) for a GPU of compute capability ``major``; FA2-style starting
+    points, the dK/dV tiles measured on the H200;
     64-row tiles under the interpreter so that edge lengths (63, 64, 65) cross tile borders.
     """
     if device_type != "cuda":
         return dict(fwd=(64, 64), dkv=(64, 64), dq=(64, 64))
     if head_dim <= 128:
-        return dict(fwd=(128, 64), dkv=(128, 32), dq=(128, 32))
+        # dK/dV over 64-row query tiles: right and fastest on the H200 (measured); sm_100
+        # (major 10+) cannot pipeline that loop in Triton 3.6, so it keeps 32-row query tiles.
+        return dict(fwd=(128, 64), dkv=(128, 32) if major >= 10 else (64, 64), dq=(128, 32))
+    if itemsize > 2:
+        # float32 at D > 128: 64-row tiles need more shared memory than sm_90 has.
+        return dict(fwd=(32, 32), dkv=(32, 32), dq=(32, 32))
     return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
+
+
+def major_of(x: torch.Tensor) -> int:
+    """Compute-capability major version of ``x``'s GPU (9 off the GPU: the Hopper tiles)."""
+    return _major(x.device.index) if x.is_cuda else 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: Optional[int]) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @triton.jit

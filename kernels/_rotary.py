@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 _TWO_PI = tl.constexpr(6.283185307179586)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM: tl.constexpr, FAST_TRIG: tl
     inv_freq = tl.exp2(-(2.0 * offs_r.to(tl.float32) / ROT_DIM) * log2_theta)
     angle = pos[:, None] * inv_freq[None, :]
     # Reduce to [-pi, pi] first: sin/cos.approx are accurate (~1e-6 absolute) only there.
-    angle = angle - _TWO_PI * tl.floor(angle / _TWO_PI + 0.5)
+    angle = angle - _TWO_PI * tl.floor(angle * _INV_TWO_PI + 0.5)
     return _sin_cos(angle, FAST_TRIG)
 
 

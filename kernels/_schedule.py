@@ -7,6 +7,11 @@ and records ``(start token, length, position of the first row in its sequence)``
 The attention kernels launch one program per slot of an upper bound on the block count
 (``min(T, cdiv(T, block) + B)``, known from shapes alone) and exit on slots of length 0.
 With a host copy of the offsets the grid is exact instead.
+
+Batches of at most ``INLINE_MAX_SEQS`` sequences skip both kernels: every attention program
+derives its block from ``offsets`` itself (a prefix sum over at most that many lengths in
+registers). That saves two launches and two allocations per call, which is most of the
+host time of a small batch.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import triton.language as tl
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
+INLINE_MAX_SEQS = 512
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -70,24 +76,59 @@ def _block_table_kernel(
 
 
 @triton.jit
-def block_of_program(Table, slots, pid):
-    """``(start, length, first_row)`` of this program's block; length 0 means no block."""
-    start = tl.load(Table + pid)
-    length = tl.load(Table + slots + pid)
-    first_row = tl.load(Table + 2 * slots + pid)
+def _inline_block(Offsets, num_seqs, block_size, b, SEQS: tl.constexpr):
+    """Block ``b`` found from ``offsets`` directly: prefix sums of the block counts of all
+    ``num_seqs <= SEQS`` sequences, then the sequence whose range holds ``b``."""
+    i = tl.arange(0, SEQS)
+    m = i < num_seqs
+    seq_start = tl.load(Offsets + i, mask=m, other=0)
+    seq_end = tl.load(Offsets + i + 1, mask=m, other=0)
+    blocks = (seq_end - seq_start + block_size - 1) // block_size
+    before = tl.cumsum(blocks, 0) <= b
+    s = tl.sum(before.to(tl.int32), 0)
+    first_row = (b - tl.sum(tl.where(before, blocks, 0), 0)) * block_size
+    this = i == s
+    start = tl.sum(tl.where(this, seq_start, 0), 0) + first_row
+    end = tl.sum(tl.where(this, seq_end, 0), 0)
+    length = tl.where(s < num_seqs, tl.minimum(end - start, block_size), 0)
     return start, length, first_row
 
 
+@triton.jit
+def block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: tl.constexpr):
+    """``(start, length, first_row)`` of this program's block; length 0 means no block.
+
+    ``Sched`` is the block table, or the offsets themselves when ``INLINE_SEQS > 0``.
+    """
+    if INLINE_SEQS > 0:
+        return _inline_block(Sched, num_seqs, block_size, pid, INLINE_SEQS)
+    else:
+        start = tl.load(Sched + pid)
+        length = tl.load(Sched + slots + pid)
+        first_row = tl.load(Sched + 2 * slots + pid)
+        return start, length, first_row
+
+
 class Schedule:
-    """The device block table ``[3, programs]`` of one (offsets, block_size) pair and its grid size."""
+    """Where each program of one (offsets, block_size) pair finds its block, and the grid size.
+
+    ``table`` is the device block table ``[3, programs]``, or ``offsets`` itself when
+    ``inline_seqs`` (the power of two the kernels scan, 0 for the table) is set.
+    """
 
     def __init__(self, offsets: torch.Tensor, total: int, block_size: int, cpu_offsets: Optional[torch.Tensor]):
         num_seqs = offsets.numel() - 1
+        self.num_seqs = num_seqs
         if cpu_offsets is not None:
             lengths = (cpu_offsets[1:] - cpu_offsets[:-1]).to(torch.int64)
             self.programs = int(((lengths + block_size - 1) // block_size).sum())
         else:
             self.programs = min(total, triton.cdiv(total, block_size) + num_seqs)
+        if num_seqs <= INLINE_MAX_SEQS:
+            self.inline_seqs = max(16, triton.next_power_of_2(num_seqs))
+            self.table = offsets
+            return
+        self.inline_seqs = 0
         dtype = torch.int32 if total < 2**31 else torch.int64
         self.table = torch.empty((3, max(self.programs, 1)), dtype=dtype, device=offsets.device)
         if self.programs == 0:

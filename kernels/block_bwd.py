@@ -17,15 +17,16 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, empty_grads, kernel_meta
+from ._launch import FAST_MAX_ELEMENTS, Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
 from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
 
 
-@triton.jit(do_not_specialize=["slots", "scale", "qk_scale", "log2_theta"])
+@triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta"])
 def _block_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, Table, Pos,
-    slots, scale, qk_scale, log2_theta,
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
+    slots, num_seqs, block_size, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
@@ -33,11 +34,11 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
-    start, n, first_row = block_of_program(Table, slots, pid)
+    start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
     if n == 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -126,10 +127,15 @@ def block_attention_bwd(
     meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=block_size, rope_theta=rope_theta,
                        rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
                        causal=causal, backward=True)
-    _block_bwd_kernel[(sched.programs, kv_heads)](
+    args = (
         q, k, v, do, dq, dk, dv, sched.table, positions if positions is not None else sched.table,
-        sched.programs, scale, scale * LOG2E, meta.pop("log2_theta"),
+        sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E, meta.pop("log2_theta"),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-        GROUPS=num_heads // kv_heads, **meta,
     )
+    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs)
+    fast = q.is_cuda and not meta["INT64"] and q.numel() <= FAST_MAX_ELEMENTS
+    _launch_bwd((sched.programs, kv_heads), args, meta, fast)
     return dq, dk, dv
+
+
+_launch_bwd = Launcher(_block_bwd_kernel)

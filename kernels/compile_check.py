@@ -35,7 +35,7 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
         if name in constexprs:
             sig[name] = "constexpr"
             continue
-        if name in ("Table", "Pos"):
+        if name in ("Sched", "Pos"):
             sig[name] = "*i32"
         elif name[0].isupper():
             sig[name] = _DTYPES[dtype]
@@ -59,7 +59,7 @@ def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
         constexprs = dict(
             HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
             BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
-            FAST_TRIG=True, INT64=False, PRECISION="tf32",
+            FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0,
         )
         constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
         yield name, kernel, dtype, constexprs

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._common import LOG2E, empty_grads, kernel_meta, needs_int64
 from ._flash_common import (
+    major_of as _major,
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
 )
@@ -39,10 +40,12 @@ _DELTA_ROWS = 64
 _LOG2E = tl.constexpr(LOG2E)
 
 
-def bwd_launch_options(block: int, head_dim: int, device_type: str) -> dict:
-    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; 2 stages to overlap inner-loop loads."""
+def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int = 64) -> dict:
+    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; 2 stages to overlap inner-loop
+    loads, except over 32-row inner tiles: there Triton 3.6's pipelined dK/dV loop gave wrong,
+    run-to-run different dK on the H200 (measured; 1 stage and 64-row inner tiles were right)."""
     warps = 8 if (block > 64 and head_dim > 64) or head_dim > 128 else 4
-    return dict(num_warps=warps, num_stages=2 if device_type == "cuda" else 1)
+    return dict(num_warps=warps, num_stages=2 if device_type == "cuda" and inner >= 64 else 1)
 
 
 @triton.jit(do_not_specialize=["total", "stride_lh"])
@@ -269,7 +272,7 @@ def flash_attention_bwd(
     dq, dk, dv = empty_grads(q, k, v)
     if total == 0:
         return dq, dk, dv
-    tiles = tiles or flash_tiles(head_dim, q.device.type)
+    tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), _major(q))
     dkv_n, dkv_m = tiles["dkv"]
     dq_m, dq_n = tiles["dq"]
     longest_first = block_size == 0
@@ -291,7 +294,7 @@ def flash_attention_bwd(
 
     meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dkv_m, **common)
     log2_theta = meta.pop("log2_theta")
-    meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type))
+    meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
     table = dkv_sched.table(late_first=False)
     _flash_bwd_dkdv_kernel[(dkv_sched.programs * kv_heads,)](
         q, k, v, do, lse, delta, dk, dv, table, positions if positions is not None else table,

@@ -22,6 +22,8 @@ def registry(monkeypatch):
     """A private copy of the registry for the test; the real one is restored afterwards."""
     reg = dict(dispatch._REGISTRY)
     monkeypatch.setattr(dispatch, "_REGISTRY", reg)
+    monkeypatch.setattr(dispatch, "_BY_PRIORITY", list(dispatch._BY_PRIORITY))
+    monkeypatch.setattr(dispatch, "_SELECTED", {})
     return reg
 
 

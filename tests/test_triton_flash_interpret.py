@@ -280,7 +280,7 @@ from blockattn_layers.kernels.flash_bwd import _flash_bwd_dkdv_kernel, _flash_bw
 from blockattn_layers.kernels.flash_fwd import _flash_fwd_kernel, fwd_launch_options
 
 capability, dim, rot = int(sys.argv[1]), 128, 64
-tiles = flash_tiles(dim, "cuda")
+tiles = flash_tiles(dim, "cuda", 2, capability // 10)
 for name, kernel, (outer, inner), options in (
     ("fwd", _flash_fwd_kernel, tiles["fwd"], fwd_launch_options),
     ("dkv", _flash_bwd_dkdv_kernel, tiles["dkv"], bwd_launch_options),
@@ -310,7 +310,7 @@ for name, kernel, (outer, inner), options in (
         if arg[0].isupper() or arg.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    opts = options(outer, dim, "cuda")
+    opts = options(outer, dim, "cuda", inner) if name == "dkv" else options(outer, dim, "cuda")
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
     print(name, compiled.asm["ptx"].count(sys.argv[2]))
 """

@@ -107,6 +107,12 @@ def _prod_lengths(count, seed=0, multiple=1):
     return ((lengths + multiple - 1) // multiple * multiple).tolist()
 
 
+# Tests that need tens of GiB run one after another in one pytest-xdist worker
+# (`make gpu-check` runs the GPU tests with `-n 8 --dist loadgroup`).
+BIG_MEMORY = pytest.mark.xdist_group("gpu_memory")
+
+
+@BIG_MEMORY
 @pytest.mark.parametrize("heads,dim", [(2, 128), (4, 64)])
 def test_prod_shape_bf16(heads, dim):
     q, k, v, offsets = make_inputs(_prod_lengths(1152), heads, heads, dim, torch.bfloat16)
@@ -172,6 +178,7 @@ def test_cuda_graph_replay_with_new_data():
         assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
+@BIG_MEMORY
 def test_more_than_2_pow_31_elements():
     heads, dim = 1, 128
     lengths = [1 << 16] * 256 + [77, 5]
@@ -194,6 +201,20 @@ def test_more_than_2_pow_31_elements():
     assert rel(out[start:], ref) < 1.5e-2
     for g, r in zip(grads, ref_grads):
         assert rel(g[start:], r) < 3e-2
+
+
+@pytest.mark.parametrize("path", ["fast", "specialized"])
+def test_small_calls_launch_path(monkeypatch, path):
+    """Small calls launch an unspecialized twin directly from the second call on; both paths,
+    with the block table or the in-kernel schedule, match the oracle on changing batches."""
+    from blockattn_layers.kernels import _launch, _schedule
+
+    if path == "specialized":
+        monkeypatch.setattr(_launch, "FAST_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0], [1, 1, 200, 0, 64, 65])):
+        q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)
+        check_against_oracle(q, k, v, offsets, block_size=48, causal=True, rope_theta=1e4)
 
 
 def test_compile_fullgraph_no_recompile_across_batches():

@@ -142,3 +142,30 @@ def test_explicit_triton_refuses_unsupported_with_reasons():
     q = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="block_size 256 above 128"):
         bl.block_attention(q, q, q, torch.tensor([0, 4]), block_size=256, backend="triton")
+
+
+@pytest.mark.parametrize("mode", ["inline", "table"])
+def test_block_table_and_inline_schedule(monkeypatch, mode):
+    """Small batches find their blocks from offsets inside the kernel; large ones use the table."""
+    from blockattn_layers.kernels import _schedule
+
+    if mode == "table":
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    positions, tol = rotary_positions("int", sum(EDGE_LENGTHS))
+    _check(EDGE_LENGTHS, 4, 2, 16, torch.float32, block_size=32, causal=True, rope_theta=1e4,
+           positions=positions, tol=tol)
+    _check(EDGE_LENGTHS, 2, 2, 16, torch.float16, block_size=48, offsets_dtype=torch.int32)
+
+
+def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
+    from blockattn_layers.kernels import _schedule
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 4, (_schedule.INLINE_MAX_SEQS,), generator=g).tolist()
+    q, k, v = _inputs(lengths, 1, 1, 16, torch.float32, 3)
+    offsets = _offsets(lengths)
+    inline = bl.block_attention(q, k, v, offsets, block_size=2, backend="triton")
+    monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", len(lengths) - 1)
+    table = bl.block_attention(q, k, v, offsets, block_size=2, backend="triton")
+    assert torch.equal(inline, table)
+    assert rel_err(inline, oracle_attention(q.double(), k.double(), v.double(), offsets, 2)) < 2e-5

@@ -286,7 +286,10 @@ def _fake_spec(name, **kw):
 
 
 def test_explicit_incapable_backend_lists_reasons(monkeypatch):
-    monkeypatch.setitem(dispatch._REGISTRY, "fake_gpu", _fake_spec("fake_gpu"))
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    monkeypatch.setattr(dispatch, "_BY_PRIORITY", list(dispatch._BY_PRIORITY))
+    monkeypatch.setattr(dispatch, "_SELECTED", {})
+    dispatch.register_backend(_fake_spec("fake_gpu"))
     with pytest.raises(ValueError) as info:
         call(backend="fake_gpu", block_size=None, causal=True, rope_theta=1e4)
     msg = str(info.value)
