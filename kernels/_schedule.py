@@ -125,7 +125,9 @@ class Schedule:
         else:
             self.programs = min(total, triton.cdiv(total, block_size) + num_seqs)
         if num_seqs <= INLINE_MAX_SEQS:
-            self.inline_seqs = max(16, triton.next_power_of_2(num_seqs))
+            # One scan width for every small batch: a bucket per batch size would compile
+            # the attention kernels again whenever a batch crosses a power of two.
+            self.inline_seqs = triton.next_power_of_2(INLINE_MAX_SEQS)
             self.table = offsets
             return
         self.inline_seqs = 0
