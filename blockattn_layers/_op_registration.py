@@ -34,7 +34,7 @@ def _grads(bwd, ctx, grad_out):
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets, max_seqlen,
     )
-    return (dq, dk, dv) + (None,) * (_NUM_ARGS - 3)
+    return dq, dk, dv
 
 
 def _eager(x: torch.Tensor) -> bool:
@@ -60,7 +60,10 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
     def setup_context(ctx, inputs, output):
         _save(ctx, *inputs)
 
-    fwd.register_autograd(lambda ctx, grad_out: _grads(bwd, ctx, grad_out), setup_context=setup_context)
+    def backward(ctx, grad_out):
+        return _grads(bwd, ctx, grad_out) + (None,) * (_NUM_ARGS - 3)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
 
     class _Attention(torch.autograd.Function):
         # The trailing op arguments travel as one tuple: autograd.Function.apply's host time
@@ -72,7 +75,8 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
 
         @staticmethod
         def backward(ctx, grad_out):
-            return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out)[:4] + (None,)
+            # No gradients for offsets and the tuple of the other arguments.
+            return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out) + (None, None)
 
     def attention(q, k, v, offsets, *rest):
         return _Attention.apply(q, k, v, offsets, rest)

@@ -64,7 +64,8 @@ def validate_attention_args(
 ) -> AttentionParams:
     """Check every argument of ``block_attention`` and return the normalized parameters."""
     # Written for host time: small batches pay for every attribute read here.
-    _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v), _check_tensor("offsets", offsets)
+    for name, x in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
+        _check_tensor(name, x)
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 3:

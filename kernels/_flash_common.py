@@ -20,7 +20,6 @@ have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -166,12 +165,7 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
 
 def major_of(x: torch.Tensor) -> int:
     """Compute-capability major version of ``x``'s GPU (9 off the GPU: the Hopper tiles)."""
-    return _major(x.device.index) if x.is_cuda else 9
-
-
-@functools.lru_cache(maxsize=None)
-def _major(index: Optional[int]) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 9
 
 
 @triton.jit

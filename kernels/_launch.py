@@ -3,9 +3,9 @@
 ``kernel[grid](...)`` binds and specializes every argument through Triton's generic path
 before it finds the compiled kernel: about 15 us of host time per launch on the H200's host,
 more than the GPU time of a small batch. :class:`Launcher` keys its own cache by exactly what
-Triton specializes on (each tensor's dtype and 16-byte alignment; each int's being 1, being
-divisible by 16; the constexprs and launch options) and launches the
-compiled kernel directly on a hit. A miss goes through ``kernel[grid]``, which compiles or
+Triton specializes on (each tensor's dtype and 16-byte alignment, whether each int is 1 and
+whether it is divisible by 16, the constexprs and launch options) and launches the compiled
+kernel directly on a hit. A miss goes through ``kernel[grid]``, which compiles or
 finds the kernel and returns it. The key is at least as fine as Triton's, so a hit always
 runs the kernel Triton itself would have chosen.
 
@@ -53,7 +53,9 @@ class Launcher:
             self._const_names = [n for i, n in enumerate(self.kernel.arg_names) if i in const]
         return self._const_names
 
-    def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, fast: bool) -> None:
+    def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor) -> None:
+        """Launch; calls on ``q`` of at most ``FAST_MAX_ELEMENTS`` with 32-bit addressing go direct."""
+        fast = q.is_cuda and not meta["INT64"] and q.numel() <= FAST_MAX_ELEMENTS
         if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **meta)
             return

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, empty_grads, kernel_meta
-from ._launch import FAST_MAX_ELEMENTS, Launcher
+from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
 from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
@@ -133,8 +133,7 @@ def block_attention_bwd(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
     meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs)
-    fast = q.is_cuda and not meta["INT64"] and q.numel() <= FAST_MAX_ELEMENTS
-    _launch_bwd((sched.programs, kv_heads), args, meta, fast)
+    _launch_bwd((sched.programs, kv_heads), args, meta, q)
     return dq, dk, dv
 
 

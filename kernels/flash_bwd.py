@@ -30,8 +30,7 @@ import triton.language as tl
 
 from ._common import LOG2E, empty_grads, kernel_meta, needs_int64
 from ._flash_common import (
-    major_of as _major,
-    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
+    FlashSchedule, allowed, flash_tiles, load_split, major_of, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
 )
 from ._tiles import load_cols, store_cols
@@ -272,7 +271,7 @@ def flash_attention_bwd(
     dq, dk, dv = empty_grads(q, k, v)
     if total == 0:
         return dq, dk, dv
-    tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), _major(q))
+    tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q))
     dkv_n, dkv_m = tiles["dkv"]
     dq_m, dq_n = tiles["dq"]
     longest_first = block_size == 0

@@ -23,8 +23,7 @@ import triton.language as tl
 
 from ._common import LOG2E, kernel_meta
 from ._flash_common import (
-    major_of as _major,
-    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
+    FlashSchedule, allowed, flash_tiles, load_split, major_of, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
 )
 from ._tiles import load_cols, store_cols
 
@@ -144,7 +143,7 @@ def flash_attention_fwd(
     lse = torch.empty((num_heads, total), dtype=torch.float32, device=q.device)
     if total == 0:
         return o, lse
-    block_m, block_n = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), _major(q))["fwd"]
+    block_m, block_n = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q))["fwd"]
     sched = FlashSchedule(offsets, total, block_size, block_m, cpu_offsets, longest_first=block_size == 0)
     if sched.programs == 0:
         return o, lse
