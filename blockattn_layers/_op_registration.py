@@ -79,6 +79,10 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
             return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out) + (None, None)
 
     def attention(q, k, v, offsets, *rest):
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if not needs_grad and _eager(q) and not torch._C._are_functorch_transforms_active():
+            # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
+            return fwd_impl(q, k, v, offsets, *rest)
         return _Attention.apply(q, k, v, offsets, rest)
 
     return attention

@@ -2,17 +2,20 @@
 
 ``kernel[grid](...)`` binds and specializes every argument through Triton's generic path
 before it finds the compiled kernel: about 15 us of host time per launch on the H200's host,
-more than the GPU time of a small batch. :class:`Launcher` keys its own cache by exactly what
-Triton specializes on (each tensor's dtype and 16-byte alignment, whether each int is 1 and
-whether it is divisible by 16, the constexprs and launch options) and launches the compiled
-kernel directly on a hit. A miss goes through ``kernel[grid]``, which compiles or
-finds the kernel and returns it. The key is at least as fine as Triton's, so a hit always
-runs the kernel Triton itself would have chosen.
+more than the GPU time of a small batch. :class:`Launcher` keys its own cache by what Triton
+specializes on, or finer: each tensor's dtype and 16-byte alignment, the value of each int
+that Triton specializes (strides: a handful of values per layout, whatever T and B are), the
+constexprs and launch options; it launches the compiled kernel directly on a hit. A miss goes
+through ``kernel[grid]``, which compiles or finds the kernel and returns it. As the key is at
+least as fine as Triton's, a hit always runs the kernel Triton itself would have chosen.
+Arguments Triton does not specialize (``do_not_specialize`` ints, floats) stay out of the key;
+each launcher passes the same kinds of arguments at the same positions on every call.
 
 Launch hooks (profilers) force the ordinary path.
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Dict, Sequence, Tuple
 
 import torch
@@ -23,20 +26,16 @@ from triton.runtime import driver
 FAST_MAX_ELEMENTS = 1 << 22
 
 
+def _picker(indices: Sequence[int]):
+    """``args -> tuple(args[i] for i in indices)`` (an ``itemgetter`` where it returns a tuple)."""
+    if len(indices) > 1:
+        return itemgetter(*indices)
+    return lambda args: tuple([args[i] for i in indices])
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is set (a ``HookChain`` with calls in Triton 3.6, else a callable)."""
     return bool(getattr(hook, "calls", hook))
-
-
-def _specs(args: Sequence[object]) -> tuple:
-    """What Triton's specialization of the arguments depends on (finer for floats, harmless).
-
-    Fast calls address less than 2**31 elements, so every int fits 32 bits.
-    """
-    return tuple([
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
-        for a in args
-    ])
 
 
 class Launcher:
@@ -45,6 +44,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._const_names = None
+        self._tensors = self._ints = None
         self._compiled: Dict[Tuple, Tuple[object, tuple]] = {}
 
     def _constexpr_names(self) -> list:
@@ -53,6 +53,16 @@ class Launcher:
             self._const_names = [n for i, n in enumerate(self.kernel.arg_names) if i in const]
         return self._const_names
 
+    def _key_getters(self, args: Sequence[object]):
+        """Getters of the tensor arguments and of the ints Triton specializes (from the first call)."""
+        if self._tensors is None:
+            params = [p for p in self.kernel.params if not p.is_constexpr]
+            tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            ints = [i for i, (p, a) in enumerate(zip(params, args))
+                    if isinstance(a, int) and not p.do_not_specialize]
+            self._tensors, self._ints = _picker(tensors), _picker(ints)
+        return self._tensors, self._ints
+
     def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor) -> None:
         """Launch; calls on ``q`` of at most ``FAST_MAX_ELEMENTS`` with 32-bit addressing go direct."""
         fast = q.is_cuda and not meta["INT64"] and q.numel() <= FAST_MAX_ELEMENTS
@@ -60,7 +70,9 @@ class Launcher:
             self.kernel[grid](*args, **meta)
             return
         device = driver.active.get_current_device()
-        key = (device, *meta.items(), _specs(args))
+        tensors, ints = self._key_getters(args)
+        aligned = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors(args)])
+        key = (device, *meta.items(), aligned, ints(args))
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)

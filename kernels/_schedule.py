@@ -23,6 +23,8 @@ import triton.language as tl
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
+# Batches of at most this many sequences use the in-kernel schedule (a power of two: the
+# kernels' scan width).
 INLINE_MAX_SEQS = 512
 
 
@@ -123,11 +125,12 @@ class Schedule:
             lengths = (cpu_offsets[1:] - cpu_offsets[:-1]).to(torch.int64)
             self.programs = int(((lengths + block_size - 1) // block_size).sum())
         else:
-            self.programs = min(total, triton.cdiv(total, block_size) + num_seqs)
+            # (Plain integer math: triton.cdiv is a constexpr function, slow in host code.)
+            self.programs = min(total, -(-total // block_size) + num_seqs)
         if num_seqs <= INLINE_MAX_SEQS:
             # One scan width for every small batch: a bucket per batch size would compile
             # the attention kernels again whenever a batch crosses a power of two.
-            self.inline_seqs = triton.next_power_of_2(INLINE_MAX_SEQS)
+            self.inline_seqs = INLINE_MAX_SEQS
             self.table = offsets
             return
         self.inline_seqs = 0

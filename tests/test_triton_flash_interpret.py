@@ -310,7 +310,10 @@ for name, kernel, (outer, inner), options in (
         if arg[0].isupper() or arg.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    opts = options(outer, dim, "cuda", inner) if name == "dkv" else options(outer, dim, "cuda")
+    if name == "fwd":
+        opts = options(outer, dim, "cuda", capability // 10)
+    else:
+        opts = options(outer, dim, "cuda", inner) if name == "dkv" else options(outer, dim, "cuda")
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
     print(name, compiled.asm["ptx"].count(sys.argv[2]))
 """
