@@ -129,7 +129,7 @@ register_backend(BackendSpec(
     run=run_triton_flash,
     priority=5,
     devices=_devices,
-    auto_devices=frozenset(),
+    auto_devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     min_capability=(8, 0),
     head_dims=(16, 256),
@@ -137,6 +137,6 @@ register_backend(BackendSpec(
     full_attention=True,
     extra_reasons=_flash_reasons,
     description="multi-tile Triton kernels with an online softmax (block_size > 128 or None = full "
-    "attention), FA2-style deterministic backward; CUDA sm_80+, or CPU tensors under TRITON_INTERPRET=1. "
-    "Explicit only (never chosen by backend='auto'): on the H200 it matches FA2 varlen's speed, not yet more",
+    "attention), FA2-style deterministic backward; CUDA sm_80+, or CPU tensors under TRITON_INTERPRET=1 "
+    "(by name only). On the H200: full attention 1.28-1.31x FA2 varlen forward, 1.12-1.15x backward",
 ))

@@ -214,13 +214,18 @@ def test_torch_compile_fullgraph():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 @interpret_only
-def test_dispatch_explicit_only_and_refuses_small_blocks():
+def test_dispatch_auto_on_cuda_and_refuses_small_blocks(monkeypatch):
     q = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="triton_flash.*block_size 64 <= 128"):
         bl.block_attention(q, q, q, torch.tensor([0, 4]), block_size=64, backend="triton_flash")
-    for device in ("cpu", "cuda"):
-        req = bl.AttentionRequest(device, (9, 0), torch.bfloat16, 128, 8, 8, None, True, True)
-        assert bl.dispatch.select_backend("auto", req).name != "triton_flash"
+    full = ("cpu", None, torch.bfloat16, 128, 8, 8, None, True, True)
+    assert bl.dispatch.select_backend("auto", bl.AttentionRequest(*full)).name == "reference"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for block, name in ((None, "triton_flash"), (512, "triton_flash"), (128, "triton")):
+        req = bl.AttentionRequest("cuda", (9, 0), torch.bfloat16, 128, 8, 8, block, True, True)
+        assert bl.dispatch.select_backend("auto", req).name == name
+    old = bl.AttentionRequest("cuda", (7, 5), torch.bfloat16, 128, 8, 8, None, True, True)
+    assert bl.dispatch.select_backend("auto", old).name == "reference"
     req = bl.AttentionRequest("cpu", None, torch.float32, 16, 2, 2, None, False, False)
     assert bl.explain(req)["triton_flash"] == []
 
