@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -10,6 +11,45 @@ import triton
 
 LOG2E = 1.4426950408889634
 MAX_TILE = 128
+
+
+# Which block-kernel variant runs: "simple" (one program per (block, kv head)) or "persistent"
+# (a grid of resident programs, each looping over a balanced contiguous range of tiles). "auto"
+# takes the variant measured fastest on the GPU's generation (``AUTO_VARIANT``), else "simple".
+VARIANTS = ("simple", "persistent")
+KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
+# Compute-capability major -> the variant that measured faster than "simple" there.
+AUTO_VARIANT: dict = {}
+# Resident programs per SM of the block kernels at 4 warps (registers: forward about 116 per
+# thread, backward about 200-255; ptxas for sm_90).
+PROGRAMS_PER_SM = {False: 4, True: 2}
+
+
+def kernel_variant(x: torch.Tensor) -> str:
+    """The block-kernel variant for tensors like ``x`` (see ``KERNELS``)."""
+    if KERNELS != "auto":
+        if KERNELS not in VARIANTS:
+            raise ValueError(f"BLOCKATTN_KERNELS must be auto or one of {', '.join(VARIANTS)}, got {KERNELS!r}")
+        return KERNELS
+    return AUTO_VARIANT.get(_major(x.device), "simple") if x.is_cuda else "simple"
+
+
+@functools.lru_cache(maxsize=16)
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for CPU tensors under the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def block_grid(variant: str, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
+    """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs when persistent."""
+    if variant == "simple":
+        return (programs, kv_heads)
+    return (min(programs * kv_heads, sm_count(device) * PROGRAMS_PER_SM[backward]),)
 
 
 def _pow2(n: int) -> int:

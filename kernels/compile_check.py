@@ -1,4 +1,5 @@
-"""Compile every kernel variant for a GPU architecture on a machine without a GPU.
+"""Compile every block-kernel variant (simple and persistent) for a GPU architecture on a
+machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
@@ -51,15 +52,17 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
 def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
     """(name, kernel, dtype, constexprs) for every shipped kernel variant."""
     kernels = (("fwd", _block_fwd_kernel, 4), ("bwd", _block_bwd_kernel, 4))
-    for (kind, kernel, warps), dtype, (block, dim), rotary, causal in itertools.product(
+    for (kind, kernel, warps), dtype, (block, dim), rotary, causal, persistent in itertools.product(
         kernels, ("bf16", "fp16", "fp32"), ((64, 128), (64, 64), (128, 128)), (False, True), (False, True),
+        (False, True),
     ):
-        name = f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+        name = (f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+                f"{'_persistent' if persistent else ''}")
         rot = dim if rotary else 0
         constexprs = dict(
             HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
             BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
-            FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0,
+            FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=persistent,
         )
         constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
         yield name, kernel, dtype, constexprs
@@ -68,7 +71,7 @@ def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
 def compile_variant(kernel, dtype: str, constexprs: Dict[str, object], capability: int, num_warps: int = 4) -> str:
     signature, attrs = _signature(kernel, dtype, constexprs)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": 1})
     return compiled.asm["ptx"]
 
 

@@ -169,3 +169,46 @@ def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
     table = bl.block_attention(q, k, v, offsets, block_size=2, backend="triton")
     assert torch.equal(inline, table)
     assert rel_err(inline, oracle_attention(q.double(), k.double(), v.double(), offsets, 2)) < 2e-5
+
+
+@pytest.mark.parametrize("mode", ["inline", "table"])
+def test_persistent_kernels_match_oracle(monkeypatch, mode):
+    """The persistent variant (4 resident programs on CPU) loops over uneven tile ranges."""
+    from blockattn_layers.kernels import _common, _schedule
+
+    monkeypatch.setattr(_common, "KERNELS", "persistent")
+    if mode == "table":
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    positions, tol = rotary_positions("int", sum(EDGE_LENGTHS))
+    _check(EDGE_LENGTHS, 4, 2, 16, torch.float32, block_size=32, causal=True, rope_theta=1e4,
+           positions=positions, tol=tol)
+    _check(EDGE_LENGTHS, 3, 3, 24, torch.float16, block_size=48)
+
+
+def test_persistent_matches_simple_bitwise(monkeypatch):
+    from blockattn_layers.kernels import _common
+
+    q, k, v = (x.requires_grad_() for x in _inputs([7, 0, 90, 33], 2, 1, 16, torch.float32, 5))
+    offsets = _offsets([7, 0, 90, 33])
+
+    def run():
+        out = bl.block_attention(q, k, v, offsets, block_size=16, backend="triton", rope_theta=100.0)
+        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    simple = run()
+    monkeypatch.setattr(_common, "KERNELS", "persistent")
+    assert all(torch.equal(a, b) for a, b in zip(simple, run()))
+
+
+def test_kernel_variant_knob(monkeypatch):
+    from blockattn_layers.kernels import _common
+
+    x = torch.empty(1)
+    assert _common.kernel_variant(x) == "simple"
+    monkeypatch.setattr(_common, "KERNELS", "fast")
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent"):
+        _common.kernel_variant(x)
+    assert _common.block_grid("simple", 10, 3, x.device, False) == (10, 3)
+    assert _common.block_grid("persistent", 10, 3, x.device, False) == (16,)
+    assert _common.block_grid("persistent", 10, 3, x.device, True) == (8,)
+    assert _common.block_grid("persistent", 2, 1, x.device, False) == (2,)

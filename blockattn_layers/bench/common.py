@@ -7,8 +7,9 @@ a :class:`Prepared`: a forward callable plus what the runner needs to check and 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -166,7 +167,7 @@ class Method:
 
     ``applies(case)`` False leaves the method out of that case's table; ``skip(case, cfg)``
     returns a reason shown as a ``skipped: ...`` row; ``setup`` may raise, which the runner
-    reports as ``failed: ...``.
+    reports as ``failed: ...``. The whole row (check and timings) runs inside ``context()``.
     """
 
     name: str
@@ -176,3 +177,4 @@ class Method:
     skip: Callable[[Case, RunConfig], Optional[str]] = _no_skip
     gpu_only: bool = True
     description: str = ""
+    context: Callable[[], ContextManager] = contextlib.nullcontext

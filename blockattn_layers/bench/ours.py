@@ -1,6 +1,7 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -65,13 +66,51 @@ def _import_failed(err: BaseException):
     return skip
 
 
-def our_methods() -> List[Method]:
-    """One method per registered backend, highest priority first (a triton import failure shows as a row)."""
-    methods = [
-        Method(spec.name, "ours", _setup(spec.name), _attention, skip=_skip(spec), gpu_only=False,
-               description=spec.description)
-        for spec in blockattn_layers.registered_backends()
+@contextlib.contextmanager
+def _kernel_variant(variant: str):
+    """Run the block kernels as ``variant`` (``blockattn_layers.kernels._common.KERNELS``)."""
+    from blockattn_layers.kernels import _common
+
+    saved, _common.KERNELS = _common.KERNELS, variant
+    try:
+        yield
+    finally:
+        _common.KERNELS = saved
+
+
+def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
+    backend_skip = _skip(spec)
+
+    def skip(case: Case, cfg: RunConfig) -> Optional[str]:
+        from blockattn_layers.kernels._common import kernel_variant
+
+        if kernel_variant(torch.empty(0, device=cfg.device)) == variant:
+            return "the 'triton' row runs this variant on this GPU"
+        return backend_skip(case, cfg)
+
+    return skip
+
+
+def _variant_methods(spec: blockattn_layers.BackendSpec) -> List[Method]:
+    """``triton`` with the block-kernel variants that it does not pick itself, side by side."""
+    if spec.name != "triton":
+        return []
+    return [
+        Method(f"triton[{variant}]", "ours", _setup(spec.name), _attention, skip=_variant_skip(spec, variant),
+               gpu_only=True, description=f"triton backend, {variant} block kernels forced",
+               context=lambda variant=variant: _kernel_variant(variant))
+        for variant in ("simple", "persistent")
     ]
+
+
+def our_methods() -> List[Method]:
+    """One method per registered backend, highest priority first, plus the ``triton`` block-kernel
+    variants (a triton import failure shows as a row)."""
+    methods = []
+    for spec in blockattn_layers.registered_backends():
+        methods.append(Method(spec.name, "ours", _setup(spec.name), _attention, skip=_skip(spec), gpu_only=False,
+                              description=spec.description))
+        methods.extend(_variant_methods(spec))
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),

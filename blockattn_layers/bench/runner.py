@@ -178,10 +178,11 @@ class CaseRunner:
         if reason:
             return dict(row, status="skipped", reason=reason)
         try:
-            prepared = [method.setup(case, inp, cfg) for inp in self.sets()]
-            row.update(self._check(prepared[0]))
-            for mode in self.modes:
-                row.update(self._time(prepared, mode))
+            with method.context():
+                prepared = [method.setup(case, inp, cfg) for inp in self.sets()]
+                row.update(self._check(prepared[0]))
+                for mode in self.modes:
+                    row.update(self._time(prepared, mode))
         except Exception as err:
             row.update(status="failed", reason=_short(err))
         finally:
