@@ -20,8 +20,9 @@ VARIANTS = ("simple", "persistent")
 KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
 # Compute-capability major -> the variant that measured faster than "simple" there.
 AUTO_VARIANT: dict = {}
-# Resident programs per SM of the block kernels at 4 warps (registers: forward about 116 per
-# thread, backward about 200-255; ptxas for sm_90).
+# Programs per SM in a persistent grid: what fits of the simple kernels at 4 warps (registers
+# per thread, ptxas for sm_90: forward about 116, backward about 200); the persistent kernels
+# need more, so part of the grid waits for a slot.
 PROGRAMS_PER_SM = {False: 4, True: 2}
 
 

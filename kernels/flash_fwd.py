@@ -32,11 +32,13 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 def fwd_launch_options(block_m: int, head_dim: int, device_type: str, major: int = 9) -> dict:
     """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; key-tile loads pipelined
-    3 deep on sm_90+ (H200, seed3: 1.56 -> 1.31 ms against 2 stages), 2 deep before."""
+    3 deep on sm_90 and sm_100 (H200, seed3: 1.56 -> 1.31 ms against 2 stages), 2 deep on
+    the others (sm_8x and sm_120 have about 100 KB of shared memory per block, too little for
+    a third stage of 128-row tiles)."""
     warps = 8 if (block_m > 64 and head_dim > 64) or head_dim > 128 else 4
     if device_type != "cuda":
         return dict(num_warps=warps, num_stages=1)
-    return dict(num_warps=warps, num_stages=3 if major >= 9 else 2)
+    return dict(num_warps=warps, num_stages=3 if major in (9, 10) else 2)
 
 
 @triton.jit
