@@ -16,16 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant
+from ._common import LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
 from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
-from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
+from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
 
 
 @triton.jit
 def _bwd_tile(
-    Q, K, V, DO, DQ, DK, DV, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale, log2_theta,
+    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
@@ -33,11 +33,13 @@ def _bwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, TMA: tl.constexpr,
 ):
     """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if n > 0:
+    # With TMA the body runs unconditionally (an empty slot loads zeros and stores nothing):
+    # Triton 3.6 does not warp-specialize a loop whose body is a branch on sm_100.
+    if TMA or n > 0:
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < n
         rows = start + offs_m
@@ -45,14 +47,16 @@ def _bwd_tile(
         d_ok = offs_d < HEAD_DIM
         dtype = Q.dtype.element_ty
         k_ptr = K + hk * stride_kh
-        v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        v = load_tile(Vd, V + hk * stride_vh, start, hk * HEAD_DIM, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd,
+                      INT64, TMA)
         dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         if ROT_DIM > 0:
             offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
             pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
             sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
-            ka = load_cols(k_ptr, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd, INT64)
-            kb = load_cols(k_ptr, rows, row_ok, cols_b, r_ok, stride_kt, stride_kd, INT64)
+            ka = load_tile(Kd, k_ptr, start, hk * HEAD_DIM, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd, INT64, TMA)
+            kb = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM // 2, rows, row_ok, cols_b, r_ok,
+                           stride_kt, stride_kd, INT64, TMA)
             ka, kb = rotate_pair(ka.to(tl.float32), kb.to(tl.float32), sin, cos, False)
             ka = ka.to(dtype)
             kb = kb.to(dtype)
@@ -60,24 +64,29 @@ def _bwd_tile(
             dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if ROT_DIM < HEAD_DIM:
             cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-            kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
+            kp = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
+                           stride_kt, stride_kd, INT64, TMA)
             dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
         for g in range(GROUPS):
             h = hk * GROUPS + g
             q_ptr = Q + h * stride_qh
             dq_ptr = DQ + h * stride_dqh
-            do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+            do = load_tile(DOd, DO + h * stride_doh, start, h * HEAD_DIM, rows, row_ok, offs_d, d_ok,
+                           stride_dot, stride_dod, INT64, TMA)
             s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
             if ROT_DIM > 0:
-                qa = load_cols(q_ptr, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd, INT64)
-                qb = load_cols(q_ptr, rows, row_ok, cols_b, r_ok, stride_qt, stride_qd, INT64)
+                qa = load_tile(Qd, q_ptr, start, h * HEAD_DIM, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd,
+                               INT64, TMA)
+                qb = load_tile(Qd, q_ptr, start, h * HEAD_DIM + ROT_DIM // 2, rows, row_ok, cols_b, r_ok,
+                               stride_qt, stride_qd, INT64, TMA)
                 qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
                 qa = qa.to(dtype)
                 qb = qb.to(dtype)
                 s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
                 s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
             if ROT_DIM < HEAD_DIM:
-                qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
+                qp = load_tile(Qd, q_ptr, start, h * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
+                               stride_qt, stride_qd, INT64, TMA)
                 s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
             p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL)
             dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
@@ -108,7 +117,7 @@ def _bwd_tile(
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
 def _block_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
+    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos,
     slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
@@ -117,31 +126,32 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr,
 ):
     if PERSISTENT:
         # A contiguous, balanced range of the (slot, kv head) tiles per program.
         tiles = slots.to(tl.int64) * kv_heads
         lo = tl.program_id(0) * tiles // tl.num_programs(0)
         hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
-        for t in range(lo.to(tl.int32), hi.to(tl.int32)):
-            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs,
+        # TMA loads let Triton split the loop into producer and consumer warps (not without).
+        for t in tl.range(lo.to(tl.int32), hi.to(tl.int32), warp_specialize=TMA):
+            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs,
                       block_size, scale, qk_scale, log2_theta,
                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                       stride_dvt, stride_dvh, stride_dvd,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
     else:
-        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs,
+        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs,
                   block_size, scale, qk_scale, log2_theta,
                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                   stride_dvt, stride_dvh, stride_dvd,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
 
 
 def block_attention_bwd(
@@ -162,13 +172,15 @@ def block_attention_bwd(
     meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=block_size, rope_theta=rope_theta,
                        rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
                        causal=causal, backward=True)
+    variant = kernel_variant(q)
+    tma = variant == "persistent_ws" and tma_ok(meta, True, q, k, v, do)
     args = (
-        q, k, v, do, dq, dk, dv, sched.table, positions if positions is not None else sched.table,
+        q, k, v, do, dq, dk, dv, *tma_descriptors(tma, meta, (q, k), (v, do)), sched.table,
+        positions if positions is not None else sched.table,
         sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    variant = kernel_variant(q)
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, PERSISTENT=variant == "persistent")
+    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant, tma))
     _launch_bwd(block_grid(variant, sched.programs, kv_heads, q.device, True), args, meta, q)
     return dq, dk, dv
 

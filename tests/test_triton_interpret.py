@@ -171,18 +171,51 @@ def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
     assert rel_err(inline, oracle_attention(q.double(), k.double(), v.double(), offsets, 2)) < 2e-5
 
 
+# With TMA, an empty tile slot runs on zeros and stores nothing (its NaN warnings are expected).
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("mode", ["inline", "table"])
-def test_persistent_kernels_match_oracle(monkeypatch, mode):
-    """The persistent variant (4 resident programs on CPU) loops over uneven tile ranges."""
+@pytest.mark.parametrize("variant", ["persistent", "persistent_ws"])
+def test_persistent_kernels_match_oracle(monkeypatch, variant, mode):
+    """The persistent variants (4 resident programs on CPU) loop over uneven tile ranges;
+    ``persistent_ws`` reads through TMA descriptors where it can (D = 32 here: a power of two,
+    rotary halves of 16) and runs as ``persistent`` elsewhere (D = 16 with rotary, D = 24)."""
     from blockattn_layers.kernels import _common, _schedule
 
-    monkeypatch.setattr(_common, "KERNELS", "persistent")
+    monkeypatch.setattr(_common, "KERNELS", variant)
     if mode == "table":
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     positions, tol = rotary_positions("int", sum(EDGE_LENGTHS))
     _check(EDGE_LENGTHS, 4, 2, 16, torch.float32, block_size=32, causal=True, rope_theta=1e4,
            positions=positions, tol=tol)
+    _check(EDGE_LENGTHS, 2, 1, 32, torch.float16, block_size=64, rope_theta=1e4, causal=True)
     _check(EDGE_LENGTHS, 3, 3, 24, torch.float16, block_size=48)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("variant", ["simple", "persistent", "persistent_ws"])
+def test_other_sequences_never_leak_in(monkeypatch, variant):
+    """NaN in one sequence's q, k, v leaves every other sequence's outputs and gradients exact
+    (TMA boxes read past a block's end; those rows must be zeroed, not just ignored)."""
+    from blockattn_layers.kernels import _common
+
+    monkeypatch.setattr(_common, "KERNELS", variant)
+    lengths = [20, 37, 64, 9]
+    offsets = _offsets(lengths)
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 2, 16, torch.float32, 9))
+    with torch.no_grad():
+        for x in (q, k, v):
+            x[20:57] = float("nan")  # the second sequence
+    out = bl.block_attention(q, k, v, offsets, block_size=32, backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    keep = torch.cat([torch.arange(0, 20), torch.arange(57, 130)])
+    clean = [x.detach()[keep].double() for x in (q, k, v)]
+    clean_offsets = _offsets([20, 64, 9])
+    cq, ck, cv = (x.requires_grad_() for x in clean)
+    want = oracle_attention(cq, ck, cv, clean_offsets, 32)
+    want_grads = torch.autograd.grad(want, (cq, ck, cv), torch.ones_like(want))
+    assert rel_err(out[keep], want) < 2e-5
+    for got, ref in zip(grads, want_grads):
+        assert rel_err(got[keep], ref) < 4e-5
 
 
 def test_persistent_matches_simple_bitwise(monkeypatch):
@@ -206,7 +239,7 @@ def test_kernel_variant_knob(monkeypatch):
     x = torch.empty(1)
     assert _common.kernel_variant(x) == "simple"
     monkeypatch.setattr(_common, "KERNELS", "fast")
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent, persistent_ws"):
         _common.kernel_variant(x)
     assert _common.block_grid("simple", 10, 3, x.device, False) == (10, 3)
     assert _common.block_grid("persistent", 10, 3, x.device, False) == (16,)

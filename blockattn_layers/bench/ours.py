@@ -95,11 +95,13 @@ def _variant_methods(spec: blockattn_layers.BackendSpec) -> List[Method]:
     """``triton`` with the block-kernel variants that it does not pick itself, side by side."""
     if spec.name != "triton":
         return []
+    from blockattn_layers.kernels._common import VARIANTS
+
     return [
         Method(f"triton[{variant}]", "ours", _setup(spec.name), _attention, skip=_variant_skip(spec, variant),
                gpu_only=True, description=f"triton backend, {variant} block kernels forced",
                context=lambda variant=variant: _kernel_variant(variant))
-        for variant in ("simple", "persistent")
+        for variant in VARIANTS
     ]
 
 
