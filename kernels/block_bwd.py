@@ -6,7 +6,7 @@ are summed over the query heads in registers and written once, ``dQ`` once per h
 no atomics, so gradients are bitwise deterministic. ``Di = rowsum(dO * O)`` is computed
 inline as ``rowsum(P * dP)`` (equal, since ``dP = dO V^T`` and ``O = P V``): no
 preprocessing kernel and no extra ``PV`` product. Rotary gradients are rotated back by
-the transpose rotation before dq and dk are stored.
+the transpose rotation before dq and dk are stored. Variants as in ``block_fwd``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
+from ._common import (
+    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options,
+)
 from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program
@@ -25,7 +27,8 @@ from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_col
 
 @triton.jit
 def _bwd_tile(
-    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale, log2_theta,
+    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale,
+    log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
@@ -54,7 +57,8 @@ def _bwd_tile(
             offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
             pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
             sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
-            ka = load_tile(Kd, k_ptr, start, hk * HEAD_DIM, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd, INT64, TMA)
+            ka = load_tile(Kd, k_ptr, start, hk * HEAD_DIM, rows, row_ok, cols_a, r_ok, stride_kt, stride_kd,
+                           INT64, TMA)
             kb = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM // 2, rows, row_ok, cols_b, r_ok,
                            stride_kt, stride_kd, INT64, TMA)
             ka, kb = rotate_pair(ka.to(tl.float32), kb.to(tl.float32), sin, cos, False)
@@ -135,8 +139,8 @@ def _block_bwd_kernel(
         hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
         # TMA loads let Triton split the loop into producer and consumer warps (not without).
         for t in tl.range(lo.to(tl.int32), hi.to(tl.int32), warp_specialize=TMA):
-            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs,
-                      block_size, scale, qk_scale, log2_theta,
+            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, t // kv_heads, t % kv_heads, slots,
+                      num_seqs, block_size, scale, qk_scale, log2_theta,
                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
@@ -144,8 +148,8 @@ def _block_bwd_kernel(
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
     else:
-        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs,
-                  block_size, scale, qk_scale, log2_theta,
+        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
+                  num_seqs, block_size, scale, qk_scale, log2_theta,
                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,

@@ -4,7 +4,11 @@ Per program: one block of one kv head, and the ``GROUPS`` query heads that share
 Each query head does ``S = QK^T`` once, an exact softmax over the whole block (no running
 max, no correction factors) and ``O = PV``; only ``O`` is written, no logsumexp. Rotary is
 applied to the q and k tiles right after loading (see ``_rotary``). Rows past the block are
-masked, so memory beyond valid rows is never read.
+masked (or, read as TMA boxes, zeroed: see ``_tiles.load_tile``), so no other block's data is used.
+
+Variants (``_common.KERNELS``): one program per (block, kv head), or a persistent grid whose
+programs loop over a balanced contiguous range of those tiles, optionally with TMA loads and
+a warp-specialized loop.
 """
 from __future__ import annotations
 
@@ -97,8 +101,8 @@ def _block_fwd_kernel(
         hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
         # TMA loads let Triton split the loop into producer and consumer warps (not without).
         for t in tl.range(lo.to(tl.int32), hi.to(tl.int32), warp_specialize=TMA):
-            _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size, qk_scale,
-                      log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+            _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
+                      qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
@@ -108,6 +112,7 @@ def _block_fwd_kernel(
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
+
 
 def block_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
