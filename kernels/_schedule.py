@@ -111,6 +111,16 @@ def block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: tl.co
         return start, length, first_row
 
 
+@triton.jit
+def persistent_range(slots, kv_heads):
+    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
+    (persistent kernels; tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
+    tiles = slots.to(tl.int64) * kv_heads
+    lo = tl.program_id(0) * tiles // tl.num_programs(0)
+    hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
+    return lo.to(tl.int32), hi.to(tl.int32)
+
+
 class Schedule:
     """Where each program of one (offsets, block_size) pair finds its block, and the grid size.
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
 from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
-from ._schedule import Schedule, block_of_program
+from ._schedule import Schedule, block_of_program, persistent_range
 from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
 
 
@@ -95,12 +95,9 @@ def _block_fwd_kernel(
     PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr,
 ):
     if PERSISTENT:
-        # A contiguous, balanced range of the (slot, kv head) tiles per program.
-        tiles = slots.to(tl.int64) * kv_heads
-        lo = tl.program_id(0) * tiles // tl.num_programs(0)
-        hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
+        lo, hi = persistent_range(slots, kv_heads)
         # TMA loads let Triton split the loop into producer and consumer warps (not without).
-        for t in tl.range(lo.to(tl.int32), hi.to(tl.int32), warp_specialize=TMA):
+        for t in tl.range(lo, hi, warp_specialize=TMA):
             _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
                       qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
