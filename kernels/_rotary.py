@@ -10,6 +10,8 @@ per tile. Angles are computed in float32 from the positions and ``log2(rope_thet
 import triton
 import triton.language as tl
 
+from ._tiles import load_tile
+
 _TWO_PI = tl.constexpr(6.283185307179586)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
@@ -39,3 +41,15 @@ def rotate_pair(a, b, sin, cos, INVERSE: tl.constexpr):
     if INVERSE:
         return a * cos + b * sin, b * cos - a * sin
     return a * cos - b * sin, a * sin + b * cos
+
+
+@triton.jit
+def load_rotated_pair(desc, ptr, start, col0, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_t, stride_d,
+                      ROT_DIM: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr):
+    """The rotary pair tiles ``a``, ``b`` of a q or k row tile (``_tiles.load_tile``; the head's
+    columns start at ``col0``), rotated in float32 and returned in the input dtype."""
+    a = load_tile(desc, ptr, start, col0, rows, row_ok, cols_a, r_ok, stride_t, stride_d, INT64, TMA)
+    b = load_tile(desc, ptr, start, col0 + ROT_DIM // 2, rows, row_ok, cols_b, r_ok, stride_t, stride_d, INT64, TMA)
+    dtype = a.dtype
+    a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
+    return a.to(dtype), b.to(dtype)

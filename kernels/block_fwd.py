@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
 from ._launch import Launcher
-from ._rotary import rotary_sin_cos, rotate_pair
+from ._rotary import load_rotated_pair, rotary_sin_cos, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
 from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
 
@@ -52,13 +52,8 @@ def _fwd_tile(
             offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
             pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
             sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
-            ka = load_tile(Kd, K + hk * stride_kh, start, hk * HEAD_DIM, rows, row_ok, cols_a, r_ok,
-                           stride_kt, stride_kd, INT64, TMA)
-            kb = load_tile(Kd, K + hk * stride_kh, start, hk * HEAD_DIM + ROT_DIM // 2, rows, row_ok, cols_b, r_ok,
-                           stride_kt, stride_kd, INT64, TMA)
-            ka, kb = rotate_pair(ka.to(tl.float32), kb.to(tl.float32), sin, cos, False)
-            ka = ka.to(dtype)
-            kb = kb.to(dtype)
+            ka, kb = load_rotated_pair(Kd, K + hk * stride_kh, start, hk * HEAD_DIM, rows, row_ok, cols_a, cols_b,
+                                       r_ok, sin, cos, stride_kt, stride_kd, ROT_DIM, INT64, TMA)
         if ROT_DIM < HEAD_DIM:
             cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
             kp = load_tile(Kd, K + hk * stride_kh, start, hk * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
@@ -68,6 +63,7 @@ def _fwd_tile(
             q_col = (hk * GROUPS + g) * HEAD_DIM
             s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
             if ROT_DIM > 0:
+                # (Not load_rotated_pair: casting before the dots changes the sm_90 code, untimed.)
                 qa = load_tile(Qd, q_ptr, start, q_col, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd, INT64, TMA)
                 qb = load_tile(Qd, q_ptr, start, q_col + ROT_DIM // 2, rows, row_ok, cols_b, r_ok, stride_qt, stride_qd,
                                INT64, TMA)
