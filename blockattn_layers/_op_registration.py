@@ -45,6 +45,27 @@ def _eager(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and x.device.type != "meta" and not torch.compiler.is_compiling()
 
 
+def _wrapped(*tensors: torch.Tensor) -> bool:
+    """Whether one of ``tensors`` is a functorch wrapper (a tensor left over from an exited
+    ``torch.func`` transform is one, though its type is ``torch.Tensor``)."""
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return is_wrapped(tensors[0]) or is_wrapped(tensors[1]) or is_wrapped(tensors[2])
+
+
+def _raw_apply(function: type) -> Callable:
+    """``function.apply`` without its Python wrapper, for plain tensors outside functorch transforms.
+
+    ``torch.autograd.Function.apply`` binds default arguments when ``setup_context`` is defined
+    (not here), checks for functorch transforms and unwraps tensors of exited transforms (the
+    caller checks both: :func:`_wrapped`) before calling the C implementation: about a third of
+    the host time of the call. The entry point falls back to ``apply`` where torch lacks it.
+    """
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    if raw is None or not hasattr(raw, "__get__"):
+        return function.apply
+    return raw.__get__(None, function)
+
+
 def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) -> Callable:
     """Register fakes and autograd for the ops ``fwd``/``bwd`` (implemented by ``fwd_impl`` /
     ``bwd_impl``); return the public autograd entry point."""
@@ -78,11 +99,14 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
             # No gradients for offsets and the tuple of the other arguments.
             return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out) + (None, None)
 
+    apply = _raw_apply(_Attention)
+
     def attention(q, k, v, offsets, *rest):
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if not needs_grad and _eager(q) and not torch._C._are_functorch_transforms_active():
-            # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
-            return fwd_impl(q, k, v, offsets, *rest)
-        return _Attention.apply(q, k, v, offsets, rest)
+        if not _eager(q) or torch._C._are_functorch_transforms_active() or _wrapped(q, k, v):
+            return _Attention.apply(q, k, v, offsets, rest)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return apply(q, k, v, offsets, rest)
+        # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
+        return fwd_impl(q, k, v, offsets, *rest)
 
     return attention

@@ -169,13 +169,23 @@ def select_backend(backend: Union[str, Backend], req: AttentionRequest) -> Backe
     return spec
 
 
+def selection_key(backend: Union[str, Backend], q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple:
+    """What :func:`select_for_call` remembers a choice by."""
+    return (backend, _call_key(q, k, params))
+
+
+def still_selected(key: tuple, spec: BackendSpec) -> bool:
+    """Whether ``spec`` is still the remembered choice for ``key`` (no backend registered since)."""
+    return _SELECTED.get(key) is spec
+
+
 def select_for_call(backend: Union[str, Backend], q: torch.Tensor, k: torch.Tensor,
                     params: AttentionParams) -> BackendSpec:
     """:func:`select_backend` for a validated call, remembered per call key (host time matters)."""
     if not isinstance(backend, (str, enum.Enum)) or torch.compiler.is_compiling():
         # (Under torch.compile, a cache mutated by the first call would only add a recompile.)
         return select_backend(backend, AttentionRequest.from_call(q, k, params))
-    key = (backend, _call_key(q, k, params))
+    key = selection_key(backend, q, k, params)
     spec = _SELECTED.get(key)
     if spec is None:
         spec = select_backend(backend, AttentionRequest._from_key(key[1]))

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 
 from . import _backends  # noqa: F401  (registers the backends)
-from ._validation import validate_attention_args
-from .dispatch import Backend, select_for_call
+from ._call_plan import plan_call
+from .dispatch import Backend
 
 
 def block_attention(
@@ -66,12 +66,10 @@ def block_attention(
         torch.Size([70, 4, 32])
     """
     q, k, v = _autocast_inputs(q, k, v)
-    params = validate_attention_args(
-        q, k, v, offsets, block_size, scale=scale, causal=causal, rope_theta=rope_theta,
-        positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, validate=validate,
+    params, spec = plan_call(
+        q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+        cpu_offsets, max_seqlen, backend, validate,
     )
-    spec = select_for_call(backend, q, k, params)
     return spec.run(q, k, v, offsets, params)
 
 
