@@ -125,7 +125,7 @@ class FlashSchedule:
         if longest_first and self.num_seqs > 1:
             lengths = offsets[1:] - offsets[:-1]
             self.perm = torch.argsort(lengths, descending=True, stable=True)
-        self.cum = torch.empty(self.num_seqs + 1, dtype=torch.int64, device=offsets.device)
+        self.cum = offsets.new_empty(self.num_seqs + 1, dtype=torch.int64)
         _tile_prefix_kernel[(1,)](
             offsets, self.perm if self.perm is not None else offsets, self.cum, self.num_seqs, self.block,
             TILE=tile, CHUNK=_PREFIX_CHUNK, HAS_PERM=self.perm is not None,
@@ -133,7 +133,7 @@ class FlashSchedule:
 
     def table(self, late_first: bool) -> torch.Tensor:
         """The table with the tiles of each sequence last first (``late_first``) or first first."""
-        table = torch.empty((4, max(self.programs, 1)), dtype=self.dtype, device=self.offsets.device)
+        table = self.offsets.new_empty((4, max(self.programs, 1)), dtype=self.dtype)
         if self.programs == 0:
             return table
         _tile_table_kernel[(triton.cdiv(self.programs, _TABLE_CHUNK),)](

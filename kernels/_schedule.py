@@ -145,10 +145,10 @@ class Schedule:
             return
         self.inline_seqs = 0
         dtype = torch.int32 if total < 2**31 else torch.int64
-        self.table = torch.empty((3, max(self.programs, 1)), dtype=dtype, device=offsets.device)
+        self.table = offsets.new_empty((3, max(self.programs, 1)), dtype=dtype)
         if self.programs == 0:
             return
-        cum = torch.empty(num_seqs + 1, dtype=dtype, device=offsets.device)
+        cum = offsets.new_empty(num_seqs + 1, dtype=dtype)
         _block_prefix_kernel[(1,)](offsets, cum, num_seqs, BLOCK_SIZE=block_size, CHUNK=_PREFIX_CHUNK)
         _block_table_kernel[(triton.cdiv(self.programs, _TABLE_CHUNK),)](
             offsets, cum, self.table, num_seqs, self.programs,

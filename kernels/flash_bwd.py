@@ -281,7 +281,7 @@ def flash_attention_bwd(
     dq_sched = dkv_sched if dq_m == dkv_n else FlashSchedule(
         offsets, total, block_size, dq_m, cpu_offsets, longest_first)
     lse = lse.contiguous()
-    delta = torch.empty((num_heads, total), dtype=torch.float32, device=q.device)
+    delta = q.new_empty((num_heads, total), dtype=torch.float32)
     _flash_delta_kernel[(triton.cdiv(total, _DELTA_ROWS), num_heads)](
         o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0),
         HEAD_DIM=head_dim, BLOCK_T=_DELTA_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),

@@ -41,6 +41,16 @@ def fwd_launch_options(block_m: int, head_dim: int, device_type: str, major: int
     return dict(num_warps=warps, num_stages=3 if major in (9, 10) else 2)
 
 
+def short_block_launch(block_size: int, head_dim: int, major: int) -> Optional[Tuple[Tuple[int, int], int]]:
+    """``((query tile, key tile), warps)`` for blocks of at most 512 rows on sm_90 at D <= 128,
+    else None (the defaults). Such a block has only a few key tiles per query tile; 32-row key
+    tiles give the 3-stage pipeline more of them (H200 sweep, bf16 D128: block 256 2.61 -> 2.11 ms
+    with 8 warps, block 512 3.59 -> 3.34 ms with 4; full attention keeps 64-row key tiles)."""
+    if major != 9 or head_dim > 128 or not 0 < block_size <= 512:
+        return None
+    return (128, 32), 8 if block_size <= 256 else 4
+
+
 @triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
@@ -145,12 +155,15 @@ def flash_attention_fwd(
     """
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    o = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, total), dtype=torch.float32, device=q.device)
+    o = q.new_empty((total, num_heads, head_dim))
+    lse = q.new_empty((num_heads, total), dtype=torch.float32)
     if total == 0:
         return o, lse
     major = major_of(q)
-    block_m, block_n = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major)["fwd"]
+    short = short_block_launch(block_size, head_dim, major) if q.is_cuda and tiles is None else None
+    if tiles is None:
+        tiles = short[0] if short else flash_tiles(head_dim, q.device.type, q.element_size(), major)["fwd"]
+    block_m, block_n = tiles
     sched = FlashSchedule(offsets, total, block_size, block_m, cpu_offsets, longest_first=block_size == 0)
     if sched.programs == 0:
         return o, lse
@@ -158,6 +171,8 @@ def flash_attention_fwd(
     meta = kernel_meta(q, k, v, o, block_size=block_m, rope_theta=rope_theta, rotary_dim=rotary_dim,
                        interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
     meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type, major))
+    if short:
+        meta["num_warps"] = short[1]
     _flash_fwd_kernel[(sched.programs * kv_heads,)](
         q, k, v, o, lse, table, positions if positions is not None else table,
         sched.programs, kv_heads, scale * LOG2E, meta.pop("log2_theta"),
