@@ -53,3 +53,24 @@ def load_rotated_pair(desc, ptr, start, col0, rows, row_ok, cols_a, cols_b, r_ok
     dtype = a.dtype
     a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
     return a.to(dtype), b.to(dtype)
+
+
+@triton.jit
+def block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM: tl.constexpr, HAS_POS: tl.constexpr,
+                  FAST_TRIG: tl.constexpr, PER_COLUMN: tl.constexpr):
+    """``rotary_sin_cos`` of a block's rows (``pos``; without ``HAS_POS`` row ``m`` is at
+    ``first_row + m``). ``PER_COLUMN``: the inverse frequencies take one multiply, and without
+    ``HAS_POS`` the angles are reduced once per column, at ``first_row``; row ``m`` then adds
+    ``m * inv_freq`` (under ``BLOCK_M`` radians), where the sine and cosine approximations stay
+    within ~1e-5 (their argument is scaled to revolutions with one rounding toward zero)."""
+    if not PER_COLUMN:
+        return rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
+    inv_freq = tl.exp2(offs_r.to(tl.float32) * (log2_theta * (-2.0 / ROT_DIM)))
+    if HAS_POS:
+        angle = pos[:, None] * inv_freq[None, :]
+        angle = angle - _TWO_PI * tl.floor(angle * _INV_TWO_PI + 0.5)
+    else:
+        base = first_row.to(tl.float32) * inv_freq
+        base = base - _TWO_PI * tl.floor(base * _INV_TWO_PI + 0.5)
+        angle = base[None, :] + offs_m.to(tl.float32)[:, None] * inv_freq[None, :]
+    return _sin_cos(angle, FAST_TRIG)

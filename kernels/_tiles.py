@@ -53,14 +53,17 @@ def block_positions(Pos, block_start, first_row, offs_m, row_ok, HAS_POS: tl.con
 
 
 @triton.jit
-def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr):
-    """Exact softmax of the block's raw scores ``s``, normalized, float32 ``[M, M]``."""
+def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, RECIP: tl.constexpr):
+    """Exact softmax of the block's raw scores ``s``, normalized, float32 ``[M, M]`` (``RECIP``:
+    by one reciprocal per row and a multiply, not a full division per element)."""
     s = s * qk_scale
     valid = row_ok[None, :]
     if IS_CAUSAL:
         valid = valid & (offs_m[:, None] >= offs_m[None, :])
     s = tl.where(valid, s, float("-inf"))
     p = tl.exp2(s - tl.max(s, 1)[:, None])
+    if RECIP:
+        return p * (1.0 / tl.sum(p, 1))[:, None]
     return p / tl.sum(p, 1)[:, None]
 
 
@@ -76,3 +79,15 @@ def load_tile(desc, ptr, start, col0, rows, row_ok, cols, col_ok, stride_t, stri
     else:
         x = load_cols(ptr, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64)
     return x
+
+
+@triton.jit
+def head_rows(ptr, rows, stride_t, stride_h, head, INT64: tl.constexpr, FOLD: tl.constexpr):
+    """``(pointer, row offsets, row stride)`` of one head's rows: ``ptr`` moved to the head, or
+    with ``FOLD`` the head offset joined to 32-bit element offsets of the rows (row stride 1). In
+    a loop over heads, that keeps one 32-bit offset per row live, not a 64-bit one."""
+    if FOLD:
+        if INT64:
+            rows = rows.to(tl.int64)
+        return ptr, rows * stride_t + head * stride_h, 1
+    return ptr + head * stride_h, rows, stride_t

@@ -20,7 +20,7 @@ from ._common import (
     LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options,
 )
 from ._launch import Launcher
-from ._rotary import load_rotated_pair, rotary_sin_cos, rotate_pair
+from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
 from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
 
@@ -56,7 +56,9 @@ def _bwd_tile(
         if ROT_DIM > 0:
             offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
             pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-            sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
+            # Angles reduced per column (H200: rotary backward D128 2.86 -> 2.76 ms; the forward
+            # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
+            sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, True)
             ka, kb = load_rotated_pair(Kd, k_ptr, start, hk * HEAD_DIM, rows, row_ok, cols_a, cols_b, r_ok, sin, cos,
                                        stride_kt, stride_kd, ROT_DIM, INT64, TMA)
             dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -82,7 +84,7 @@ def _bwd_tile(
                 qp = load_tile(Qd, q_ptr, start, h * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
                                stride_qt, stride_qd, INT64, TMA)
                 s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-            p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL)
+            p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, False)
             dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = (p * (dp - tl.sum(p * dp, 1)[:, None])).to(dtype)

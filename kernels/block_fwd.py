@@ -20,22 +20,90 @@ import triton.language as tl
 
 from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
 from ._launch import Launcher
-from ._rotary import load_rotated_pair, rotary_sin_cos, rotate_pair
+from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
-from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
+from ._tiles import block_positions, block_probs, head_rows, load_tile, pair_cols, pass_cols, store_cols
+
+# Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
+# once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
+# (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``:
+# 4 programs of 4 warps per SM.
+_HEAD_LOOP_MAX_D = tl.constexpr(64)
+_HEAD_LOOP_MAXNREG = 128
+
+
+def _head_loop(meta: dict, variant: str) -> bool:
+    """Whether a launch loops over the kv heads in each program (the kernel's ``HEAD_LOOP``)."""
+    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= _HEAD_LOOP_MAX_D.value and variant == "simple"
 
 
 @triton.jit
-def _fwd_tile(
-    Q, K, V, O, Qd, Kd, Vd, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta,
+def _fwd_head(
+    Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, hk, sin, cos, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
-    """One block (table slot ``pid``) of kv head ``hk`` and its query heads."""
+    """Kv head ``hk`` of a block and its query heads. ``HEAD_LOOP`` (called for each kv head in
+    turn): the rotary ``sin``, ``cos`` are given, and the head offsets join the 32-bit row offsets
+    (hoisted out of the loop, the usual ``ptr + head + row`` keeps 64-bit row offsets live)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dtype = Q.dtype.element_ty
+    v_ptr, v_rows, v_stride = head_rows(V, rows, stride_vt, stride_vh, hk, INT64, HEAD_LOOP)
+    v = load_tile(Vd, v_ptr, start, hk * HEAD_DIM, v_rows, row_ok, offs_d, d_ok, v_stride, stride_vd, INT64, TMA)
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        if not HEAD_LOOP:
+            pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
+            sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG,
+                                     False)
+        k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
+        ka, kb = load_rotated_pair(Kd, k_ptr, start, hk * HEAD_DIM, k_rows, row_ok, cols_a, cols_b,
+                                   r_ok, sin, cos, k_stride, stride_kd, ROT_DIM, INT64, TMA)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
+        kp = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM, k_rows, row_ok, cols_p, p_ok,
+                       k_stride, stride_kd, INT64, TMA)
+    for g in range(GROUPS):
+        q_ptr, q_rows, q_stride = head_rows(Q, rows, stride_qt, stride_qh, hk * GROUPS + g, INT64, HEAD_LOOP)
+        q_col = (hk * GROUPS + g) * HEAD_DIM
+        s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        if ROT_DIM > 0:
+            # (Not load_rotated_pair: casting before the dots changes the sm_90 code, untimed.)
+            qa = load_tile(Qd, q_ptr, start, q_col, q_rows, row_ok, cols_a, r_ok, q_stride, stride_qd, INT64, TMA)
+            qb = load_tile(Qd, q_ptr, start, q_col + ROT_DIM // 2, q_rows, row_ok, cols_b, r_ok, q_stride, stride_qd,
+                           INT64, TMA)
+            qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
+            s = tl.dot(qa.to(dtype), tl.trans(ka), s, input_precision=PRECISION)
+            s = tl.dot(qb.to(dtype), tl.trans(kb), s, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            qp = load_tile(Qd, q_ptr, start, q_col + ROT_DIM, q_rows, row_ok, cols_p, p_ok, q_stride, stride_qd,
+                           INT64, TMA)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+        # With rotary, rows normalized by a reciprocal (H200: D128 forward 1.33 -> 1.32 ms).
+        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
+        o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
+        o_ptr, o_rows, o_stride = head_rows(O, rows, stride_ot, stride_oh, hk * GROUPS + g, INT64, HEAD_LOOP)
+        store_cols(o_ptr, o, o_rows, row_ok, offs_d, d_ok, o_stride, stride_od, INT64)
+
+
+@triton.jit
+def _fwd_tile(
+    Q, K, V, O, Qd, Kd, Vd, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, TMA: tl.constexpr, HEAD_LOOP: tl.constexpr,
+):
+    """One block (table slot ``pid``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
+    every kv head in turn (``hk`` unused), with the rotary angles computed once."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
     # With TMA the body runs unconditionally (an empty slot loads zeros and stores nothing):
     # Triton 3.6 does not warp-specialize a loop whose body is a branch on sm_100.
@@ -43,40 +111,24 @@ def _fwd_tile(
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < n
         rows = start + offs_m
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        dtype = Q.dtype.element_ty
-        v = load_tile(Vd, V + hk * stride_vh, start, hk * HEAD_DIM, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd,
-                      INT64, TMA)
-        if ROT_DIM > 0:
-            offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        if HEAD_LOOP:
             pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-            sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
-            ka, kb = load_rotated_pair(Kd, K + hk * stride_kh, start, hk * HEAD_DIM, rows, row_ok, cols_a, cols_b,
-                                       r_ok, sin, cos, stride_kt, stride_kd, ROT_DIM, INT64, TMA)
-        if ROT_DIM < HEAD_DIM:
-            cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-            kp = load_tile(Kd, K + hk * stride_kh, start, hk * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
-                           stride_kt, stride_kd, INT64, TMA)
-        for g in range(GROUPS):
-            q_ptr = Q + (hk * GROUPS + g) * stride_qh
-            q_col = (hk * GROUPS + g) * HEAD_DIM
-            s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-            if ROT_DIM > 0:
-                # (Not load_rotated_pair: casting before the dots changes the sm_90 code, untimed.)
-                qa = load_tile(Qd, q_ptr, start, q_col, rows, row_ok, cols_a, r_ok, stride_qt, stride_qd, INT64, TMA)
-                qb = load_tile(Qd, q_ptr, start, q_col + ROT_DIM // 2, rows, row_ok, cols_b, r_ok, stride_qt, stride_qd,
-                               INT64, TMA)
-                qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
-                s = tl.dot(qa.to(dtype), tl.trans(ka), s, input_precision=PRECISION)
-                s = tl.dot(qb.to(dtype), tl.trans(kb), s, input_precision=PRECISION)
-            if ROT_DIM < HEAD_DIM:
-                qp = load_tile(Qd, q_ptr, start, q_col + ROT_DIM, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd,
-                               INT64, TMA)
-                s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-            p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL)
-            o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
-            store_cols(O + (hk * GROUPS + g) * stride_oh, o, rows, row_ok, offs_d, d_ok, stride_ot, stride_od, INT64)
+            sin, cos = block_sin_cos(pos, first_row, offs_m, tl.arange(0, BLOCK_R), log2_theta, ROT_DIM, HAS_POS,
+                                     FAST_TRIG, False)
+            # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
+            for h in tl.range(0, kv_heads, num_stages=1):
+                _fwd_head(Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
+                          qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                          stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                          HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                          HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, TMA, True)
+        else:
+            unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            _fwd_head(Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
+                      qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                      HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, TMA, False)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -95,16 +147,17 @@ def _block_fwd_kernel(
         # TMA loads let Triton split the loop into producer and consumer warps (not without).
         for t in tl.range(lo, hi, warp_specialize=TMA):
             _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
-                      qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                      qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA, False)
     else:
         _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
-                  qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                  qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA,
+                  ROT_DIM > 0 and BLOCK_D <= _HEAD_LOOP_MAX_D)
 
 
 def block_attention_fwd(
@@ -132,7 +185,10 @@ def block_attention_fwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
     meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant, tma))
-    _launch_fwd(block_grid(variant, sched.programs, kv_heads, q.device, False), args, meta, q)
+    head_loop = _head_loop(meta, variant)
+    if head_loop:
+        meta["maxnreg"] = _HEAD_LOOP_MAXNREG
+    _launch_fwd(block_grid(variant, sched.programs, 1 if head_loop else kv_heads, q.device, False), args, meta, q)
     return o
 
 
