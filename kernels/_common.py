@@ -13,13 +13,11 @@ LOG2E = 1.4426950408889634
 MAX_TILE = 128
 
 
-# Which block-kernel variant runs: "simple" (one program per (block, kv head)), "persistent"
-# (a grid of resident programs, each looping over a balanced contiguous range of tiles) or
-# "persistent_ws" (the same, reading q, k, v, dO through TMA descriptors so that Triton
-# warp-specializes the tile loop: producer warps load tile i+1 while the others compute tile i;
-# calls TMA cannot serve run "persistent"). "auto" takes the variant measured fastest on the
-# GPU's generation (``AUTO_VARIANT``), else "simple".
-VARIANTS = ("simple", "persistent", "persistent_ws")
+# Which block-kernel variant runs: "simple" (one program per (block, kv head)) or "persistent"
+# (a grid of resident programs, each looping over a balanced contiguous range of tiles). "auto"
+# takes the variant measured fastest on the GPU's generation (``AUTO_VARIANT``), else "simple".
+# (A third, the persistent loop warp-specialized over TMA loads, was withdrawn: see PERF_NOTES.)
+VARIANTS = ("simple", "persistent")
 KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
 # Compute-capability major -> the variant that measured faster than "simple" there.
 AUTO_VARIANT: dict = {}
@@ -56,66 +54,9 @@ def block_grid(variant: str, programs: int, kv_heads: int, device: torch.device,
     return (min(programs * kv_heads, sm_count(device) * PROGRAMS_PER_SM[backward]),)
 
 
-def variant_options(variant: str, tma: bool) -> dict:
-    """Constexprs and launch options of a block-kernel variant (with TMA, 2 stages: the buffers
-    between the producer and consumer warps of the warp-specialized loop)."""
-    options = dict(PERSISTENT=variant != "simple", TMA=tma)
-    if tma:
-        options["num_stages"] = 2
-    return options
-
-
-def warp_specialized_builds(major: int, block_m: int, backward: bool, rotary: bool) -> bool:
-    """Whether the TMA / warp-specialized block kernel compiles for that GPU generation (Triton
-    3.6, checked by ``compile_check`` for sm_90 and sm_100): on sm_90 the warp-specialization
-    pass fails for 128-row tiles; on sm_100 it leaves the rotary backward's partitions too few
-    registers for ptxas."""
-    if major == 9:
-        return block_m <= 64
-    if major == 10:
-        return not (backward and rotary)
-    return False  # not built or checked for other generations
-
-
-def tma_ok(meta: dict, backward: bool, *tensors: torch.Tensor) -> bool:
-    """Whether the block kernels can read ``[T, H, D]`` tensors as TMA boxes of their
-    ``[T, H * D]`` view: heads packed (``stride_h == D``, ``stride_d == 1``), 16-byte aligned
-    base and row stride, D a power of two, rotary off or half-split over all of D in halves of at
-    least 16 channels (a box per half), 32-bit offsets, on a GPU where the kernel builds (CPU
-    tensors: the interpreter)."""
-    head_dim, rot = meta["HEAD_DIM"], meta["ROT_DIM"]
-    if meta["INT64"] or head_dim != meta["BLOCK_D"] or rot not in (0, head_dim):
-        return False
-    if rot and (meta["INTERLEAVED"] or meta["BLOCK_R"] != rot // 2):
-        return False
-    major = _major(tensors[0].device) if tensors[0].is_cuda else None
-    if major is not None and not warp_specialized_builds(major, meta["BLOCK_M"], backward, rot > 0):
-        return False
-    for t in tensors:
-        stride_t, stride_h, stride_d = t.stride()
-        if stride_d != 1 or (stride_h != head_dim and t.shape[1] > 1):
-            return False
-        if (stride_t * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    return True
-
-
-def tma_descriptors(tma: bool, meta: dict, split: tuple, whole: tuple) -> tuple:
-    """Host TMA descriptors of ``split`` (q, k: boxes of the rotary halves, or whole rows) and
-    ``whole`` tensors (v, dO: whole rows) for ``BLOCK_M``-row tiles; the tensors themselves
-    (unused placeholders) when ``tma`` is False."""
-    if not tma:
-        return split + whole
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    rows, head_dim = meta["BLOCK_M"], meta["HEAD_DIM"]
-    box = meta["BLOCK_R"] if meta["ROT_DIM"] else head_dim
-
-    def desc(t: torch.Tensor, cols: int):
-        total, heads, _ = t.shape
-        return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, cols])
-
-    return tuple(desc(t, box) for t in split) + tuple(desc(t, head_dim) for t in whole)
+def variant_options(variant: str) -> dict:
+    """Constexprs of a block-kernel variant."""
+    return dict(PERSISTENT=variant != "simple")
 
 
 def _pow2(n: int) -> int:

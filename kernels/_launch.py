@@ -69,9 +69,8 @@ class Launcher:
         return self._tensors, self._ints
 
     def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor) -> None:
-        """Launch; calls on ``q`` of at most ``FAST_MAX_ELEMENTS`` with 32-bit addressing and no
-        tensor descriptors go direct."""
-        fast = q.is_cuda and not meta["INT64"] and not meta.get("TMA") and q.numel() <= FAST_MAX_ELEMENTS
+        """Launch; calls on ``q`` of at most ``FAST_MAX_ELEMENTS`` with 32-bit addressing go direct."""
+        fast = q.is_cuda and not meta["INT64"] and q.numel() <= FAST_MAX_ELEMENTS
         if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **meta)
             return

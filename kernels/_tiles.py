@@ -68,20 +68,6 @@ def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, RECIP: tl.
 
 
 @triton.jit
-def load_tile(desc, ptr, start, col0, rows, row_ok, cols, col_ok, stride_t, stride_d,
-              INT64: tl.constexpr, TMA: tl.constexpr):
-    """A row tile of a ``[T, H, D]`` tensor: one TMA box at ``(start, col0)`` of the ``[T, H * D]``
-    descriptor ``desc`` (rows past the block zeroed, so nothing of a neighbouring block is used),
-    or masked loads of ``cols`` from ``ptr``."""
-    if TMA:
-        x = desc.load([start.to(tl.int32), col0.to(tl.int32)])
-        x = tl.where(row_ok[:, None], x, tl.zeros_like(x))
-    else:
-        x = load_cols(ptr, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64)
-    return x
-
-
-@triton.jit
 def head_rows(ptr, rows, stride_t, stride_h, head, INT64: tl.constexpr, FOLD: tl.constexpr):
     """``(pointer, row offsets, row stride)`` of one head's rows: ``ptr`` moved to the head, or
     with ``FOLD`` the head offset joined to 32-bit element offsets of the rows (row stride 1). In

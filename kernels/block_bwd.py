@@ -17,17 +17,17 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options,
+    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, variant_options,
 )
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
-from ._tiles import block_positions, block_probs, load_tile, pair_cols, pass_cols, store_cols
+from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
 
 
 @triton.jit
 def _bwd_tile(
-    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale,
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale,
     log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
@@ -36,13 +36,11 @@ def _bwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
 ):
     """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    # With TMA the body runs unconditionally (an empty slot loads zeros and stores nothing):
-    # Triton 3.6 does not warp-specialize a loop whose body is a branch on sm_100.
-    if TMA or n > 0:
+    if n > 0:
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < n
         rows = start + offs_m
@@ -50,8 +48,7 @@ def _bwd_tile(
         d_ok = offs_d < HEAD_DIM
         dtype = Q.dtype.element_ty
         k_ptr = K + hk * stride_kh
-        v = load_tile(Vd, V + hk * stride_vh, start, hk * HEAD_DIM, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd,
-                      INT64, TMA)
+        v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
         dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         if ROT_DIM > 0:
             offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
@@ -59,30 +56,26 @@ def _bwd_tile(
             # Angles reduced per column (H200: rotary backward D128 2.86 -> 2.76 ms; the forward
             # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
             sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, True)
-            ka, kb = load_rotated_pair(Kd, k_ptr, start, hk * HEAD_DIM, rows, row_ok, cols_a, cols_b, r_ok, sin, cos,
-                                       stride_kt, stride_kd, ROT_DIM, INT64, TMA)
+            ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, INT64)
             dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if ROT_DIM < HEAD_DIM:
             cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-            kp = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
-                           stride_kt, stride_kd, INT64, TMA)
+            kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
             dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
         for g in range(GROUPS):
             h = hk * GROUPS + g
             q_ptr = Q + h * stride_qh
             dq_ptr = DQ + h * stride_dqh
-            do = load_tile(DOd, DO + h * stride_doh, start, h * HEAD_DIM, rows, row_ok, offs_d, d_ok,
-                           stride_dot, stride_dod, INT64, TMA)
+            do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
             s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
             if ROT_DIM > 0:
-                qa, qb = load_rotated_pair(Qd, q_ptr, start, h * HEAD_DIM, rows, row_ok, cols_a, cols_b, r_ok, sin, cos,
-                                           stride_qt, stride_qd, ROT_DIM, INT64, TMA)
+                qa, qb = load_rotated_pair(q_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_qt, stride_qd,
+                                           INT64)
                 s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
                 s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
             if ROT_DIM < HEAD_DIM:
-                qp = load_tile(Qd, q_ptr, start, h * HEAD_DIM + ROT_DIM, rows, row_ok, cols_p, p_ok,
-                               stride_qt, stride_qd, INT64, TMA)
+                qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
                 s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
             p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, False)
             dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
@@ -113,7 +106,7 @@ def _bwd_tile(
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
 def _block_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos,
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
     slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
@@ -122,29 +115,28 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         lo, hi = persistent_range(slots, kv_heads)
-        # TMA loads let Triton split the loop into producer and consumer warps (not without).
-        for t in tl.range(lo, hi, warp_specialize=TMA):
-            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, t // kv_heads, t % kv_heads, slots,
+        for t in tl.range(lo, hi):
+            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, t // kv_heads, t % kv_heads, slots,
                       num_seqs, block_size, scale, qk_scale, log2_theta,
                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                       stride_dvt, stride_dvh, stride_dvd,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
     else:
-        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Qd, Kd, Vd, DOd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
+        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
                   num_seqs, block_size, scale, qk_scale, log2_theta,
                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                   stride_dvt, stride_dvh, stride_dvd,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
 
 
 def block_attention_bwd(
@@ -166,14 +158,13 @@ def block_attention_bwd(
                        rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
                        causal=causal, backward=True)
     variant = kernel_variant(q)
-    tma = variant == "persistent_ws" and tma_ok(meta, True, q, k, v, do)
     args = (
-        q, k, v, do, dq, dk, dv, *tma_descriptors(tma, meta, (q, k), (v, do)), sched.table,
+        q, k, v, do, dq, dk, dv, sched.table,
         positions if positions is not None else sched.table,
         sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant, tma))
+    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
     _launch_bwd(block_grid(variant, sched.programs, kv_heads, q.device, True), args, meta, q)
     return dq, dk, dv
 

@@ -4,11 +4,10 @@ Per program: one block of one kv head, and the ``GROUPS`` query heads that share
 Each query head does ``S = QK^T`` once, an exact softmax over the whole block (no running
 max, no correction factors) and ``O = PV``; only ``O`` is written, no logsumexp. Rotary is
 applied to the q and k tiles right after loading (see ``_rotary``). Rows past the block are
-masked (or, read as TMA boxes, zeroed: see ``_tiles.load_tile``), so no other block's data is used.
+masked, so no other block's data is used.
 
 Variants (``_common.KERNELS``): one program per (block, kv head), or a persistent grid whose
-programs loop over a balanced contiguous range of those tiles, optionally with TMA loads and
-a warp-specialized loop.
+programs loop over a balanced contiguous range of those tiles.
 """
 from __future__ import annotations
 
@@ -18,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, tma_descriptors, tma_ok, variant_options
+from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, variant_options
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
-from ._tiles import block_positions, block_probs, head_rows, load_tile, pair_cols, pass_cols, store_cols
+from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
@@ -39,13 +38,13 @@ def _head_loop(meta: dict, variant: str) -> bool:
 
 @triton.jit
 def _fwd_head(
-    Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, hk, sin, cos, qk_scale, log2_theta,
+    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, sin, cos, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
     """Kv head ``hk`` of a block and its query heads. ``HEAD_LOOP`` (called for each kv head in
     turn): the rotary ``sin``, ``cos`` are given, and the head offsets join the 32-bit row offsets
@@ -54,7 +53,7 @@ def _fwd_head(
     d_ok = offs_d < HEAD_DIM
     dtype = Q.dtype.element_ty
     v_ptr, v_rows, v_stride = head_rows(V, rows, stride_vt, stride_vh, hk, INT64, HEAD_LOOP)
-    v = load_tile(Vd, v_ptr, start, hk * HEAD_DIM, v_rows, row_ok, offs_d, d_ok, v_stride, stride_vd, INT64, TMA)
+    v = load_cols(v_ptr, v_rows, row_ok, offs_d, d_ok, v_stride, stride_vd, INT64)
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         if not HEAD_LOOP:
@@ -62,28 +61,23 @@ def _fwd_head(
             sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG,
                                      False)
         k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
-        ka, kb = load_rotated_pair(Kd, k_ptr, start, hk * HEAD_DIM, k_rows, row_ok, cols_a, cols_b,
-                                   r_ok, sin, cos, k_stride, stride_kd, ROT_DIM, INT64, TMA)
+        ka, kb = load_rotated_pair(k_ptr, k_rows, row_ok, cols_a, cols_b, r_ok, sin, cos, k_stride, stride_kd, INT64)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
         k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
-        kp = load_tile(Kd, k_ptr, start, hk * HEAD_DIM + ROT_DIM, k_rows, row_ok, cols_p, p_ok,
-                       k_stride, stride_kd, INT64, TMA)
+        kp = load_cols(k_ptr, k_rows, row_ok, cols_p, p_ok, k_stride, stride_kd, INT64)
     for g in range(GROUPS):
         q_ptr, q_rows, q_stride = head_rows(Q, rows, stride_qt, stride_qh, hk * GROUPS + g, INT64, HEAD_LOOP)
-        q_col = (hk * GROUPS + g) * HEAD_DIM
         s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
         if ROT_DIM > 0:
             # (Not load_rotated_pair: casting before the dots changes the sm_90 code, untimed.)
-            qa = load_tile(Qd, q_ptr, start, q_col, q_rows, row_ok, cols_a, r_ok, q_stride, stride_qd, INT64, TMA)
-            qb = load_tile(Qd, q_ptr, start, q_col + ROT_DIM // 2, q_rows, row_ok, cols_b, r_ok, q_stride, stride_qd,
-                           INT64, TMA)
+            qa = load_cols(q_ptr, q_rows, row_ok, cols_a, r_ok, q_stride, stride_qd, INT64)
+            qb = load_cols(q_ptr, q_rows, row_ok, cols_b, r_ok, q_stride, stride_qd, INT64)
             qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
             s = tl.dot(qa.to(dtype), tl.trans(ka), s, input_precision=PRECISION)
             s = tl.dot(qb.to(dtype), tl.trans(kb), s, input_precision=PRECISION)
         if ROT_DIM < HEAD_DIM:
-            qp = load_tile(Qd, q_ptr, start, q_col + ROT_DIM, q_rows, row_ok, cols_p, p_ok, q_stride, stride_qd,
-                           INT64, TMA)
+            qp = load_cols(q_ptr, q_rows, row_ok, cols_p, p_ok, q_stride, stride_qd, INT64)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
         # With rotary, rows normalized by a reciprocal (H200: D128 forward 1.33 -> 1.32 ms).
         p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
@@ -94,20 +88,18 @@ def _fwd_head(
 
 @triton.jit
 def _fwd_tile(
-    Q, K, V, O, Qd, Kd, Vd, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    Q, K, V, O, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, TMA: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
     """One block (table slot ``pid``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
     every kv head in turn (``hk`` unused), with the rotary angles computed once."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    # With TMA the body runs unconditionally (an empty slot loads zeros and stores nothing):
-    # Triton 3.6 does not warp-specialize a loop whose body is a branch on sm_100.
-    if TMA or n > 0:
+    if n > 0:
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < n
         rows = start + offs_m
@@ -117,46 +109,45 @@ def _fwd_tile(
                                      FAST_TRIG, False)
             # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
             for h in tl.range(0, kv_heads, num_stages=1):
-                _fwd_head(Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
+                _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
                           qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                           stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                           HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                          HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, TMA, True)
+                          HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True)
         else:
             unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            _fwd_head(Q, K, V, O, Qd, Kd, Vd, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
+            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
                       qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, TMA, False)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
 def _block_fwd_kernel(
-    Q, K, V, O, Qd, Kd, Vd, Sched, Pos,
+    Q, K, V, O, Sched, Pos,
     slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         lo, hi = persistent_range(slots, kv_heads)
-        # TMA loads let Triton split the loop into producer and consumer warps (not without).
-        for t in tl.range(lo, hi, warp_specialize=TMA):
-            _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
+        for t in tl.range(lo, hi):
+            _fwd_tile(Q, K, V, O, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
                       qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA, False)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, False)
     else:
-        _fwd_tile(Q, K, V, O, Qd, Kd, Vd, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
+        _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
                   qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, TMA,
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS,
                   ROT_DIM > 0 and BLOCK_D <= _HEAD_LOOP_MAX_D)
 
 
@@ -168,7 +159,7 @@ def block_attention_fwd(
     """Launch the forward kernel; returns ``o [T, H, D]`` (contiguous, dtype of ``q``)."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    o = torch.empty((total, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    o = q.new_empty((total, num_heads, head_dim))
     if total == 0:
         return o
     sched = Schedule(offsets, total, block_size, cpu_offsets)
@@ -177,14 +168,13 @@ def block_attention_fwd(
     meta = kernel_meta(q, k, v, o, block_size=block_size, rope_theta=rope_theta, rotary_dim=rotary_dim,
                        interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
     variant = kernel_variant(q)
-    tma = variant == "persistent_ws" and tma_ok(meta, False, q, k, v)
     args = (
-        q, k, v, o, *tma_descriptors(tma, meta, (q, k), (v,)), sched.table,
+        q, k, v, o, sched.table,
         positions if positions is not None else sched.table,
         sched.programs, sched.num_seqs, block_size, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant, tma))
+    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
     head_loop = _head_loop(meta, variant)
     if head_loop:
         meta["maxnreg"] = _HEAD_LOOP_MAXNREG

@@ -1,11 +1,9 @@
-"""Compile every block-kernel variant (simple, persistent and, on sm_90+, persistent with TMA
-loads and warp specialization) for a GPU architecture on a machine without a GPU.
+"""Compile every block-kernel variant (simple and persistent) for a GPU architecture on a
+machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
-generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
-and, in the warp-specialized variants, ``setmaxnreg`` (the producer/consumer register split)
-and TMA copies (``cp.async.bulk.tensor``).
+generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100).
 """
 from __future__ import annotations
 
@@ -19,14 +17,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ._common import variant_options, warp_specialized_builds
 from .block_bwd import _block_bwd_kernel
-from .block_fwd import _block_fwd_kernel
+from .block_fwd import _HEAD_LOOP_MAXNREG, _block_fwd_kernel, _head_loop
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
-WARP_SPECIALIZED = ("setmaxnreg", "cp.async.bulk.tensor")
-_DESCRIPTORS = ("Qd", "Kd", "Vd", "DOd")
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
@@ -37,15 +32,9 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
     16-divisible, as the JIT does at run time, so the PTX shows the real (vectorized) loads.
     """
     sig, attrs = {}, {}
-    rows, dim = constexprs["BLOCK_M"], constexprs["HEAD_DIM"]
-    box = constexprs["BLOCK_R"] if constexprs["ROT_DIM"] else dim
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-            continue
-        if name in _DESCRIPTORS and constexprs["TMA"]:
-            cols = box if name in ("Qd", "Kd") else dim
-            sig[name] = f"tensordesc<{dtype}[{rows}, {cols}]>"
             continue
         if name in ("Sched", "Pos"):
             sig[name] = "*i32"
@@ -60,16 +49,13 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
     return sig, attrs
 
 
-def variants(capability: int = 90) -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
-    """(name, kernel, dtype, constexprs) for every shipped kernel variant on that GPU generation
-    (the TMA / warp-specialized ones where they build: ``warp_specialized_builds``)."""
+def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
+    """(name, kernel, dtype, constexprs) for every shipped block-kernel variant."""
     kernels = (("fwd", _block_fwd_kernel), ("bwd", _block_bwd_kernel))
-    kinds = ("simple", "persistent", "persistent_ws")
+    kinds = ("simple", "persistent")
     for (kind, kernel), dtype, (block, dim), rotary, causal, variant in itertools.product(
         kernels, ("bf16", "fp16", "fp32"), ((64, 128), (64, 64), (128, 128)), (False, True), (False, True), kinds,
     ):
-        if variant == "persistent_ws" and not warp_specialized_builds(capability // 10, block, kind == "bwd", rotary):
-            continue
         name = (f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
                 f"{'' if variant == 'simple' else '_' + variant}")
         rot = dim if rotary else 0
@@ -77,7 +63,6 @@ def variants(capability: int = 90) -> Iterator[Tuple[str, object, str, Dict[str,
             HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
             BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
             FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=variant != "simple",
-            TMA=variant == "persistent_ws",
         )
         constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
         yield name, kernel, dtype, constexprs
@@ -87,10 +72,10 @@ def compile_variant(kernel, dtype: str, constexprs: Dict[str, object], capabilit
     """PTX of one variant with the launch options the launchers use."""
     signature, attrs = _signature(kernel, dtype, constexprs)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    variant = "persistent" if constexprs["PERSISTENT"] else "simple"
-    stages = variant_options(variant, constexprs["TMA"]).get("num_stages", 1)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=num_warps, num_stages=stages))
+    options = dict(num_warps=num_warps, num_stages=1)
+    if kernel is _block_fwd_kernel and _head_loop(constexprs, "persistent" if constexprs["PERSISTENT"] else "simple"):
+        options["maxnreg"] = _HEAD_LOOP_MAXNREG
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled.asm["ptx"]
 
 
@@ -103,7 +88,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
     count = 0
-    for name, kernel, dtype, constexprs in variants(ARCHS[args.arch]):
+    for name, kernel, dtype, constexprs in variants():
         if args.only not in name:
             continue
         count += 1
@@ -113,8 +98,7 @@ def main(argv=None) -> int:
             failures.append(f"{name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
         (args.out / f"{name}.ptx").write_text(ptx)
-        expected = EXPECTED[args.arch] + (WARP_SPECIALIZED if constexprs["TMA"] else ())
-        missing = [ins for ins in expected if ins not in ptx]
+        missing = [ins for ins in EXPECTED[args.arch] if ins not in ptx]
         if missing:
             failures.append(f"{name}: no {', '.join(missing)}")
     print(f"{args.arch}: {count} variants, {count - len(failures)} without failures, PTX in {args.out}")

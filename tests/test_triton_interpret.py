@@ -171,17 +171,12 @@ def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
     assert rel_err(inline, oracle_attention(q.double(), k.double(), v.double(), offsets, 2)) < 2e-5
 
 
-# With TMA, an empty tile slot runs on zeros and stores nothing (its NaN warnings are expected).
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("mode", ["inline", "table"])
-@pytest.mark.parametrize("variant", ["persistent", "persistent_ws"])
-def test_persistent_kernels_match_oracle(monkeypatch, variant, mode):
-    """The persistent variants (4 resident programs on CPU) loop over uneven tile ranges;
-    ``persistent_ws`` reads through TMA descriptors where it can (D = 32 here: a power of two,
-    rotary halves of 16) and runs as ``persistent`` elsewhere (D = 16 with rotary, D = 24)."""
+def test_persistent_kernels_match_oracle(monkeypatch, mode):
+    """The persistent variant (4 resident programs on CPU) loops over uneven tile ranges."""
     from blockattn_layers.kernels import _common, _schedule
 
-    monkeypatch.setattr(_common, "KERNELS", variant)
+    monkeypatch.setattr(_common, "KERNELS", "persistent")
     if mode == "table":
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     positions, tol = rotary_positions("int", sum(EDGE_LENGTHS))
@@ -191,11 +186,9 @@ def test_persistent_kernels_match_oracle(monkeypatch, variant, mode):
     _check(EDGE_LENGTHS, 3, 3, 24, torch.float16, block_size=48)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("variant", ["simple", "persistent", "persistent_ws"])
+@pytest.mark.parametrize("variant", ["simple", "persistent"])
 def test_other_sequences_never_leak_in(monkeypatch, variant):
-    """NaN in one sequence's q, k, v leaves every other sequence's outputs and gradients exact
-    (TMA boxes read past a block's end; those rows must be zeroed, not just ignored)."""
+    """NaN in one sequence's q, k, v leaves every other sequence's outputs and gradients exact."""
     from blockattn_layers.kernels import _common
 
     monkeypatch.setattr(_common, "KERNELS", variant)
@@ -239,7 +232,7 @@ def test_kernel_variant_knob(monkeypatch):
     x = torch.empty(1)
     assert _common.kernel_variant(x) == "simple"
     monkeypatch.setattr(_common, "KERNELS", "fast")
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent, persistent_ws"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent, got 'fast'"):
         _common.kernel_variant(x)
     assert _common.block_grid("simple", 10, 3, x.device, False) == (10, 3)
     assert _common.block_grid("persistent", 10, 3, x.device, False) == (16,)
