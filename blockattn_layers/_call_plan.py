@@ -29,11 +29,15 @@ def _tensor_key(x) -> tuple:
 
 
 def _key(q, k, v, offsets, positions, cpu_offsets, scalars: tuple) -> tuple:
+    # (Written out: this runs on every call and its host time is what small batches pay for.)
+    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend, validate = scalars
     return (
-        _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(offsets),
+        type(q), q.shape, q.dtype, q.device, type(k), k.shape, k.dtype, k.device,
+        type(v), v.shape, v.dtype, v.device, type(offsets), offsets.shape, offsets.dtype, offsets.device,
         None if positions is None else _tensor_key(positions),
         None if cpu_offsets is None else _tensor_key(cpu_offsets),
-        scalars, tuple([type(s) for s in scalars]),
+        scalars, (type(block_size), type(scale), type(causal), type(rope_theta), type(rotary_dim),
+                  type(rotary_interleaved), type(max_seqlen), type(backend), type(validate)),
     )
 
 

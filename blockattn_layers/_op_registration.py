@@ -99,7 +99,14 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
             # No gradients for offsets and the tuple of the other arguments.
             return _grads(bwd_impl if _eager(grad_out) else bwd, ctx, grad_out) + (None, None)
 
-    apply = _raw_apply(_Attention)
+    class _EagerAttention(_Attention):
+        # What ``attention`` runs for plain tensors: the forward needs no second ``_eager`` check.
+        @staticmethod
+        def forward(ctx, q, k, v, offsets, rest):
+            _save(ctx, q, k, v, offsets, *rest)
+            return fwd_impl(q, k, v, offsets, *rest)
+
+    apply = _raw_apply(_EagerAttention)
 
     def attention(q, k, v, offsets, *rest):
         if not _eager(q) or torch._C._are_functorch_transforms_active() or _wrapped(q, k, v):

@@ -50,6 +50,7 @@ class Launcher:
         self._tensors = self._ints = None
         self._tensor_positions: Tuple[int, ...] = ()
         self._compiled: Dict[Tuple, Tuple[object, tuple]] = {}
+        self._device = self._stream = None
 
     def _constexpr_names(self) -> list:
         if self._const_names is None:
@@ -74,7 +75,9 @@ class Launcher:
         if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **meta)
             return
-        device = driver.active.get_current_device()
+        if self._device is None:
+            self._device, self._stream = driver.active.get_current_device, driver.active.get_current_stream
+        device = self._device()
         tensors, ints = self._key_getters(args)
         tensors = tensors(args)
         addresses = [t.data_ptr() for t in tensors]
@@ -90,5 +93,5 @@ class Launcher:
         for i, address in zip(self._tensor_positions, addresses):
             args[i] = address
         grid_y = grid[1] if len(grid) > 1 else 1
-        compiled.run(grid[0], grid_y, 1, driver.active.get_current_stream(device), compiled.function,
+        compiled.run(grid[0], grid_y, 1, self._stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *consts)

@@ -154,7 +154,8 @@ def block_attention_bwd(
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
         return dq, dk, dv
-    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=block_size, rope_theta=rope_theta,
+    # (dk, dv: contiguous, no more elements than dq.)
+    meta = kernel_meta(q, k, v, do, dq, block_size=block_size, rope_theta=rope_theta,
                        rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
                        causal=causal, backward=True)
     variant = kernel_variant(q)
