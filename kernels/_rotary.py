@@ -26,13 +26,16 @@ def _sin_cos(angle, FAST_TRIG: tl.constexpr):
 
 
 @triton.jit
+def _reduced(angle):
+    """``angle`` moved into [-pi, pi]: sin/cos.approx are accurate (~1e-6 absolute) only there."""
+    return angle - _TWO_PI * tl.floor(angle * _INV_TWO_PI + 0.5)
+
+
+@triton.jit
 def rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM: tl.constexpr, FAST_TRIG: tl.constexpr):
     """``pos [M]`` float32, pair index ``offs_r [R]`` -> ``(sin, cos)``, each ``[M, R]``."""
     inv_freq = tl.exp2(-(2.0 * offs_r.to(tl.float32) / ROT_DIM) * log2_theta)
-    angle = pos[:, None] * inv_freq[None, :]
-    # Reduce to [-pi, pi] first: sin/cos.approx are accurate (~1e-6 absolute) only there.
-    angle = angle - _TWO_PI * tl.floor(angle * _INV_TWO_PI + 0.5)
-    return _sin_cos(angle, FAST_TRIG)
+    return _sin_cos(_reduced(pos[:, None] * inv_freq[None, :]), FAST_TRIG)
 
 
 @triton.jit
@@ -66,10 +69,8 @@ def block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM: tl.conste
         return rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
     inv_freq = tl.exp2(offs_r.to(tl.float32) * (log2_theta * (-2.0 / ROT_DIM)))
     if HAS_POS:
-        angle = pos[:, None] * inv_freq[None, :]
-        angle = angle - _TWO_PI * tl.floor(angle * _INV_TWO_PI + 0.5)
+        angle = _reduced(pos[:, None] * inv_freq[None, :])
     else:
-        base = first_row.to(tl.float32) * inv_freq
-        base = base - _TWO_PI * tl.floor(base * _INV_TWO_PI + 0.5)
+        base = _reduced(first_row.to(tl.float32) * inv_freq)
         angle = base[None, :] + offs_m.to(tl.float32)[:, None] * inv_freq[None, :]
     return _sin_cos(angle, FAST_TRIG)

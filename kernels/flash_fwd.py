@@ -30,25 +30,18 @@ from ._tiles import load_cols, store_cols
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-def fwd_launch_options(block_m: int, head_dim: int, device_type: str, major: int = 9) -> dict:
-    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; key-tile loads pipelined
-    3 deep on sm_90 and sm_100 (H200, seed3: 1.56 -> 1.31 ms against 2 stages), 2 deep on
-    the others (sm_8x and sm_120 have about 100 KB of shared memory per block, too little for
+def fwd_launch_options(block_m: int, head_dim: int, device_type: str, major: int = 9, block_size: int = 0) -> dict:
+    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4, except for the short blocks
+    of ``flash_tiles`` on sm_90 (8 warps up to 256 rows, 4 up to 512: H200 sweep); key-tile loads
+    pipelined 3 deep on sm_90 and sm_100 (H200, seed3: 1.56 -> 1.31 ms against 2 stages), 2 deep
+    on the others (sm_8x and sm_120 have about 100 KB of shared memory per block, too little for
     a third stage of 128-row tiles)."""
     warps = 8 if (block_m > 64 and head_dim > 64) or head_dim > 128 else 4
+    if major == 9 and head_dim <= 128 and 0 < block_size <= 512:
+        warps = 8 if block_size <= 256 else 4
     if device_type != "cuda":
         return dict(num_warps=warps, num_stages=1)
     return dict(num_warps=warps, num_stages=3 if major in (9, 10) else 2)
-
-
-def short_block_launch(block_size: int, head_dim: int, major: int) -> Optional[Tuple[Tuple[int, int], int]]:
-    """``((query tile, key tile), warps)`` for blocks of at most 512 rows on sm_90 at D <= 128,
-    else None (the defaults). Such a block has only a few key tiles per query tile; 32-row key
-    tiles give the 3-stage pipeline more of them (H200 sweep, bf16 D128: block 256 2.61 -> 2.11 ms
-    with 8 warps, block 512 3.59 -> 3.34 ms with 4; full attention keeps 64-row key tiles)."""
-    if major != 9 or head_dim > 128 or not 0 < block_size <= 512:
-        return None
-    return (128, 32), 8 if block_size <= 256 else 4
 
 
 @triton.jit
@@ -160,19 +153,14 @@ def flash_attention_fwd(
     if total == 0:
         return o, lse
     major = major_of(q)
-    short = short_block_launch(block_size, head_dim, major) if q.is_cuda and tiles is None else None
-    if tiles is None:
-        tiles = short[0] if short else flash_tiles(head_dim, q.device.type, q.element_size(), major)["fwd"]
-    block_m, block_n = tiles
+    block_m, block_n = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major, block_size)["fwd"]
     sched = FlashSchedule(offsets, total, block_size, block_m, cpu_offsets, longest_first=block_size == 0)
     if sched.programs == 0:
         return o, lse
     table = sched.table(late_first=True)
     meta = kernel_meta(q, k, v, o, block_size=block_m, rope_theta=rope_theta, rotary_dim=rotary_dim,
                        interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
-    meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type, major))
-    if short:
-        meta["num_warps"] = short[1]
+    meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type, major, block_size))
     _flash_fwd_kernel[(sched.programs * kv_heads,)](
         q, k, v, o, lse, table, positions if positions is not None else table,
         sched.programs, kv_heads, scale * LOG2E, meta.pop("log2_theta"),
