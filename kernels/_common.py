@@ -41,6 +41,11 @@ def _major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
+def major_of(x: torch.Tensor) -> int:
+    """Compute-capability major version of ``x``'s GPU (9 off the GPU: the Hopper choices)."""
+    return _major(x.device) if x.is_cuda else 9
+
+
 @functools.lru_cache(maxsize=16)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 for CPU tensors under the interpreter)."""
@@ -52,6 +57,31 @@ def block_grid(variant: str, programs: int, kv_heads: int, device: torch.device,
     if variant == "simple":
         return (programs, kv_heads)
     return (min(programs * kv_heads, sm_count(device) * PROGRAMS_PER_SM[backward]),)
+
+
+# Register caps (ptxas ``maxnreg``) of the simple block kernels with rotary. The forward's kv-head
+# loop (D <= 64, see ``block_fwd``) needs 128 to fit 4 programs per SM on every generation. The
+# others were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes) and apply there:
+# forward at D = 128: 104 (110 without a cap; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms);
+# backward at D = 64: 128 (140 without; 3 -> 4 programs per SM): 2.774 -> 2.673 ms. Plain kernels
+# take none: the plain D = 128 backward at 168 registers (4 programs instead of 2 by registers,
+# shared memory allows 3) measured 2.644 -> 2.623 ms, within noise, and 160 slower.
+HEAD_LOOP_MAXNREG = 128
+_SM90_MAXNREG = {(False, 128): 104, (True, 64): 128}
+
+
+def head_loop(meta: dict, variant: str) -> bool:
+    """Whether a forward launch loops over the kv heads in each program (``HEAD_LOOP``)."""
+    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= 64 and variant == "simple"
+
+
+def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize: int) -> Optional[int]:
+    """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
+    if not backward and head_loop(meta, variant):
+        return HEAD_LOOP_MAXNREG
+    if major != 9 or variant != "simple" or meta["ROT_DIM"] == 0 or meta["BLOCK_M"] != 64 or itemsize != 2:
+        return None
+    return _SM90_MAXNREG.get((backward, meta["BLOCK_D"]))
 
 
 def variant_options(variant: str) -> dict:

@@ -171,11 +171,6 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
     return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
 
 
-def major_of(x: torch.Tensor) -> int:
-    """Compute-capability major version of ``x``'s GPU (9 off the GPU: the Hopper tiles)."""
-    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 9
-
-
 @triton.jit
 def tile_of_program(Table, slots, slot):
     """``(block start, block length, first row of the block, first row of the tile)``; length 0: none."""

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, variant_options,
+    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
 )
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
@@ -166,6 +166,9 @@ def block_attention_bwd(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
     meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
+    regs = max_registers(meta, variant, True, major_of(q), q.element_size())
+    if regs:
+        meta["maxnreg"] = regs
     _launch_bwd(block_grid(variant, sched.programs, kv_heads, q.device, True), args, meta, q)
     return dq, dk, dv
 

@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, kernel_meta, kernel_variant, variant_options
+from ._common import (
+    LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
+)
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
@@ -25,15 +27,9 @@ from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_col
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
-# (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``:
-# 4 programs of 4 warps per SM.
+# (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``
+# (``_common.max_registers``): 4 programs of 4 warps per SM. ``_common.head_loop`` decides the same.
 _HEAD_LOOP_MAX_D = tl.constexpr(64)
-_HEAD_LOOP_MAXNREG = 128
-
-
-def _head_loop(meta: dict, variant: str) -> bool:
-    """Whether a launch loops over the kv heads in each program (the kernel's ``HEAD_LOOP``)."""
-    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= _HEAD_LOOP_MAX_D.value and variant == "simple"
 
 
 @triton.jit
@@ -175,10 +171,11 @@ def block_attention_fwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
     meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
-    head_loop = _head_loop(meta, variant)
-    if head_loop:
-        meta["maxnreg"] = _HEAD_LOOP_MAXNREG
-    _launch_fwd(block_grid(variant, sched.programs, 1 if head_loop else kv_heads, q.device, False), args, meta, q)
+    regs = max_registers(meta, variant, False, major_of(q), q.element_size())
+    if regs:
+        meta["maxnreg"] = regs
+    grid = block_grid(variant, sched.programs, 1 if head_loop(meta, variant) else kv_heads, q.device, False)
+    _launch_fwd(grid, args, meta, q)
     return o
 
 

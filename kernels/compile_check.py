@@ -18,7 +18,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .block_bwd import _block_bwd_kernel
-from .block_fwd import _HEAD_LOOP_MAXNREG, _block_fwd_kernel, _head_loop
+from ._common import max_registers
+from .block_fwd import _block_fwd_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
@@ -73,8 +74,11 @@ def compile_variant(kernel, dtype: str, constexprs: Dict[str, object], capabilit
     signature, attrs = _signature(kernel, dtype, constexprs)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=1)
-    if kernel is _block_fwd_kernel and _head_loop(constexprs, "persistent" if constexprs["PERSISTENT"] else "simple"):
-        options["maxnreg"] = _HEAD_LOOP_MAXNREG
+    variant = "persistent" if constexprs["PERSISTENT"] else "simple"
+    regs = max_registers(constexprs, variant, kernel is not _block_fwd_kernel, capability // 10,
+                         4 if dtype == "fp32" else 2)
+    if regs:
+        options["maxnreg"] = regs
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled.asm["ptx"]
 

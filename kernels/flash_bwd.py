@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_grads, kernel_meta, needs_int64
+from ._common import LOG2E, empty_grads, kernel_meta, major_of, needs_int64
 from ._flash_common import (
-    FlashSchedule, allowed, flash_tiles, load_split, major_of, row_ptrs, split_acc, split_scores, store_split,
+    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
 )
 from ._tiles import load_cols, store_cols

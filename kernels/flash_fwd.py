@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta
+from ._common import LOG2E, kernel_meta, major_of
 from ._flash_common import (
-    FlashSchedule, allowed, flash_tiles, load_split, major_of, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
+    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
 )
 from ._tiles import load_cols, store_cols
 

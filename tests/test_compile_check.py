@@ -21,3 +21,23 @@ def test_compile_check(arch, instruction, tmp_path):
     # (16 bytes each).
     vector = ("ld.global.v4", "cp.async.cg.shared.global")
     assert all(any(op in text for op in vector) for text in ptx.values()), "tile loads should be 16-byte vectors"
+
+
+def test_register_caps():
+    """``maxnreg`` only where it was measured: the rotary kv-head loop everywhere; the rotary
+    forward at D128 and backward at D64 on sm_90 with 16-bit inputs and 64-row simple tiles."""
+    from blockattn_layers.kernels._common import HEAD_LOOP_MAXNREG, max_registers
+
+    def meta(rot, d, m=64):
+        return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m)
+
+    assert max_registers(meta(64, 64), "simple", False, 8, 4) == HEAD_LOOP_MAXNREG
+    assert max_registers(meta(64, 64), "persistent", False, 9, 2) is None
+    assert max_registers(meta(128, 128), "simple", False, 9, 2) == 104
+    assert max_registers(meta(64, 64), "simple", True, 9, 2) == 128
+    assert max_registers(meta(32, 64), "simple", True, 9, 2) == 128
+    for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),
+                 (meta(128, 128), "simple", False, 9, 4), (meta(128, 128, 128), "simple", False, 9, 2),
+                 (meta(0, 128), "simple", False, 9, 2), (meta(0, 128), "simple", True, 9, 2),
+                 (meta(128, 128), "simple", True, 9, 2), (meta(64, 64), "persistent", True, 9, 2)]:
+        assert max_registers(*args) is None, args
