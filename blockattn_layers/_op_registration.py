@@ -52,7 +52,13 @@ def _wrapped(*tensors: torch.Tensor) -> bool:
     return is_wrapped(tensors[0]) or is_wrapped(tensors[1]) or is_wrapped(tensors[2])
 
 
-def _raw_apply(function: type) -> Callable:
+def plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Plain tensors outside tracing and functorch transforms: the entry points take
+    :func:`raw_apply` and call the implementations directly."""
+    return _eager(q) and not torch._C._are_functorch_transforms_active() and not _wrapped(q, k, v)
+
+
+def raw_apply(function: type) -> Callable:
     """``function.apply`` without its Python wrapper, for plain tensors outside functorch transforms.
 
     ``torch.autograd.Function.apply`` binds default arguments when ``setup_context`` is defined
@@ -106,10 +112,10 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
             _save(ctx, q, k, v, offsets, *rest)
             return fwd_impl(q, k, v, offsets, *rest)
 
-    apply = _raw_apply(_EagerAttention)
+    apply = raw_apply(_EagerAttention)
 
     def attention(q, k, v, offsets, *rest):
-        if not _eager(q) or torch._C._are_functorch_transforms_active() or _wrapped(q, k, v):
+        if not plain_eager(q, k, v):
             return _Attention.apply(q, k, v, offsets, rest)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return apply(q, k, v, offsets, rest)

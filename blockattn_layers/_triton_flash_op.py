@@ -25,6 +25,7 @@ from blockattn_layers.kernels._common import MAX_TILE
 from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
 
+from ._op_registration import plain_eager, raw_apply
 from ._params import AttentionParams
 from ._triton_op import _devices, _extra_reasons
 from .dispatch import AttentionRequest, BackendSpec, register_backend
@@ -80,11 +81,10 @@ def _save(ctx, inputs, out, lse) -> None:
 def _grads(bwd, ctx, grad_out):
     q, k, v, offsets, positions, cpu_offsets, out, lse = ctx.saved_tensors
     block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
-    dq, dk, dv = bwd(
+    return bwd(
         grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
         rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen,
     )
-    return (dq, dk, dv) + (None,) * (_NUM_ARGS - 3)
 
 
 def _setup_context(ctx, inputs, output):
@@ -94,27 +94,36 @@ def _setup_context(ctx, inputs, output):
 
 
 triton_flash_fwd.register_autograd(
-    lambda ctx, grad_out, grad_lse: _grads(triton_flash_bwd, ctx, grad_out), setup_context=_setup_context,
+    lambda ctx, grad_out, grad_lse: tuple(_grads(triton_flash_bwd, ctx, grad_out)) + (None,) * (_NUM_ARGS - 3),
+    setup_context=_setup_context,
 )
 
 
 class _FlashAttention(torch.autograd.Function):
     """The public entry: the ops while ``torch.compile``/``torch.export`` trace it, their
-    implementations directly in eager mode (skipping the custom-op wrappers' host time)."""
+    implementations directly in eager mode (skipping the custom-op wrappers' host time). The
+    trailing op arguments travel as one tuple (``apply``'s host time grows with their number)."""
 
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx, q, k, v, offsets, rest):
+        args = (q, k, v, offsets, *rest)
         out, lse = (triton_flash_fwd if torch.compiler.is_compiling() else _flash_fwd)(*args)
         _save(ctx, args, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _grads(triton_flash_bwd if torch.compiler.is_compiling() else _flash_bwd, ctx, grad_out)
+        bwd = triton_flash_bwd if torch.compiler.is_compiling() else _flash_bwd
+        return tuple(_grads(bwd, ctx, grad_out)) + (None, None)
+
+
+_apply = raw_apply(_FlashAttention)
 
 
 def run_triton_flash(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:
-    return _FlashAttention.apply(q, k, v, offsets, *params.op_args())
+    if plain_eager(q, k, v):
+        return _apply(q, k, v, offsets, params.op_args())
+    return _FlashAttention.apply(q, k, v, offsets, params.op_args())
 
 
 def _flash_reasons(req: AttentionRequest) -> list:

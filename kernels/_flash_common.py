@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import search_prefix
 from ._tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
@@ -44,11 +45,22 @@ def _tiles_of(length, block_size, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "block_size"])
 def _tile_prefix_kernel(
     Offsets, Perm, Cum, num_seqs, block_size,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_PERM: tl.constexpr,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_PERM: tl.constexpr, SORT: tl.constexpr,
 ):
     block_size = block_size.to(tl.int64)
     carry = tl.zeros((), dtype=tl.int64)
     tl.store(Cum, carry)
+    if SORT:
+        # ``num_seqs <= CHUNK``: write ``Perm``, the sequences longest first (ties in batch order),
+        # by sorting ``length * CHUNK + (CHUNK - 1 - index)`` in decreasing order.
+        i = tl.arange(0, CHUNK)
+        m = i < num_seqs
+        length = tl.load(Offsets + i + 1, mask=m, other=0).to(tl.int64) - tl.load(Offsets + i, mask=m, other=0)
+        key = tl.sort(tl.where(m, length * CHUNK + (CHUNK - 1 - i), -1), descending=True)
+        tl.store(Perm + i, (CHUNK - 1 - key % CHUNK).to(Perm.dtype.element_ty), mask=m)
+        n = tl.where(m, _tiles_of(key // CHUNK, block_size, TILE), 0)
+        tl.store(Cum + 1 + i, tl.cumsum(n, 0), mask=m)
+        return
     for lo in range(0, num_seqs, CHUNK):
         i = lo + tl.arange(0, CHUNK)
         m = i < num_seqs
@@ -122,13 +134,19 @@ class FlashSchedule:
         self.cum = None
         if self.programs == 0:
             return
-        if longest_first and self.num_seqs > 1:
-            lengths = offsets[1:] - offsets[:-1]
-            self.perm = torch.argsort(lengths, descending=True, stable=True)
+        # Longest first: sorted inside the prefix kernel up to one chunk of sequences (a
+        # device argsort costs 50-65 us of host time per call on the H200's host).
+        sort = longest_first and 1 < self.num_seqs <= _PREFIX_CHUNK
+        if sort:
+            self.perm = offsets.new_empty(self.num_seqs, dtype=torch.int32)
+        elif longest_first and self.num_seqs > 1:
+            self.perm = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
         self.cum = offsets.new_empty(self.num_seqs + 1, dtype=torch.int64)
-        _tile_prefix_kernel[(1,)](
-            offsets, self.perm if self.perm is not None else offsets, self.cum, self.num_seqs, self.block,
-            TILE=tile, CHUNK=_PREFIX_CHUNK, HAS_PERM=self.perm is not None,
+        # (Sorting: a power-of-two width from 16 on, at most 7 kernel variants.)
+        chunk = max(16, triton.next_power_of_2(self.num_seqs)) if sort else _PREFIX_CHUNK
+        _launch_prefix(
+            (1,), (offsets, self.perm if self.perm is not None else offsets, self.cum, self.num_seqs, self.block),
+            dict(TILE=tile, CHUNK=chunk, HAS_PERM=self.perm is not None and not sort, SORT=sort), offsets,
         )
 
     def table(self, late_first: bool) -> torch.Tensor:
@@ -136,13 +154,19 @@ class FlashSchedule:
         table = self.offsets.new_empty((4, max(self.programs, 1)), dtype=self.dtype)
         if self.programs == 0:
             return table
-        _tile_table_kernel[(triton.cdiv(self.programs, _TABLE_CHUNK),)](
-            self.offsets, self.perm if self.perm is not None else self.offsets, self.cum, table,
-            self.num_seqs, self.programs, 1 << (self.num_seqs.bit_length() - 1), self.num_seqs.bit_length(),
-            self.block, TILE=self.tile, CHUNK=_TABLE_CHUNK, HAS_PERM=self.perm is not None,
-            LATE_FIRST=late_first,
+        _launch_table(
+            (triton.cdiv(self.programs, _TABLE_CHUNK),),
+            (self.offsets, self.perm if self.perm is not None else self.offsets, self.cum, table,
+             self.num_seqs, self.programs, 1 << (self.num_seqs.bit_length() - 1), self.num_seqs.bit_length(),
+             self.block),
+            dict(TILE=self.tile, CHUNK=_TABLE_CHUNK, HAS_PERM=self.perm is not None, LATE_FIRST=late_first),
+            self.offsets,
         )
         return table
+
+
+_launch_prefix = Launcher(_tile_prefix_kernel)
+_launch_table = Launcher(_tile_table_kernel)
 
 
 def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int = 9, block_size: int = 0) -> dict:

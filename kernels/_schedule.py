@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launcher
+
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
 # Batches of at most this many sequences use the in-kernel schedule (a power of two: the
@@ -149,9 +151,14 @@ class Schedule:
         if self.programs == 0:
             return
         cum = offsets.new_empty(num_seqs + 1, dtype=dtype)
-        _block_prefix_kernel[(1,)](offsets, cum, num_seqs, BLOCK_SIZE=block_size, CHUNK=_PREFIX_CHUNK)
-        _block_table_kernel[(triton.cdiv(self.programs, _TABLE_CHUNK),)](
-            offsets, cum, self.table, num_seqs, self.programs,
-            1 << (num_seqs.bit_length() - 1), num_seqs.bit_length(),
-            BLOCK_SIZE=block_size, CHUNK=_TABLE_CHUNK,
+        _launch_prefix((1,), (offsets, cum, num_seqs), dict(BLOCK_SIZE=block_size, CHUNK=_PREFIX_CHUNK), offsets)
+        _launch_table(
+            (triton.cdiv(self.programs, _TABLE_CHUNK),),
+            (offsets, cum, self.table, num_seqs, self.programs, 1 << (num_seqs.bit_length() - 1),
+             num_seqs.bit_length()),
+            dict(BLOCK_SIZE=block_size, CHUNK=_TABLE_CHUNK), offsets,
         )
+
+
+_launch_prefix = Launcher(_block_prefix_kernel)
+_launch_table = Launcher(_block_table_kernel)

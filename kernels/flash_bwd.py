@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_grads, kernel_meta, major_of, needs_int64
+from ._common import LOG2E, kernel_meta, major_of, needs_int64
+from ._launch import Launcher
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
@@ -268,48 +269,55 @@ def flash_attention_bwd(
     """
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    dq, dk, dv = empty_grads(q, k, v)
+    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     if total == 0:
-        return dq, dk, dv
+        return q.new_empty(q.shape), dk, dv
     tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q))
     dkv_n, dkv_m = tiles["dkv"]
     dq_m, dq_n = tiles["dq"]
     longest_first = block_size == 0
     dkv_sched = FlashSchedule(offsets, total, block_size, dkv_n, cpu_offsets, longest_first)
     if dkv_sched.programs == 0:
-        return dq, dk, dv
+        return q.new_empty(q.shape), dk, dv
     dq_sched = dkv_sched if dq_m == dkv_n else FlashSchedule(
         offsets, total, block_size, dq_m, cpu_offsets, longest_first)
     lse = lse.contiguous()
     delta = q.new_empty((num_heads, total), dtype=torch.float32)
-    _flash_delta_kernel[(triton.cdiv(total, _DELTA_ROWS), num_heads)](
-        o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0),
-        HEAD_DIM=head_dim, BLOCK_T=_DELTA_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),
-        INT64=needs_int64(o, do),
+    _launch_delta(
+        (triton.cdiv(total, _DELTA_ROWS), num_heads), (o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)),
+        dict(HEAD_DIM=head_dim, BLOCK_T=_DELTA_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),
+             INT64=needs_int64(o, do)), q,
     )
     common = dict(rope_theta=rope_theta, rotary_dim=rotary_dim, interleaved=rotary_interleaved,
                   positions=positions, causal=causal, backward=True)
     groups = num_heads // kv_heads
 
-    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dkv_m, **common)
+    meta = kernel_meta(q, k, v, do, dk, dv, block_size=dkv_m, **common)
     log2_theta = meta.pop("log2_theta")
     meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
     table = dkv_sched.table(late_first=False)
-    _flash_bwd_dkdv_kernel[(dkv_sched.programs * kv_heads,)](
+    meta.update(GROUPS=groups, BLOCK_N=dkv_n)
+    _launch_dkdv((dkv_sched.programs * kv_heads,), (
         q, k, v, do, lse, delta, dk, dv, table, positions if positions is not None else table,
         dkv_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
-        GROUPS=groups, BLOCK_N=dkv_n, **meta,
-    )
+    ), meta, q)
 
+    # (dq allocated once the dK/dV pass is queued: host time before that launch is GPU idle time.)
+    dq = q.new_empty(q.shape)
     meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dq_m, **common)
     meta.pop("log2_theta")
     meta.update(bwd_launch_options(dq_m, head_dim, q.device.type))
     table = dq_sched.table(late_first=True)
-    _flash_bwd_dq_kernel[(dq_sched.programs * kv_heads,)](
+    meta.update(GROUPS=groups, BLOCK_N=dq_n)
+    _launch_dq((dq_sched.programs * kv_heads,), (
         q, k, v, do, lse, delta, dq, table, positions if positions is not None else table,
         dq_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), lse.stride(0),
-        GROUPS=groups, BLOCK_N=dq_n, **meta,
-    )
+    ), meta, q)
     return dq, dk, dv
+
+
+_launch_delta = Launcher(_flash_delta_kernel)
+_launch_dkdv = Launcher(_flash_bwd_dkdv_kernel)
+_launch_dq = Launcher(_flash_bwd_dq_kernel)

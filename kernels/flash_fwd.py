@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of
+from ._launch import Launcher
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
 )
@@ -161,10 +162,14 @@ def flash_attention_fwd(
     meta = kernel_meta(q, k, v, o, block_size=block_m, rope_theta=rope_theta, rotary_dim=rotary_dim,
                        interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
     meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type, major, block_size))
-    _flash_fwd_kernel[(sched.programs * kv_heads,)](
+    args = (
         q, k, v, o, lse, table, positions if positions is not None else table,
         sched.programs, kv_heads, scale * LOG2E, meta.pop("log2_theta"),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0),
-        GROUPS=num_heads // kv_heads, BLOCK_N=block_n, **meta,
     )
+    meta.update(GROUPS=num_heads // kv_heads, BLOCK_N=block_n)
+    _launch_fwd((sched.programs * kv_heads,), args, meta, q)
     return o, lse
+
+
+_launch_fwd = Launcher(_flash_fwd_kernel)

@@ -97,6 +97,31 @@ def test_tile_table_covers_every_row_once(lengths, block_size, tile, exact, late
 
 
 @interpret_only
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(0, 200), max_size=12), chunk=st.sampled_from([1024, 4]))
+def test_full_attention_visits_longest_first(lengths, chunk):
+    """Full attention's table lists sequences longest first, ties in batch order: sorted inside
+    the prefix kernel up to one chunk of sequences, by a device argsort past it."""
+    from blockattn_layers.kernels import _flash_common
+
+    offsets = offsets_from_lengths(lengths)
+    old = _flash_common._PREFIX_CHUNK
+    _flash_common._PREFIX_CHUNK = chunk
+    try:
+        sched = FlashSchedule(offsets, sum(lengths), 0, 16, None, True)
+        table = sched.table(False)[:2].tolist() if sched.programs else ([], [])
+    finally:
+        _flash_common._PREFIX_CHUNK = old
+    seq_of = {int(offsets[i]): i for i in range(len(lengths)) if lengths[i]}
+    visited = []
+    for s, n in zip(*table):
+        if n and seq_of[s] not in visited:
+            visited.append(seq_of[s])
+    expected = sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: (-lengths[i], i))
+    assert visited == expected
+
+
+@interpret_only
 @pytest.mark.parametrize(
     "lengths,block_size,heads,kv_heads,dim,causal,dtype",
     [

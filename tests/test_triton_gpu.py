@@ -205,12 +205,12 @@ def test_more_than_2_pow_31_elements():
 
 @pytest.mark.parametrize("path", ["fast", "specialized"])
 def test_small_calls_launch_path(monkeypatch, path):
-    """Small calls launch an unspecialized twin directly from the second call on; both paths,
-    with the block table or the in-kernel schedule, match the oracle on changing batches."""
+    """Calls launch the compiled kernel directly from the second call on; both paths, with the
+    block table or the in-kernel schedule, match the oracle on changing batches."""
     from blockattn_layers.kernels import _launch, _schedule
 
     if path == "specialized":
-        monkeypatch.setattr(_launch, "FAST_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(_launch, "DIRECT", False)
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0], [1, 1, 200, 0, 64, 65])):
         q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)

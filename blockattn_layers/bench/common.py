@@ -36,6 +36,7 @@ class Case:
     block_size: Optional[int]
     rope_theta: Optional[float] = None
     layer: Optional[LayerConfig] = None
+    graphed: bool = False
 
     @property
     def batch(self) -> int:
@@ -80,7 +81,8 @@ class Case:
             heads = f"d_model {cfg.d_model}, nhead {cfg.nhead}, ffn {cfg.dim_feedforward}"
         else:
             heads = f"H {self.num_heads}, D {self.head_dim}"
-        return f"B {self.batch}, T {self.total:,}, max len {self.max_seqlen}, {heads}, {block}{rope}"
+        graph = ", timed as CUDA-graph replays" if self.graphed else ""
+        return f"B {self.batch}, T {self.total:,}, max len {self.max_seqlen}, {heads}, {block}{rope}{graph}"
 
 
 @dataclass(eq=False)

@@ -10,6 +10,10 @@ every call; small shapes also rotate between input sets), a host-clock median on
   (transposes, gathers' index_add, rotary's backward); the autograd engine adds a few microseconds.
 * ``fwd+bwd``: a fresh forward and its backward per call.
 
+Cases marked ``graphed`` (the small shape's second case) time the same calls captured in CUDA
+graphs, one per input set, and replayed in turn: GPU time without the host's launch costs, for
+every method alike. A method whose calls cannot be captured gets the error in that mode.
+
 Peak memory is ``torch.cuda.max_memory_allocated()`` during one call minus what was allocated
 before it (for ``bwd`` the retained graph is already counted in the base).
 """
@@ -108,6 +112,29 @@ def mode_fn(sets: Sequence[Prepared], mode: str) -> Callable[[], object]:
     return backward
 
 
+def graphed_fn(sets: Sequence[Prepared], mode: str, device: torch.device) -> Callable[[], object]:
+    """``mode_fn``'s call on each input set captured in a CUDA graph (after a warm-up on the
+    capture stream, where the bwd mode also builds its retained autograd graphs, so that the
+    backward runs on the stream being captured); the callable replays them in turn."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graphs = []
+    with torch.cuda.stream(stream):
+        calls = [mode_fn([p], mode) for p in sets]
+        for call in calls:
+            for _ in range(3):
+                call()
+        stream.synchronize()
+        for call in calls:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                call()
+            graphs.append(graph)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    turn = itertools.cycle(graphs)
+    return lambda: next(turn).replay()
+
+
 def n_input_sets(case: Case, cfg: RunConfig) -> int:
     """Enough input sets to cycle through three times the L2 cache (1 for large shapes)."""
     if cfg.device.type != "cuda" or case.layer is not None:
@@ -171,6 +198,8 @@ class CaseRunner:
         )
         if method.gpu_only and cfg.device.type != "cuda":
             return dict(row, status="skipped", reason="GPU-only baseline (no CUDA device)")
+        if case.graphed and cfg.device.type != "cuda":
+            return dict(row, status="skipped", reason="CUDA-graph timing needs a CUDA device")
         try:
             reason = method.skip(case, cfg)
         except Exception as err:  # a broken capability check is a failure of that row only
@@ -205,8 +234,12 @@ class CaseRunner:
 
     def _time(self, prepared: List[Prepared], mode: str) -> Dict[str, object]:
         try:
-            fn = mode_fn(prepared, mode)
-            peak = peak_mib(fn, self.cfg.device)
+            if self.case.graphed:
+                fn = graphed_fn(prepared, mode, self.cfg.device)
+                peak = None
+            else:
+                fn = mode_fn(prepared, mode)
+                peak = peak_mib(fn, self.cfg.device)
             return {f"{mode}_ms": measure_ms(fn, self.cfg.device, self.timing), f"{mode}_peak_mib": peak}
         except Exception as err:
             return {f"{mode}_error": _short(err)}

@@ -42,7 +42,12 @@ def prod_aligned() -> List[Case]:
 
 
 def small() -> List[Case]:
-    return _heads("small", uniform_lengths(64, 1, 256, seed=1), BLOCK, heads=((4, 64),))
+    """B = 64 lengths in [1, 256]: host-bound. Timed twice: as eager calls (host time included
+    where it exceeds the GPU time) and as CUDA-graph replays (GPU time: METHOD.md's way to time
+    small launches, and how host-bound training steps are run)."""
+    lengths = uniform_lengths(64, 1, 256, seed=1)
+    return [Case("small/d64h4", "small", lengths, 4, 64, BLOCK),
+            Case("small_graph/d64h4", "small", lengths, 4, 64, BLOCK, graphed=True)]
 
 
 def rotary() -> List[Case]:
