@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import os
 import sys
 import traceback
@@ -308,6 +309,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{args.attn_backend}, {args.dtype}, {args.steps} steps, "
                   f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}, torch {torch.__version__}", flush=True)
         passed = run_check(args, device)
+        # The DDP model of run_check sits in reference cycles: collect it (its reducer holds the
+        # process group) while the group is alive, and leave together. Without both, gloo
+        # aborted the process at exit now and then ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
     except Exception:
         print(f"[rank {dist.get_rank()}] FAIL\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1

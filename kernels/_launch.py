@@ -30,6 +30,7 @@ from triton.runtime import driver
 # False sends every launch through ``kernel[grid]`` (the tests run both paths).
 DIRECT = True
 
+
 def _picker(indices: Sequence[int]):
     """``args -> tuple(args[i] for i in indices)`` (an ``itemgetter`` where it returns a tuple)."""
     if len(indices) > 1:
