@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
+    HEAD_LOOP_MAX_D, LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers,
+    variant_options,
 )
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
@@ -29,7 +30,7 @@ from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_col
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
 # (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``
 # (``_common.max_registers``): 4 programs of 4 warps per SM. ``_common.head_loop`` decides the same.
-_HEAD_LOOP_MAX_D = tl.constexpr(64)
+_HEAD_LOOP_MAX_D = tl.constexpr(HEAD_LOOP_MAX_D)
 
 
 @triton.jit
