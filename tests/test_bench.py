@@ -83,3 +83,14 @@ def test_shape_names():
     assert "tiny" not in shapes.resolve("all") and shapes.resolve("default") == list(shapes.DEFAULT_SHAPES)
     with pytest.raises(ValueError, match="unknown shape"):
         shapes.resolve("prod,nope")
+
+
+def test_small_shape_is_timed_eager_and_graphed():
+    """The small shape comes twice on the same lengths: eager calls and CUDA-graph replays; the
+    graphed case needs CUDA and says so off the GPU instead of timing eager calls under its name."""
+    eager, graphed = shapes.small()
+    assert not eager.graphed and graphed.graphed and torch.equal(eager.lengths, graphed.lengths)
+    assert "CUDA-graph" in graphed.describe()
+    rows = runner.run_case(graphed, [_reference_method("right", lambda out: out)], CPU, runner.Timing(cpu_reps=1),
+                           modes=("fwd",))
+    assert rows[0]["status"] == "skipped" and "CUDA" in rows[0]["reason"] and "fwd_ms" not in rows[0]
