@@ -11,8 +11,9 @@ differentiable. As for the other backends, ``block_attention`` goes through a pl
 ``torch.autograd.Function`` that calls the ops under ``torch.compile``/``torch.export`` and
 their implementations directly in eager mode; it returns ``out`` only.
 
-Not selected by ``backend="auto"``: on the H200 it is correct but only as fast as FA2 varlen
-(``BENCHMARKS.md``); ask for it with ``backend="triton_flash"``.
+``backend="auto"`` takes it on CUDA devices for what the single-tile ``triton`` backend does
+not serve (blocks longer than 128 tokens, full attention); on the H200 it is faster than FA2
+varlen both ways (``BENCHMARKS.md``).
 """
 from __future__ import annotations
 
@@ -147,5 +148,5 @@ register_backend(BackendSpec(
     extra_reasons=_flash_reasons,
     description="multi-tile Triton kernels with an online softmax (block_size > 128 or None = full "
     "attention), FA2-style deterministic backward; CUDA sm_80+, or CPU tensors under TRITON_INTERPRET=1 "
-    "(by name only). On the H200: full attention 1.28-1.31x FA2 varlen forward, 1.12-1.15x backward",
+    "(by name only). On the H200: full attention 1.30-1.31x FA2 varlen forward, 1.12-1.15x backward",
 ))
