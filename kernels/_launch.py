@@ -16,7 +16,8 @@ On a hit, tensors are passed to the compiled kernel as their addresses (ints): f
 Triton's C launcher otherwise calls ``data_ptr()`` and asks the driver whether the address is
 a device pointer, a few microseconds per launch; these tensors are on the call's device.
 
-Launch hooks (profilers) force the ordinary path.
+Launch hooks (profilers) force the ordinary path. Triton launches on the current device; a call
+whose tensors are on another GPU switches to theirs for the launch.
 """
 from __future__ import annotations
 
@@ -72,14 +73,26 @@ class Launcher:
         return self._tensors, self._ints
 
     def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor) -> None:
-        """Launch; calls on CUDA tensors (``q``) with 32-bit addressing go direct."""
-        fast = DIRECT and q.is_cuda and not meta.get("INT64", False)
-        if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        """Launch on ``q``'s device: Triton launches on the current device, so a call whose tensors
+        live on another GPU switches to theirs for the launch."""
+        if not q.is_cuda:
             self.kernel[grid](*args, **meta)
             return
         if self._device is None:
             self._device, self._stream = driver.active.get_current_device, driver.active.get_current_stream
-        device = self._device()
+        device = q.get_device()
+        if device != self._device():
+            with torch.cuda.device(device):
+                self._launch(grid, args, meta, device)
+            return
+        self._launch(grid, args, meta, device)
+
+    def _launch(self, grid: Sequence[int], args: Sequence[object], meta: dict, device: int) -> None:
+        """On the current device ``device``: calls with 32-bit addressing go direct."""
+        fast = DIRECT and not meta.get("INT64", False)
+        if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            self.kernel[grid](*args, **meta)
+            return
         tensors, ints = self._key_getters(args)
         tensors = tensors(args)
         addresses = [t.data_ptr() for t in tensors]

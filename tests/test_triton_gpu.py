@@ -280,3 +280,24 @@ def test_cpu_offsets_exact_grid_matches():
     a = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
     b = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4, cpu_offsets=offsets.cpu())
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("block_size", [64, None], ids=["block", "full"])
+def test_tensors_on_a_gpu_that_is_not_current(block_size):
+    """Triton launches on the current device; a call on cuda:1 while cuda:0 is current runs on
+    cuda:1 and gives what it gives with cuda:1 current, forward and gradients."""
+    q, k, v, offsets = (x.to("cuda:1") for x in make_inputs([70, 0, 130, 5, 1], 4, 2, 64, torch.float16))
+    grad_out = torch.randn_like(q)
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = bl.block_attention(*leaves, offsets, block_size, causal=True, rope_theta=1e4, backend="auto")
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    with torch.cuda.device(0):
+        got = run()
+    with torch.cuda.device(1):
+        want = run()
+    for a, b in zip(got, want):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)
