@@ -63,7 +63,7 @@ def raw_apply(function: type) -> Callable:
 
     ``torch.autograd.Function.apply`` binds default arguments when ``setup_context`` is defined
     (not here), checks for functorch transforms and unwraps tensors of exited transforms (the
-    caller checks both: :func:`_wrapped`) before calling the C implementation: about a third of
+    caller checks both: :func:`plain_eager`) before calling the C implementation: about a third of
     the host time of the call. The entry point falls back to ``apply`` where torch lacks it.
     """
     raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")

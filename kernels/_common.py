@@ -67,13 +67,12 @@ def block_grid(variant: str, programs: int, kv_heads: int, device: torch.device,
 # take none: the plain D = 128 backward at 168 registers (4 programs instead of 2 by registers,
 # shared memory allows 3) measured 2.644 -> 2.623 ms, within noise, and 160 slower.
 HEAD_LOOP_MAXNREG = 128
-HEAD_LOOP_MAX_D = 64
 _SM90_MAXNREG = {(False, 128): 104, (True, 64): 128}
 
 
 def head_loop(meta: dict, variant: str) -> bool:
     """Whether a forward launch loops over the kv heads in each program (``HEAD_LOOP``)."""
-    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= HEAD_LOOP_MAX_D and variant == "simple"
+    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= 64 and variant == "simple"
 
 
 def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize: int) -> Optional[int]:

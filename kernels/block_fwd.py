@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    HEAD_LOOP_MAX_D, LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers,
-    variant_options,
+    LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
 )
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
@@ -29,8 +28,8 @@ from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_col
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
 # (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``
-# (``_common.max_registers``): 4 programs of 4 warps per SM. ``_common.head_loop`` decides the same.
-_HEAD_LOOP_MAX_D = tl.constexpr(HEAD_LOOP_MAX_D)
+# (``_common.max_registers``): 4 programs of 4 warps per SM. ``_common.head_loop`` decides it for
+# the launch (the kernel's ``HEAD_LOOP``, and a grid of one kv head).
 
 
 @triton.jit
@@ -129,7 +128,7 @@ def _block_fwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
     if PERSISTENT:
         lo, hi = persistent_range(slots, kv_heads)
@@ -144,8 +143,7 @@ def _block_fwd_kernel(
                   qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS,
-                  ROT_DIM > 0 and BLOCK_D <= _HEAD_LOOP_MAX_D)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP)
 
 
 def block_attention_fwd(
@@ -171,11 +169,12 @@ def block_attention_fwd(
         sched.programs, sched.num_seqs, block_size, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
+    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, HEAD_LOOP=head_loop(meta, variant),
+                **variant_options(variant))
     regs = max_registers(meta, variant, False, major_of(q), q.element_size())
     if regs:
         meta["maxnreg"] = regs
-    grid = block_grid(variant, sched.programs, 1 if head_loop(meta, variant) else kv_heads, q.device, False)
+    grid = block_grid(variant, sched.programs, 1 if meta["HEAD_LOOP"] else kv_heads, q.device, False)
     _launch_fwd(grid, args, meta, q)
     return o
 

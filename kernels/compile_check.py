@@ -17,8 +17,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ._common import head_loop, max_registers
 from .block_bwd import _block_bwd_kernel
-from ._common import max_registers
 from .block_fwd import _block_fwd_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
@@ -66,6 +66,8 @@ def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
             FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=variant != "simple",
         )
         constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
+        if kernel is _block_fwd_kernel:
+            constexprs["HEAD_LOOP"] = head_loop(constexprs, variant)
         yield name, kernel, dtype, constexprs
 
 

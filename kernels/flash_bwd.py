@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of, needs_int64
-from ._launch import Launcher
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
 )
+from ._launch import Launcher
 from ._tiles import load_cols, store_cols
 
 _DELTA_ROWS = 64

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of
-from ._launch import Launcher
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
 )
+from ._launch import Launcher
 from ._tiles import load_cols, store_cols
 
 _LN2 = tl.constexpr(0.6931471805599453)
