@@ -42,20 +42,17 @@ def _eager(x: torch.Tensor) -> bool:
 
     Meta, fake and functional tensors (compile, export, user fake modes) go through the op.
     """
-    return type(x) is torch.Tensor and x.device.type != "meta" and not torch.compiler.is_compiling()
-
-
-def _wrapped(*tensors: torch.Tensor) -> bool:
-    """Whether one of ``tensors`` is a functorch wrapper (a tensor left over from an exited
-    ``torch.func`` transform is one, though its type is ``torch.Tensor``)."""
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return is_wrapped(tensors[0]) or is_wrapped(tensors[1]) or is_wrapped(tensors[2])
+    return type(x) is torch.Tensor and not x.is_meta and not torch.compiler.is_compiling()
 
 
 def plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Plain tensors outside tracing and functorch transforms: the entry points take
-    :func:`raw_apply` and call the implementations directly."""
-    return _eager(q) and not torch._C._are_functorch_transforms_active() and not _wrapped(q, k, v)
+    :func:`raw_apply` and call the implementations directly. (A tensor left over from an exited
+    ``torch.func`` transform is a functorch wrapper, though its type is ``torch.Tensor``.)"""
+    if not _eager(q) or torch._C._are_functorch_transforms_active():
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not (is_wrapped(q) or is_wrapped(k) or is_wrapped(v))
 
 
 def raw_apply(function: type) -> Callable:

@@ -16,7 +16,9 @@ AdamW steps on its own seeded jagged batches (zero-length sequences included). T
 
 - every parameter, gradient, input and output, and every attention call's inputs and outputs,
   are on the rank's device; each attention forward and backward ran with that device current;
-  no other GPU holds memory allocated by the process (no hidden ``cuda:0``);
+  no other GPU holds memory allocated by the process (no hidden ``cuda:0``); on CUDA, the last
+  step runs under ``torch.profiler``: every GPU kernel it records ran on the rank's device, and
+  the attention kernels (``_block_fwd_kernel``, ``_block_bwd_kernel``) are among them;
 - on CUDA, the attention ops (forward and backward, nothing else) run under
   ``torch.cuda.set_sync_debug_mode("error")`` without raising: no device-to-host sync inside them
   (no ``cpu_offsets`` are passed). That mode sees syncs made through PyTorch only;
@@ -30,6 +32,7 @@ Rank 0 prints one report line per rank and a final ``PASS`` or ``FAIL`` line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -192,21 +195,66 @@ def _other_gpu_allocations(device: torch.device) -> List[str]:
     return [f"{peak} B allocated on {name}" for name, peak in peaks.items() if name != str(device) and peak]
 
 
+ATTENTION_KERNELS = ("_block_fwd_kernel", "_block_bwd_kernel")
+
+
+class KernelDevices:
+    """On CUDA, records the GPU kernels run inside the ``with`` block (``torch.profiler``) and
+    counts them per device: ``attention`` for the Triton attention kernels, ``other`` for the rest."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.counts: Counter = Counter()
+        self._profiler = None
+
+    def __enter__(self) -> "KernelDevices":
+        if self.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._profiler is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self._profiler.__exit__(*exc)
+        for event in self._profiler.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("Memcpy"):
+                kind = "attention" if event.name.startswith(ATTENTION_KERNELS) else "other"
+                self.counts[f"cuda:{event.device_index}", kind] += 1
+
+    def problems(self) -> List[str]:
+        if self.device.type != "cuda":
+            return []
+        found = [f"{n} {kind} kernel(s) on {where}" for (where, kind), n in self.counts.items() if where != str(self.device)]
+        if not self.counts[str(self.device), "attention"]:
+            found.append(f"the profiler recorded no attention kernel on {self.device}")
+        return found
+
+    def summary(self) -> str:
+        if self.device.type != "cuda":
+            return "n/a on CPU"
+        return ", ".join(f"{n} {kind} on {where}" for (where, kind), n in sorted(self.counts.items()))
+
+
 def _train(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict:
     """Train ``model`` under DDP on this rank's batches; return this rank's report and step-0 data."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    probe = AttentionProbe(device)
+    probe, kernels = AttentionProbe(device), KernelDevices(device)
     problems, losses, tokens, step0 = [], [], [], None
     for step in range(args.steps):
         batch = _make_batch(args.seed, rank, step)
         batches = _gather(batch)
         tokens.append(batch["x"].shape[0])
         optimizer.zero_grad(set_to_none=True)
-        with probe:
-            loss, tensors = _loss(ddp, batch, device, args.dtype, _tokens(batches), float(world))
-        loss.backward()
+        with kernels if step == args.steps - 1 else contextlib.nullcontext():
+            with probe:
+                loss, tensors = _loss(ddp, batch, device, args.dtype, _tokens(batches), float(world))
+            loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         for what, group in (("inputs/output", tensors), ("parameters", list(model.parameters())),
                             ("gradients", list(grads.values()))):
@@ -216,7 +264,7 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, device: torch.devic
             step0 = (batches, {n: g.detach().cpu() for n, g in grads.items()})
         optimizer.step()
         losses.append(loss.item() * _tokens(batches) / (world * tokens[-1] * D_MODEL))
-    problems += probe.problems + _other_gpu_allocations(device)
+    problems += probe.problems + kernels.problems() + _other_gpu_allocations(device)
     calls = probe.totals()
     if calls != {"forward": LAYERS * args.steps, "backward": LAYERS * args.steps}:
         problems.append(f"attention calls {dict(probe.calls)}, expected {LAYERS * args.steps} each way")
@@ -232,6 +280,7 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, device: torch.devic
     backends = sorted({name for _, name in probe.calls})
     line = (f"rank {rank} on {device} (current {current}): tokens/step {tokens}; attention calls {dict(calls)} "
             f"via {backends} in {sorted(probe.dtypes)}; sync-debug: {sync}; "
+            f"last step's GPU kernels: {kernels.summary()}; "
             f"mean squared error/step {' '.join(f'{v:.4f}' for v in losses)}")
     params = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
     return {"line": line, "problems": problems, "batches": step0[0], "grads": step0[1], "params": params}

@@ -52,9 +52,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def block_grid(variant: str, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
+def block_grid(persistent: bool, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
     """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs when persistent."""
-    if variant == "simple":
+    if not persistent:
         return (programs, kv_heads)
     return (min(programs * kv_heads, sm_count(device) * PROGRAMS_PER_SM[backward]),)
 
@@ -149,6 +149,45 @@ def kernel_meta(
     meta["log2_theta"] = math.log2(rope_theta) if rope_theta is not None else 0.0
     meta["INT64"] = needs_int64(q, *tensors)
     return meta
+
+
+# (key -> plan) of ``block_plan``: a handful of entries per model (dtype, head shape, block size, flags).
+_BLOCK_PLANS: dict = {}
+
+
+def block_plan(
+    q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool, has_pos: bool,
+    causal: bool, backward: bool, inline_seqs: int, int64: bool,
+) -> tuple:
+    """``(meta, head_loop, key)`` of a block-kernel launch, built once per ``key``.
+
+    ``meta``: the constexprs and launch options (``rot`` is the rotary dim, 0 without rotary);
+    ``head_loop``: the forward's ``HEAD_LOOP`` (a grid of one kv head); ``key``: every input that
+    ``meta`` depends on, hashable, which the launcher takes as its cache key in place of ``meta``.
+    ``meta`` is shared between calls: read it, don't change it. Building it for each call cost
+    about a third of the launch's host time, which small batches pay for.
+    """
+    key = (q.dtype, q.device, q.shape[2], q.shape[1] // k.shape[1], block_size, rot, interleaved, has_pos,
+           causal, backward, inline_seqs, int64, input_precision(q.dtype), kernel_variant(q))
+    plan = _BLOCK_PLANS.get(key)
+    if plan is None:
+        plan = _BLOCK_PLANS[key] = _build_block_plan(key)
+    return plan
+
+
+def _build_block_plan(key: tuple) -> tuple:
+    (dtype, device, head_dim, groups, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs,
+     int64, precision, variant) = key
+    on_cuda = device.type == "cuda"
+    meta = dict(_static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
+    meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs, **variant_options(variant))
+    loop = not backward and head_loop(meta, variant)
+    if not backward:
+        meta["HEAD_LOOP"] = loop
+    regs = max_registers(meta, variant, backward, _major(device) if on_cuda else 9, dtype.itemsize)
+    if regs:
+        meta["maxnreg"] = regs
+    return meta, loop, key
 
 
 def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:

@@ -14,7 +14,11 @@ Arguments Triton does not specialize (``do_not_specialize`` ints, floats) stay o
 each launcher passes the same kinds of arguments at the same positions on every call.
 On a hit, tensors are passed to the compiled kernel as their addresses (ints): for a tensor
 Triton's C launcher otherwise calls ``data_ptr()`` and asks the driver whether the address is
-a device pointer, a few microseconds per launch; these tensors are on the call's device.
+a device pointer, a few microseconds per launch; these tensors are on the call's device. Where
+the kernel needs no scratch memory, a hit calls the C launch function under Triton's launcher
+object directly (its Python ``__call__`` only adds scratch allocations). Callers that build their
+launch options once per signature (``_common.block_plan``) pass that signature as ``meta_key``,
+so the key need not hash every option on each call.
 
 Launch hooks (profilers) force the ordinary path. Triton launches on the current device; a call
 whose tensors are on another GPU switches to theirs for the launch.
@@ -22,7 +26,7 @@ whose tensors are on another GPU switches to theirs for the launch.
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Hashable, Sequence, Tuple
 
 import torch
 from triton import knobs
@@ -52,7 +56,7 @@ class Launcher:
         self._const_names = None
         self._tensors = self._ints = None
         self._tensor_positions: Tuple[int, ...] = ()
-        self._compiled: Dict[Tuple, Tuple[object, tuple]] = {}
+        self._compiled: Dict[Tuple, Tuple[object, tuple, tuple]] = {}
         self._device = self._stream = None
 
     def _constexpr_names(self) -> list:
@@ -72,9 +76,15 @@ class Launcher:
             self._tensor_positions = tuple(tensors)
         return self._tensors, self._ints
 
-    def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor) -> None:
+    def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor,
+                 meta_key: Hashable = None) -> None:
         """Launch on ``q``'s device: Triton launches on the current device, so a call whose tensors
-        live on another GPU switches to theirs for the launch."""
+        live on another GPU switches to theirs for the launch.
+
+        ``meta_key``, when given, stands for ``meta`` in the cache key: the caller promises that
+        equal keys come with equal ``meta`` (``_common.block_plan`` builds both), which spares
+        hashing every item of ``meta`` on each call.
+        """
         if not q.is_cuda:
             self.kernel[grid](*args, **meta)
             return
@@ -83,11 +93,11 @@ class Launcher:
         device = q.get_device()
         if device != self._device():
             with torch.cuda.device(device):
-                self._launch(grid, args, meta, device)
+                self._launch(grid, args, meta, device, meta_key)
             return
-        self._launch(grid, args, meta, device)
+        self._launch(grid, args, meta, device, meta_key)
 
-    def _launch(self, grid: Sequence[int], args: Sequence[object], meta: dict, device: int) -> None:
+    def _launch(self, grid: Sequence[int], args: Sequence[object], meta: dict, device: int, meta_key: Hashable) -> None:
         """On the current device ``device``: calls with 32-bit addressing go direct."""
         fast = DIRECT and not meta.get("INT64", False)
         if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
@@ -96,17 +106,30 @@ class Launcher:
         tensors, ints = self._key_getters(args)
         tensors = tensors(args)
         addresses = [t.data_ptr() for t in tensors]
-        key = (device, *meta.items(), tuple([t.dtype for t in tensors]),
+        key = (device, meta_key if meta_key is not None else tuple(meta.items()), tuple([t.dtype for t in tensors]),
                tuple([a % 16 == 0 for a in addresses]), ints(args))
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
-            self._compiled[key] = (compiled, tuple(meta[n] for n in self._constexpr_names()))
+            self._compiled[key] = _entry(compiled, tuple(meta[n] for n in self._constexpr_names()))
             return
-        compiled, consts = entry
+        launch, head, consts = entry
         args = list(args)
         for i, address in zip(self._tensor_positions, addresses):
             args[i] = address
         grid_y = grid[1] if len(grid) > 1 else 1
-        compiled.run(grid[0], grid_y, 1, self._stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *consts)
+        launch(grid[0], grid_y, 1, self._stream(device), *head, *args, *consts)
+
+
+def _entry(compiled, consts: tuple) -> tuple:
+    """``(launch, head, consts)`` of a compiled kernel: ``launch(gx, gy, gz, stream, *head, *args,
+    *consts)`` runs it. Where the kernel needs no scratch memory, ``launch`` is the C launch
+    function under Triton's launcher object (whose Python ``__call__`` only adds the scratch
+    allocations: a few microseconds per launch); otherwise the launcher itself."""
+    run = compiled.run
+    hooks = (compiled.packed_metadata, None, None, None)
+    launch = getattr(run, "launch", None)
+    if (launch is not None and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0):
+        return launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *hooks), consts
+    return run, (compiled.function, *hooks), consts

@@ -130,6 +130,8 @@ class Schedule:
     ``inline_seqs`` (the power of two the kernels scan, 0 for the table) is set.
     """
 
+    __slots__ = ("num_seqs", "programs", "inline_seqs", "table")
+
     def __init__(self, offsets: torch.Tensor, total: int, block_size: int, cpu_offsets: Optional[torch.Tensor]):
         num_seqs = offsets.numel() - 1
         self.num_seqs = num_seqs

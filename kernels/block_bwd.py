@@ -10,15 +10,14 @@ the transpose rotation before dq and dk are stored. Variants as in ``block_fwd``
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    LOG2E, block_grid, empty_grads, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
-)
+from ._common import LOG2E, block_grid, block_plan, empty_grads, needs_int64
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
@@ -155,21 +154,18 @@ def block_attention_bwd(
     if sched.programs == 0:
         return dq, dk, dv
     # (dk, dv: contiguous, no more elements than dq.)
-    meta = kernel_meta(q, k, v, do, dq, block_size=block_size, rope_theta=rope_theta,
-                       rotary_dim=rotary_dim, interleaved=rotary_interleaved, positions=positions,
-                       causal=causal, backward=True)
-    variant = kernel_variant(q)
+    meta, _, key = block_plan(
+        q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
+        causal, True, sched.inline_seqs, needs_int64(q, k, v, do, dq),
+    )
     args = (
         q, k, v, do, dq, dk, dv, sched.table,
         positions if positions is not None else sched.table,
-        sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
+        sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
+        math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, **variant_options(variant))
-    regs = max_registers(meta, variant, True, major_of(q), q.element_size())
-    if regs:
-        meta["maxnreg"] = regs
-    _launch_bwd(block_grid(variant, sched.programs, kv_heads, q.device, True), args, meta, q)
+    _launch_bwd(block_grid(meta["PERSISTENT"], sched.programs, kv_heads, q.device, True), args, meta, q, key)
     return dq, dk, dv
 
 

@@ -11,15 +11,14 @@ programs loop over a balanced contiguous range of those tiles.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    LOG2E, block_grid, head_loop, kernel_meta, kernel_variant, major_of, max_registers, variant_options,
-)
+from ._common import LOG2E, block_grid, block_plan, needs_int64
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
@@ -160,22 +159,19 @@ def block_attention_fwd(
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
         return o
-    meta = kernel_meta(q, k, v, o, block_size=block_size, rope_theta=rope_theta, rotary_dim=rotary_dim,
-                       interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
-    variant = kernel_variant(q)
+    meta, loop, key = block_plan(
+        q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
+        causal, False, sched.inline_seqs, needs_int64(q, k, v, o),
+    )
     args = (
         q, k, v, o, sched.table,
         positions if positions is not None else sched.table,
-        sched.programs, sched.num_seqs, block_size, scale * LOG2E, meta.pop("log2_theta"), kv_heads,
+        sched.programs, sched.num_seqs, block_size, scale * LOG2E,
+        math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
-    meta.update(GROUPS=num_heads // kv_heads, INLINE_SEQS=sched.inline_seqs, HEAD_LOOP=head_loop(meta, variant),
-                **variant_options(variant))
-    regs = max_registers(meta, variant, False, major_of(q), q.element_size())
-    if regs:
-        meta["maxnreg"] = regs
-    grid = block_grid(variant, sched.programs, 1 if meta["HEAD_LOOP"] else kv_heads, q.device, False)
-    _launch_fwd(grid, args, meta, q)
+    grid = block_grid(meta["PERSISTENT"], sched.programs, 1 if loop else kv_heads, q.device, False)
+    _launch_fwd(grid, args, meta, q, key)
     return o
 
 

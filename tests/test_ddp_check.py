@@ -44,3 +44,6 @@ def test_ddp_check_nccl_two_gpus_triton(dtype):
     lines = _torchrun("--backend-dist", "nccl", "--attn-backend", "triton", "--dtype", dtype, env=env, timeout=600)
     assert any(line.startswith("rank 1 on cuda:1 (current cuda:1)") and "via ['triton']" in line for line in lines)
     assert sum("sync-debug: error mode, no sync" in line for line in lines) == 2
+    for rank in (0, 1):
+        line = next(line for line in lines if line.startswith(f"rank {rank} on"))
+        assert f"attention on cuda:{rank}" in line and f"cuda:{1 - rank}" not in line.split("GPU kernels:")[1]

@@ -234,7 +234,7 @@ def test_kernel_variant_knob(monkeypatch):
     monkeypatch.setattr(_common, "KERNELS", "fast")
     with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent, got 'fast'"):
         _common.kernel_variant(x)
-    assert _common.block_grid("simple", 10, 3, x.device, False) == (10, 3)
-    assert _common.block_grid("persistent", 10, 3, x.device, False) == (16,)
-    assert _common.block_grid("persistent", 10, 3, x.device, True) == (8,)
-    assert _common.block_grid("persistent", 2, 1, x.device, False) == (2,)
+    assert _common.block_grid(False, 10, 3, x.device, False) == (10, 3)
+    assert _common.block_grid(True, 10, 3, x.device, False) == (16,)
+    assert _common.block_grid(True, 10, 3, x.device, True) == (8,)
+    assert _common.block_grid(True, 2, 1, x.device, False) == (2,)
