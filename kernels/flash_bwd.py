@@ -1,15 +1,16 @@
 """Multi-tile ("jagged flash") attention backward, FA2-style, without atomics.
 
-Three launches after the forward has saved ``O`` and ``lse [H, T]``:
+Two launches (besides the tile tables) after the forward has saved ``O`` and ``lse [H, T]``:
 
-1. ``delta = rowsum(dO * O)`` per query row and head, float32 ``[H, T]``.
-2. One program per key tile (``BLOCK_N`` rows) of a block and kv head: it loops over the
-   ``GROUPS`` query heads and the query tiles of the block (causal: from the diagonal on),
-   recomputes ``P = exp(S - lse)`` and accumulates ``dV += P^T dO`` and
-   ``dK += dS^T Q`` (``dS = P (dP - delta)``) in registers; each dK, dV row is written once.
-3. One program per query tile (``BLOCK_M`` rows) of a block and kv head, each query head in
-   turn: it loops over the key tiles of the block (causal: up to the diagonal) and
-   accumulates ``dQ += dS K``.
+1. dQ: one program per query tile (``BLOCK_M`` rows) of a block and kv head, each query head
+   in turn: it computes ``delta = rowsum(dO * O)`` of its rows (float32 ``[H, T]``, stored for
+   the next pass), loops over the key tiles of the block (causal: up to the diagonal) and
+   accumulates ``dQ += dS K`` (``dS = P (dP - delta)``, ``P = exp(S - lse)``).
+2. dK/dV: one program per key tile (``BLOCK_N`` rows) of a block and kv head: it loops over
+   the ``GROUPS`` query heads and the query tiles of the block (causal: from the diagonal on),
+   recomputes ``P`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers; each
+   dK, dV row is written once. (A separate delta kernel before both cost 69 us at seed3; the
+   dQ pass reads each query tile once anyway.)
 
 Masks only where they matter: tiles crossing the causal diagonal (both passes) and, in the
 dQ pass, the last key tile of a block; padding query rows load q = dO = 0 and add nothing,
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta, major_of, needs_int64
+from ._common import LOG2E, kernel_meta, major_of
 from ._flash_common import (
     FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_acc, split_scores, store_split,
     tile_of_program, tile_sin_cos,
@@ -36,7 +37,6 @@ from ._flash_common import (
 from ._launch import Launcher
 from ._tiles import load_cols, store_cols
 
-_DELTA_ROWS = 64
 _LOG2E = tl.constexpr(LOG2E)
 
 
@@ -46,23 +46,6 @@ def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int =
     run-to-run different dK on the H200 (measured; 1 stage and 64-row inner tiles were right)."""
     warps = 8 if (block > 64 and head_dim > 64) or head_dim > 128 else 4
     return dict(num_warps=warps, num_stages=2 if device_type == "cuda" and inner >= 64 else 1)
-
-
-@triton.jit(do_not_specialize=["total", "stride_lh"])
-def _flash_delta_kernel(
-    O, DO, Delta, total,
-    stride_ot, stride_oh, stride_od, stride_dot, stride_doh, stride_dod, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INT64: tl.constexpr,
-):
-    h = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = rows < total
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    o = load_cols(O + h * stride_oh, rows, ok, offs_d, d_ok, stride_ot, stride_od, INT64)
-    do = load_cols(DO + h * stride_doh, rows, ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(row_ptrs(Delta, h, stride_lh, rows, INT64), delta, mask=ok)
 
 
 @triton.jit
@@ -198,10 +181,10 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "qk_scale", "log2_theta", "stride_lh"])
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Table, Pos,
+    Q, K, V, O, DO, Lse, Delta, DQ, Table, Pos,
     slots, kv_heads, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_lh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
@@ -232,7 +215,10 @@ def _flash_bwd_dq_kernel(
                                 BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
         do = load_cols(DO + h * stride_doh, rows_m, m_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
         lse = tl.load(row_ptrs(Lse, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0) * _LOG2E
-        delta = tl.load(row_ptrs(Delta, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0)
+        # delta = rowsum(dO * O) of this tile's rows, stored for the dK/dV pass that follows.
+        o = load_cols(O + h * stride_oh, rows_m, m_ok, offs_d, d_ok, stride_ot, stride_od, INT64)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(row_ptrs(Delta, h, stride_lh, rows_m, INT64), delta, mask=m_ok)
         dqa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         dqb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         dqp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
@@ -283,17 +269,25 @@ def flash_attention_bwd(
         offsets, total, block_size, dq_m, cpu_offsets, longest_first)
     lse = lse.contiguous()
     delta = q.new_empty((num_heads, total), dtype=torch.float32)
-    _launch_delta(
-        (triton.cdiv(total, _DELTA_ROWS), num_heads), (o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)),
-        dict(HEAD_DIM=head_dim, BLOCK_T=_DELTA_ROWS, BLOCK_D=triton.next_power_of_2(head_dim),
-             INT64=needs_int64(o, do)), q,
-    )
     common = dict(rope_theta=rope_theta, rotary_dim=rotary_dim, interleaved=rotary_interleaved,
                   positions=positions, causal=causal, backward=True)
     groups = num_heads // kv_heads
 
-    meta = kernel_meta(q, k, v, do, dk, dv, block_size=dkv_m, **common)
+    # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
+    dq = q.new_empty(q.shape)
+    meta = kernel_meta(q, k, v, o, do, dq, block_size=dq_m, **common)
     log2_theta = meta.pop("log2_theta")
+    meta.update(bwd_launch_options(dq_m, head_dim, q.device.type))
+    table = dq_sched.table(late_first=True)
+    meta.update(GROUPS=groups, BLOCK_N=dq_n)
+    _launch_dq((dq_sched.programs * kv_heads,), (
+        q, k, v, o, do, lse, delta, dq, table, positions if positions is not None else table,
+        dq_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), lse.stride(0),
+    ), meta, q)
+
+    meta = kernel_meta(q, k, v, do, dk, dv, block_size=dkv_m, **common)
+    meta.pop("log2_theta")
     meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
     table = dkv_sched.table(late_first=False)
     meta.update(GROUPS=groups, BLOCK_N=dkv_n)
@@ -302,22 +296,8 @@ def flash_attention_bwd(
         dkv_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
     ), meta, q)
-
-    # (dq allocated once the dK/dV pass is queued: host time before that launch is GPU idle time.)
-    dq = q.new_empty(q.shape)
-    meta = kernel_meta(q, k, v, do, dq, dk, dv, block_size=dq_m, **common)
-    meta.pop("log2_theta")
-    meta.update(bwd_launch_options(dq_m, head_dim, q.device.type))
-    table = dq_sched.table(late_first=True)
-    meta.update(GROUPS=groups, BLOCK_N=dq_n)
-    _launch_dq((dq_sched.programs * kv_heads,), (
-        q, k, v, do, lse, delta, dq, table, positions if positions is not None else table,
-        dq_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), lse.stride(0),
-    ), meta, q)
     return dq, dk, dv
 
 
-_launch_delta = Launcher(_flash_delta_kernel)
 _launch_dkdv = Launcher(_flash_bwd_dkdv_kernel)
 _launch_dq = Launcher(_flash_bwd_dq_kernel)
