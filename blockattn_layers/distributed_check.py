@@ -228,7 +228,8 @@ class KernelDevices:
     def problems(self) -> List[str]:
         if self.device.type != "cuda":
             return []
-        found = [f"{n} {kind} kernel(s) on {where}" for (where, kind), n in self.counts.items() if where != str(self.device)]
+        found = [f"{n} {kind} kernel(s) on {where}"
+                 for (where, kind), n in self.counts.items() if where != str(self.device)]
         if not self.counts[str(self.device), "attention"]:
             found.append(f"the profiler recorded no attention kernel on {self.device}")
         return found

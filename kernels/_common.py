@@ -151,8 +151,10 @@ def kernel_meta(
     return meta
 
 
-# (key -> plan) of ``block_plan``: a handful of entries per model (dtype, head shape, block size, flags).
+# (key -> plan) of ``block_plan``: a handful of entries per model (dtype, head shape, block size,
+# flags); emptied when it reaches ``_MAX_BLOCK_PLANS``.
 _BLOCK_PLANS: dict = {}
+_MAX_BLOCK_PLANS = 256
 
 
 def block_plan(
@@ -171,6 +173,8 @@ def block_plan(
            causal, backward, inline_seqs, int64, input_precision(q.dtype), kernel_variant(q))
     plan = _BLOCK_PLANS.get(key)
     if plan is None:
+        if len(_BLOCK_PLANS) >= _MAX_BLOCK_PLANS:
+            _BLOCK_PLANS.clear()
         plan = _BLOCK_PLANS[key] = _build_block_plan(key)
     return plan
 
