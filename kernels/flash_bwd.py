@@ -23,6 +23,7 @@ Requirements: as ``flash_fwd``; ``o`` and ``lse`` from ``flash_attention_fwd`` o
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -271,26 +272,26 @@ def flash_attention_bwd(
     delta = q.new_empty((num_heads, total), dtype=torch.float32)
     common = dict(rope_theta=rope_theta, rotary_dim=rotary_dim, interleaved=rotary_interleaved,
                   positions=positions, causal=causal, backward=True)
-    groups = num_heads // kv_heads
+    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+
+    def pass_meta(tensors, block_m: int, block_n: int, options: dict) -> dict:
+        meta = kernel_meta(q, *tensors, block_size=block_m, **common)
+        meta.pop("log2_theta")
+        meta.update(options, GROUPS=num_heads // kv_heads, BLOCK_N=block_n)
+        return meta
 
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
-    meta = kernel_meta(q, k, v, o, do, dq, block_size=dq_m, **common)
-    log2_theta = meta.pop("log2_theta")
-    meta.update(bwd_launch_options(dq_m, head_dim, q.device.type))
+    meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
     table = dq_sched.table(late_first=True)
-    meta.update(GROUPS=groups, BLOCK_N=dq_n)
     _launch_dq((dq_sched.programs * kv_heads,), (
         q, k, v, o, do, lse, delta, dq, table, positions if positions is not None else table,
         dq_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), lse.stride(0),
     ), meta, q)
 
-    meta = kernel_meta(q, k, v, do, dk, dv, block_size=dkv_m, **common)
-    meta.pop("log2_theta")
-    meta.update(bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
+    meta = pass_meta((k, v, do, dk, dv), dkv_m, dkv_n, bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
     table = dkv_sched.table(late_first=False)
-    meta.update(GROUPS=groups, BLOCK_N=dkv_n)
     _launch_dkdv((dkv_sched.programs * kv_heads,), (
         q, k, v, do, lse, delta, dk, dv, table, positions if positions is not None else table,
         dkv_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
