@@ -25,7 +25,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._common import major_of
 from ._launch import Launcher
 from ._rotary import rotary_sin_cos, rotate_pair
 from ._schedule import search_prefix
@@ -193,6 +195,38 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
         # float32 at D > 128: 64-row tiles need more shared memory than sm_90 has.
         return dict(fwd=(32, 32), dkv=(32, 32), dq=(32, 32))
     return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
+
+
+# False: pointer loads everywhere (the tests run both kinds of loads).
+TENSOR_MAPS = True
+
+
+def tma_loads(*tensors: torch.Tensor, rope_theta: Optional[float]) -> bool:
+    """Whether the whole tiles of the kernels' inner loops can come through tensor-map (TMA) loads
+    from these ``[T, H, D]`` tensors: sm_90+ (or the interpreter), no rotary, ``D`` a power of
+    two (a tile is one head's row), each tensor's rows ``H * D`` contiguous elements at 16-byte
+    aligned addresses and strides (callers also require 32-bit offsets). Only whole tiles (all
+    rows inside the block) are loaded so; the masked tiles keep pointer loads, which read nothing
+    past a block. Measured on the H200 (seed3, bf16 D128): backward 4.18 -> 3.72 ms, forward
+    unchanged, results bitwise equal to the pointer loads."""
+    q = tensors[0]
+    if not TENSOR_MAPS or rope_theta is not None or major_of(q) < 9:
+        return False
+    dim = q.shape[-1]
+    if dim < 16 or dim & (dim - 1):
+        return False
+    size = q.element_size()
+    return all(t.stride(2) == 1 and t.stride(1) == dim and (t.stride(0) * size) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def row_tiles(x: torch.Tensor, rows: int, tma: bool):
+    """A tensor descriptor of ``x`` as ``[T, H * D]`` in tiles of ``rows`` rows and one head, or
+    ``x`` itself where the kernel takes pointer loads."""
+    if not tma:
+        return x
+    total, heads, dim = x.shape
+    return TensorDescriptor(x, [total, heads * dim], [x.stride(0), 1], [rows, dim])
 
 
 @triton.jit

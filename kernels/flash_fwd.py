@@ -11,7 +11,9 @@ backward needs. Rotary is applied to the q and k tiles right after loading (see
 Requirements: ``q [T, H, D]``, ``k, v [T, H_kv, D]`` with ``H % H_kv == 0``, any strides;
 ``offsets [B+1]`` int32/int64; ``block_size`` >= 1, or 0 for full per-sequence attention.
 Programs come from a device tile table (``_flash_common.FlashSchedule``): no host sync.
-Rows past the block are masked, so memory beyond valid rows is never read.
+Rows past the block are masked, so memory beyond valid rows is never read. Whole key tiles
+(every row inside the block) come through tensor-map (TMA) loads where ``tma_loads`` allows
+(sm_90+, plain heads, rows of ``H * D`` contiguous elements); the masked tiles keep pointer loads.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of
 from ._flash_common import (
-    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, split_scores, tile_of_program, tile_sin_cos,
+    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, row_tiles, split_scores, tile_of_program,
+    tile_sin_cos, tma_loads,
 )
 from ._launch import Launcher
 from ._tiles import load_cols, store_cols
@@ -47,11 +50,12 @@ def fwd_launch_options(block_m: int, head_dim: int, device_type: str, major: int
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+    acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, KD, VD, hk, Pos, start, first_row, n, offs_m, offs_d, d_ok,
     n_lo, n_hi, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, l_i, m_i)`` over the key tiles starting in ``[n_lo, n_hi)``."""
     dtype = qa.dtype
@@ -59,11 +63,18 @@ def _fwd_key_tiles(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n
         rows_n = start + offs_n
-        k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
-                                    BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
-        ka, kb, kp = load_split(k_ptr, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
-                                BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
-        v = load_cols(v_ptr, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        if TMA and not MASKED:
+            row = (start + n0).to(tl.int32)
+            kp = KD.load([row, hk * HEAD_DIM])
+            ka = kp
+            kb = kp
+            v = VD.load([row, hk * HEAD_DIM])
+        else:
+            k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
+                                        BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+            ka, kb, kp = load_split(k_ptr, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
+                                    BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+            v = load_cols(v_ptr, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
         s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
         if MASKED:
             s = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL), s, float("-inf"))
@@ -82,14 +93,14 @@ def _fwd_key_tiles(
 
 @triton.jit(do_not_specialize=["slots", "kv_heads", "qk_scale", "log2_theta", "stride_lh"])
 def _flash_fwd_kernel(
-    Q, K, V, O, Lse, Table, Pos,
+    Q, K, V, KD, VD, O, Lse, Table, Pos,
     slots, kv_heads, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
-    INT64: tl.constexpr, PRECISION: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slot = pid // kv_heads
@@ -121,16 +132,16 @@ def _flash_fwd_kernel(
         # Key tiles wholly inside the block (and, causal, wholly left of this query tile's
         # first row) need no mask; only the tiles on the diagonal or at the block end do.
         acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, KD, VD, hk, Pos, start, first_row, n, offs_m, offs_d, d_ok,
             0, full_end, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
             False, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, FAST_TRIG,
-            INT64, PRECISION,
+            INT64, PRECISION, TMA,
         )
         acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, Pos, start, first_row, n, offs_m, offs_d, d_ok,
+            acc, l_i, m_i, qa, qb, qp, k_ptr, v_ptr, KD, VD, hk, Pos, start, first_row, n, offs_m, offs_d, d_ok,
             full_end, n_end, qk_scale, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
             True, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, FAST_TRIG,
-            INT64, PRECISION,
+            INT64, PRECISION, TMA,
         )
         o = acc / l_i[:, None]
         store_cols(O + h * stride_oh, o, rows_m, m_ok, offs_d, d_ok, stride_ot, stride_od, INT64)
@@ -162,14 +173,17 @@ def flash_attention_fwd(
     meta = kernel_meta(q, k, v, o, block_size=block_m, rope_theta=rope_theta, rotary_dim=rotary_dim,
                        interleaved=rotary_interleaved, positions=positions, causal=causal, backward=False)
     meta.update(fwd_launch_options(meta["BLOCK_M"], head_dim, q.device.type, major, block_size))
+    tma = tma_loads(q, k, v, rope_theta=rope_theta) and not meta["INT64"]
     args = (
-        q, k, v, o, lse, table, positions if positions is not None else table,
+        q, k, v, row_tiles(k, block_n, tma), row_tiles(v, block_n, tma), o, lse, table,
+        positions if positions is not None else table,
         sched.programs, kv_heads, scale * LOG2E, meta.pop("log2_theta"),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0),
     )
-    meta.update(GROUPS=num_heads // kv_heads, BLOCK_N=block_n)
-    _launch_fwd((sched.programs * kv_heads,), args, meta, q)
+    meta.update(GROUPS=num_heads // kv_heads, BLOCK_N=block_n, TMA=tma)
+    (_launch_fwd_tma if tma else _launch_fwd)((sched.programs * kv_heads,), args, meta, q)
     return o, lse
 
 
 _launch_fwd = Launcher(_flash_fwd_kernel)
+_launch_fwd_tma = Launcher(_flash_fwd_kernel)

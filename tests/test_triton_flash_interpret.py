@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import blockattn_layers as bl
 from blockattn_layers._triton_op import interpreter_active
-from blockattn_layers.kernels._flash_common import FlashSchedule
+from blockattn_layers.kernels import _flash_common as flash_common
+from blockattn_layers.kernels._flash_common import FlashSchedule, tma_loads
 from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
 
@@ -205,6 +206,43 @@ def test_nan_poisoned_memory_noncontiguous_int32_offsets():
 
 
 @interpret_only
+@pytest.mark.parametrize("block_size,causal", [(None, True), (256, False)], ids=["full-causal", "b256"])
+def test_tensor_map_and_pointer_loads_agree(monkeypatch, block_size, causal):
+    """Plain heads take tensor-map loads of whole loop tiles; turned off, pointer loads. With GQA
+    the dK/dV pass adds the heads' partial last tiles in another order, so equal to rounding."""
+    q, k, v = _inputs(BLOCK_LENGTHS + [64, 63], 4, 2, 32, torch.float32, 12)
+    offsets = offsets_from_lengths(BLOCK_LENGTHS + [64, 63])
+    assert tma_loads(q, k, v, rope_theta=None)
+    runs = []
+    for maps in (True, False):
+        monkeypatch.setattr(flash_common, "TENSOR_MAPS", maps)
+        qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+        out = bl.block_attention(qs, ks, vs, offsets, block_size, causal=causal, backend="triton_flash")
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(13))
+        runs.append((out, *torch.autograd.grad(out, (qs, ks, vs), grad_out)))
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(*runs))
+    _assert_close(runs[0][0], runs[0][1:], *_oracle(q, k, v, offsets, block_size, grad_out, causal=causal),
+                  TOL[torch.float32])
+
+
+@interpret_only
+def test_non_finite_values_stay_in_their_sequence():
+    """A NaN in one sequence leaves its neighbours' outputs and gradients finite: no tile reads
+    rows past its block (tensor-map loads take whole tiles only)."""
+    lengths = [70, 65, 100]
+    q, k, v = _inputs(lengths, 2, 2, 32, torch.float32, 14)
+    for x in (q, k, v):
+        x[70:135] = float("nan")
+    offsets = offsets_from_lengths(lengths)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, None, backend="triton_flash")
+    grads = torch.autograd.grad(out, (qs, ks, vs), torch.ones_like(out))
+    for x in (out, *grads):
+        assert torch.isfinite(x[:70]).all() and torch.isfinite(x[135:]).all()
+        assert torch.isnan(x[70:135]).all()
+
+
+@interpret_only
 def test_backward_bitwise_deterministic():
     q, k, v = (x.requires_grad_() for x in _inputs(ROTARY_LENGTHS, 2, 1, 16, torch.float32, 5))
     offsets = offsets_from_lengths(ROTARY_LENGTHS)
@@ -309,7 +347,7 @@ from blockattn_layers.kernels._flash_common import flash_tiles
 from blockattn_layers.kernels.flash_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
 from blockattn_layers.kernels.flash_fwd import _flash_fwd_kernel, fwd_launch_options
 
-capability, dim, rot = int(sys.argv[1]), 128, 64
+capability, dim = int(sys.argv[1]), 128
 tiles = flash_tiles(dim, "cuda", 2, capability // 10)
 for name, kernel, (outer, inner), options in (
     ("fwd", _flash_fwd_kernel, tiles["fwd"], fwd_launch_options),
@@ -317,41 +355,47 @@ for name, kernel, (outer, inner), options in (
     ("dq", _flash_bwd_dq_kernel, tiles["dq"], bwd_launch_options),
 ):
     block_m, block_n = (inner, outer) if name == "dkv" else (outer, inner)
-    constexprs = dict(
-        HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=rot // 2,
-        BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True, FAST_TRIG=True,
-        INT64=False, PRECISION="tf32",
-    )
-    signature, attrs = {}, {}
-    for i, arg in enumerate(kernel.arg_names):
-        if arg.startswith("stride_") and arg.endswith("d"):
-            constexprs[arg] = 1
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-            continue
-        if arg in ("Table", "Pos"):
-            signature[arg] = "*i32"
-        elif arg in ("Lse", "Delta"):
-            signature[arg] = "*fp32"
-        elif arg[0].isupper():
-            signature[arg] = "*bf16"
+    for rot, tma in ((64, False), (0, True)):
+        constexprs = dict(
+            HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
+            BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True, FAST_TRIG=True,
+            INT64=False, PRECISION="tf32", TMA=tma,
+        )
+        signature, attrs = {}, {}
+        for i, arg in enumerate(kernel.arg_names):
+            if arg.startswith("stride_") and arg.endswith("d"):
+                constexprs[arg] = 1
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+                continue
+            if arg in ("QD", "DOD", "KD", "VD") and tma:
+                rows = block_m if arg in ("QD", "DOD") else block_n
+                signature[arg] = f"tensordesc<bf16[{rows},{dim}]>"
+                continue
+            if arg in ("Table", "Pos"):
+                signature[arg] = "*i32"
+            elif arg in ("Lse", "Delta"):
+                signature[arg] = "*fp32"
+            elif arg[0].isupper():
+                signature[arg] = "*bf16"
+            else:
+                signature[arg] = "fp32" if arg in ("scale", "qk_scale", "log2_theta") else "i32"
+            if arg[0].isupper() or arg.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        if name == "fwd":
+            opts = options(outer, dim, "cuda", capability // 10)
         else:
-            signature[arg] = "fp32" if arg in ("scale", "qk_scale", "log2_theta") else "i32"
-        if arg[0].isupper() or arg.startswith("stride_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    if name == "fwd":
-        opts = options(outer, dim, "cuda", capability // 10)
-    else:
-        opts = options(outer, dim, "cuda", inner) if name == "dkv" else options(outer, dim, "cuda")
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
-    print(name, compiled.asm["ptx"].count(sys.argv[2]))
+            opts = options(outer, dim, "cuda", inner) if name == "dkv" else options(outer, dim, "cuda")
+        ptx = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts).asm["ptx"]
+        print(name + ("_tma" if tma else "_rope"), ptx.count(sys.argv[2]), ptx.count("cp.async.bulk.tensor"))
 """
 
 
 @pytest.mark.parametrize("capability,instruction", [(90, "wgmma"), (100, "tcgen05.mma")], ids=["sm_90", "sm_100"])
 def test_kernels_compile_for_hopper_and_blackwell(capability, instruction):
-    """bf16, D=128, half rotary, causal, GQA, with the GPU tiles and launch options."""
+    """bf16, D=128, causal, GQA, with the GPU tiles and launch options: half rotary (pointer loads)
+    and plain heads (tensor-map loads of the loop tiles)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
@@ -359,6 +403,9 @@ def test_kernels_compile_for_hopper_and_blackwell(capability, instruction):
         env=env, cwd=root, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    counts = dict(line.split() for line in result.stdout.split("\n") if line)
-    assert set(counts) == {"fwd", "dkv", "dq"}
-    assert all(int(n) > 0 for n in counts.values()), counts
+    rows = (line.split() for line in result.stdout.split("\n") if line)
+    counts = {name: (int(mma), int(tma)) for name, mma, tma in rows}
+    assert set(counts) == {f"{k}_{v}" for k in ("fwd", "dkv", "dq") for v in ("rope", "tma")}
+    assert all(mma > 0 for mma, _ in counts.values()), counts
+    # Tensor-map loads only where asked for (plain heads), in every kernel's key or query loop.
+    assert all((tma > 0) == name.endswith("_tma") for name, (_, tma) in counts.items()), counts
