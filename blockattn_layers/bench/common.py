@@ -37,6 +37,8 @@ class Case:
     rope_theta: Optional[float] = None
     layer: Optional[LayerConfig] = None
     graphed: bool = False
+    # Timed in this many rounds, the methods interleaved, each mode's median reported (host-bound cases).
+    rounds: int = 1
 
     @property
     def batch(self) -> int:
@@ -82,6 +84,8 @@ class Case:
         else:
             heads = f"H {self.num_heads}, D {self.head_dim}"
         graph = ", timed as CUDA-graph replays" if self.graphed else ""
+        if self.rounds > 1:
+            graph += f", median of {self.rounds} rounds with the methods interleaved"
         return f"B {self.batch}, T {self.total:,}, max len {self.max_seqlen}, {heads}, {block}{rope}{graph}"
 
 

@@ -16,7 +16,7 @@ _SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "f+b"}
 _META_IN_CSV = ("date", "commit", "gpu", "torch", "triton", "python", "cuda", "dtype", "bandwidth_bytes_per_s")
 _ROW_FIELDS = ("case", "shape", "method", "kind", "status", "err", "tol")
 _CASE_FIELDS = ("B", "T", "max_len", "H", "D", "block", "rope_theta")
-_PER_MODE = ("ms", "floor_ms", "x_floor", "speedup", "tflops", "peak_mib", "error")
+_PER_MODE = ("ms", "floor_ms", "x_floor", "speedup", "tflops", "peak_mib", "error", "rounds")
 
 
 def _num(x: Optional[float], fmt: str) -> str:

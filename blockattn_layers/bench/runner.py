@@ -10,6 +10,11 @@ every call; small shapes also rotate between input sets), a host-clock median on
   (transposes, gathers' index_add, rotary's backward); the autograd engine adds a few microseconds.
 * ``fwd+bwd``: a fresh forward and its backward per call.
 
+Cases with ``rounds > 1`` (the small shape's eager calls: host-bound, and the host's speed drifts
+by tens of percent over a run) set every method up and check it first, then time all of them in
+``rounds`` rounds, the methods interleaved, and report each mode's median over the rounds (every
+round's time is kept in ``<mode>_rounds``).
+
 Cases marked ``graphed`` (the small shape's second case) time the same calls captured in CUDA
 graphs, one per input set, and replayed in turn: GPU time without the host's launch costs, for
 every method alike. A method whose calls cannot be captured gets the error in that mode.
@@ -191,33 +196,77 @@ class CaseRunner:
         return self._oracle
 
     def row(self, method: Method) -> Dict[str, object]:
+        """Set up, check and time one method (then free what it holds)."""
+        row, prepared = self.prepare(method)
+        try:
+            if prepared is not None:
+                with method.context():
+                    for mode in self.modes:
+                        row.update(self._time(prepared, mode))
+        except Exception as err:
+            row.update(status="failed", reason=_short(err))
+        finally:
+            prepared = None
+            _free(self.cfg.device)
+        return row
+
+    def rows_in_rounds(self, methods: Sequence[Method]) -> List[Dict[str, object]]:
+        """Set up and check every method, then time them all in ``case.rounds`` interleaved rounds."""
+        rows, live = [], []
+        for method in methods:
+            row, prepared = self.prepare(method)
+            rows.append(row)
+            if prepared is not None:
+                live.append((method, row, prepared))
+        times: Dict[Tuple[int, str], List[float]] = {}
+        for _ in range(self.case.rounds):
+            for i, (method, row, prepared) in enumerate(live):
+                try:
+                    with method.context():
+                        for mode in self.modes:
+                            result = self._time(prepared, mode)
+                            ms = result.pop(f"{mode}_ms", None)
+                            row.update(result)
+                            if ms is not None:
+                                times.setdefault((i, mode), []).append(ms)
+                except Exception as err:
+                    row.update(status="failed", reason=_short(err))
+        for i, (method, row, prepared) in enumerate(live):
+            for mode in self.modes:
+                got = times.get((i, mode))
+                if got and not row.get(f"{mode}_error") and row["status"] != "failed":
+                    row[f"{mode}_ms"] = statistics.median(got)
+                    row[f"{mode}_rounds"] = " ".join(f"{ms:.4g}" for ms in got)
+        live = None
+        _free(self.cfg.device)
+        return rows
+
+    def prepare(self, method: Method) -> Tuple[Dict[str, object], Optional[List[Prepared]]]:
+        """The method's row after its checks, and its prepared input sets (None: nothing to time)."""
         case, cfg = self.case, self.cfg
         row: Dict[str, object] = dict(
             case=case.name, shape=case.shape, method=method.name, kind=method.kind, status="", reason="",
             err=None, tol=TOLERANCE.get(cfg.dtype), description=method.description,
         )
         if method.gpu_only and cfg.device.type != "cuda":
-            return dict(row, status="skipped", reason="GPU-only baseline (no CUDA device)")
+            return dict(row, status="skipped", reason="GPU-only baseline (no CUDA device)"), None
         if case.graphed and cfg.device.type != "cuda":
-            return dict(row, status="skipped", reason="CUDA-graph timing needs a CUDA device")
+            return dict(row, status="skipped", reason="CUDA-graph timing needs a CUDA device"), None
         try:
             reason = method.skip(case, cfg)
         except Exception as err:  # a broken capability check is a failure of that row only
-            return dict(row, status="failed", reason=_short(err))
+            return dict(row, status="failed", reason=_short(err)), None
         if reason:
-            return dict(row, status="skipped", reason=reason)
+            return dict(row, status="skipped", reason=reason), None
         try:
             with method.context():
                 prepared = [method.setup(case, inp, cfg) for inp in self.sets()]
                 row.update(self._check(prepared[0]))
-                for mode in self.modes:
-                    row.update(self._time(prepared, mode))
+            return row, prepared
         except Exception as err:
             row.update(status="failed", reason=_short(err))
-        finally:
-            prepared = None
             _free(cfg.device)
-        return row
+            return row, None
 
     def _check(self, p: Prepared) -> Dict[str, object]:
         out = p.forward()
@@ -256,12 +305,20 @@ def run_case(case: Case, methods: Sequence[Method], cfg: RunConfig, timing: Timi
     rows = []
     # The bwd mode replays a retained graph, which compiled backwards with donated buffers refuse.
     with torch._functorch.config.patch(donated_buffer=False):
-        for method in (m for m in methods if m.applies(case)):
+        applicable = [m for m in methods if m.applies(case)]
+        if case.rounds > 1:
             start = time.perf_counter()
-            rows.append(runner.row(method))
+            rows = runner.rows_in_rounds(applicable)
             if progress:
-                status = f"{rows[-1]['status']} {rows[-1]['reason']}"[:100]
-                print(f"  {case.name} {method.name}: {status} ({time.perf_counter() - start:.1f} s)", flush=True)
+                print(f"  {case.name}: {len(rows)} methods, {case.rounds} rounds "
+                      f"({time.perf_counter() - start:.1f} s)", flush=True)
+        else:
+            for method in applicable:
+                start = time.perf_counter()
+                rows.append(runner.row(method))
+                if progress:
+                    status = f"{rows[-1]['status']} {rows[-1]['reason']}"[:100]
+                    print(f"  {case.name} {method.name}: {status} ({time.perf_counter() - start:.1f} s)", flush=True)
     runner = None
     _free(cfg.device)
     return rows
