@@ -338,5 +338,7 @@ def flash_attention_bwd(
 
 _launch_dkdv = Launcher(_flash_bwd_dkdv_kernel)
 _launch_dq = Launcher(_flash_bwd_dq_kernel)
+# A launcher keys its cache by the kinds of arguments at each position: tensor-map launches,
+# which pass descriptors where the others pass tensors, have their own.
 _launch_dkdv_tma = Launcher(_flash_bwd_dkdv_kernel)
 _launch_dq_tma = Launcher(_flash_bwd_dq_kernel)

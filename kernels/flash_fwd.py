@@ -186,4 +186,6 @@ def flash_attention_fwd(
 
 
 _launch_fwd = Launcher(_flash_fwd_kernel)
+# A launcher keys its cache by the kinds of arguments at each position: tensor-map launches,
+# which pass descriptors where the others pass tensors, have their own.
 _launch_fwd_tma = Launcher(_flash_fwd_kernel)
