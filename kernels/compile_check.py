@@ -1,9 +1,11 @@
-"""Compile every block-kernel variant (simple and persistent) for a GPU architecture on a
-machine without a GPU.
+"""Compile every kernel variant (block kernels simple and persistent; the flash forward, dK/dV
+and dQ kernels with pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
-generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100).
+generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
+and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``). Tiles and launch
+options are the ones the launchers use on that generation.
 """
 from __future__ import annotations
 
@@ -11,19 +13,33 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, NamedTuple, Tuple
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ._common import head_loop, max_registers
+from ._flash_common import flash_tiles
 from .block_bwd import _block_bwd_kernel
 from .block_fwd import _block_fwd_kernel
+from .flash_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
+from .flash_fwd import _flash_fwd_kernel, fwd_launch_options
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
+TMA_COPY = "cp.async.bulk.tensor"
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+# Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
+_DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
+
+
+class Variant(NamedTuple):
+    name: str
+    kernel: object
+    dtype: str
+    constexprs: Dict[str, object]
+    options: Dict[str, object]
 
 
 def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[str, str], Dict]:
@@ -31,14 +47,22 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
 
     Unit strides are specialized to the constant 1 and pointers and other strides are
     16-divisible, as the JIT does at run time, so the PTX shows the real (vectorized) loads.
+    Descriptor arguments are tensor maps of one head's row tile where ``TMA`` is set, else
+    the tensors themselves.
     """
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
-        if name in ("Sched", "Pos"):
+        if name in _DESCRIPTORS and constexprs.get("TMA"):
+            rows = constexprs[_DESCRIPTORS[name]]
+            sig[name] = f"tensordesc<{_DTYPES[dtype][1:]}[{rows},{constexprs['BLOCK_D']}]>"
+            continue
+        if name in ("Sched", "Table", "Pos"):
             sig[name] = "*i32"
+        elif name in ("Lse", "Delta"):
+            sig[name] = "*fp32"
         elif name[0].isupper():
             sig[name] = _DTYPES[dtype]
         elif name in ("qk_scale", "scale", "log2_theta"):
@@ -50,8 +74,11 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
     return sig, attrs
 
 
-def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
-    """(name, kernel, dtype, constexprs) for every shipped block-kernel variant."""
+def _unit_strides(kernel, constexprs: Dict[str, object]) -> Dict[str, object]:
+    return dict(constexprs, **{n: 1 for n in kernel.arg_names if n.startswith("stride_") and n.endswith("d")})
+
+
+def _block_variants(capability: int) -> Iterator[Variant]:
     kernels = (("fwd", _block_fwd_kernel), ("bwd", _block_bwd_kernel))
     kinds = ("simple", "persistent")
     for (kind, kernel), dtype, (block, dim), rotary, causal, variant in itertools.product(
@@ -65,23 +92,51 @@ def variants() -> Iterator[Tuple[str, object, str, Dict[str, object]]]:
             BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
             FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=variant != "simple",
         )
-        constexprs.update({name: 1 for name in kernel.arg_names if name.startswith("stride_") and name.endswith("d")})
-        if kernel is _block_fwd_kernel:
+        backward = kernel is not _block_fwd_kernel
+        if not backward:
             constexprs["HEAD_LOOP"] = head_loop(constexprs, variant)
-        yield name, kernel, dtype, constexprs
+        options = dict(num_warps=4, num_stages=1)
+        regs = max_registers(constexprs, variant, backward, capability // 10, 4 if dtype == "fp32" else 2)
+        if regs:
+            options["maxnreg"] = regs
+        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
 
 
-def compile_variant(kernel, dtype: str, constexprs: Dict[str, object], capability: int, num_warps: int = 4) -> str:
-    """PTX of one variant with the launch options the launchers use."""
-    signature, attrs = _signature(kernel, dtype, constexprs)
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=1)
-    variant = "persistent" if constexprs["PERSISTENT"] else "simple"
-    regs = max_registers(constexprs, variant, kernel is not _block_fwd_kernel, capability // 10,
-                         4 if dtype == "fp32" else 2)
-    if regs:
-        options["maxnreg"] = regs
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+def _flash_variants(capability: int) -> Iterator[Variant]:
+    """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
+    on) and half rotary (pointer loads), with the tiles and options of full attention."""
+    major, dim = capability // 10, 128
+    for dtype, rot in itertools.product(("bf16", "fp16", "fp32"), (0, 64)):
+        size = 4 if dtype == "fp32" else 2
+        tiles = flash_tiles(dim, "cuda", size, major)
+        for kind, kernel in (("fwd", _flash_fwd_kernel), ("dkv", _flash_bwd_dkdv_kernel), ("dq", _flash_bwd_dq_kernel)):
+            outer, inner = tiles[kind]
+            block_m, block_n = (inner, outer) if kind == "dkv" else (outer, inner)
+            tma = rot == 0 and major >= 9
+            constexprs = dict(
+                HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
+                BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True,
+                FAST_TRIG=True, INT64=False, PRECISION="tf32", TMA=tma,
+            )
+            if kind == "fwd":
+                options = fwd_launch_options(outer, dim, "cuda", major)
+            else:
+                options = bwd_launch_options(outer, dim, "cuda", inner if kind == "dkv" else 64)
+            name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
+            yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+
+
+def variants(capability: int) -> Iterator[Variant]:
+    """Every shipped kernel variant, with the launch options used on GPUs of ``capability``."""
+    yield from _block_variants(capability)
+    yield from _flash_variants(capability)
+
+
+def compile_variant(variant: Variant, capability: int) -> str:
+    """PTX of one variant."""
+    signature, attrs = _signature(variant.kernel, variant.dtype, variant.constexprs)
+    src = ASTSource(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=variant.options)
     return compiled.asm["ptx"]
 
 
@@ -94,19 +149,20 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
     count = 0
-    for name, kernel, dtype, constexprs in variants():
-        if args.only not in name:
+    for variant in variants(ARCHS[args.arch]):
+        if args.only not in variant.name:
             continue
         count += 1
         try:
-            ptx = compile_variant(kernel, dtype, constexprs, ARCHS[args.arch])
+            ptx = compile_variant(variant, ARCHS[args.arch])
         except Exception as err:  # report every variant that does not build, not just the first
-            failures.append(f"{name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
+            failures.append(f"{variant.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
-        (args.out / f"{name}.ptx").write_text(ptx)
-        missing = [ins for ins in EXPECTED[args.arch] if ins not in ptx]
+        (args.out / f"{variant.name}.ptx").write_text(ptx)
+        wanted = EXPECTED[args.arch] + ((TMA_COPY,) if variant.constexprs.get("TMA") else ())
+        missing = [ins for ins in wanted if ins not in ptx]
         if missing:
-            failures.append(f"{name}: no {', '.join(missing)}")
+            failures.append(f"{variant.name}: no {', '.join(missing)}")
     print(f"{args.arch}: {count} variants, {count - len(failures)} without failures, PTX in {args.out}")
     for line in failures:
         print("FAIL", line)

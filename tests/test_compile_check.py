@@ -1,19 +1,27 @@
 """The kernels compile for sm_80, sm_90 and sm_100 on a machine without a GPU, with each
-generation's matrix instructions in the PTX (``mma.sync``, ``wgmma``, ``tcgen05.mma``)."""
+generation's matrix instructions in the PTX (``mma.sync``, ``wgmma``, ``tcgen05.mma``) and, from
+sm_90 on, TMA copies in the flash kernels' tensor-map variants."""
 import os
 import subprocess
 import sys
 
 import pytest
 
+ARCHS = [("sm_80", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")]
 
-@pytest.mark.parametrize("arch,instruction", [("sm_80", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")])
-def test_compile_check(arch, instruction, tmp_path):
+
+def _compile_check(arch: str, only: str, out) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", arch, "--out", str(tmp_path), "--only", "bf16_b64_d128"]
+    cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", arch, "--out", str(out),
+           "--only", only]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    ptx = {p.name: p.read_text() for p in tmp_path.glob("*.ptx")}
+    return {p.stem: p.read_text() for p in out.glob("*.ptx")}
+
+
+@pytest.mark.parametrize("arch,instruction", ARCHS)
+def test_compile_check(arch, instruction, tmp_path):
+    ptx = _compile_check(arch, "bf16_b64_d128", tmp_path)
     # fwd/bwd x rotary x causal x simple/persistent
     assert len(ptx) == 16
     assert all(instruction in text for text in ptx.values())
@@ -21,6 +29,17 @@ def test_compile_check(arch, instruction, tmp_path):
     # (16 bytes each).
     vector = ("ld.global.v4", "cp.async.cg.shared.global")
     assert all(any(op in text for op in vector) for text in ptx.values()), "tile loads should be 16-byte vectors"
+
+
+@pytest.mark.parametrize("arch,instruction", ARCHS)
+def test_flash_kernels_compile(arch, instruction, tmp_path):
+    """bf16 flash forward, dK/dV and dQ (GQA, causal, D128, the generation's tiles): plain heads take
+    tensor-map loads from sm_90 on (TMA copies in the PTX), rotary heads pointer loads everywhere."""
+    ptx = _compile_check(arch, "_bf16_d128_causal_gqa", tmp_path)
+    plain = "" if arch == "sm_80" else "_tma"
+    assert set(ptx) == {f"flash_{k}_bf16_d128_causal_gqa{v}" for k in ("fwd", "dkv", "dq") for v in (plain, "_rope")}
+    assert all(instruction in text for text in ptx.values())
+    assert all(("cp.async.bulk.tensor" in text) == name.endswith("_tma") for name, text in ptx.items())
 
 
 def test_register_caps():
