@@ -297,6 +297,7 @@ GPU_CASES = [
     dict(heads=4, kv_heads=1, dim=128, block_size=512, rope_theta=10000.0),
     dict(heads=2, kv_heads=2, dim=80, block_size=256, causal=True),
     dict(heads=2, kv_heads=2, dim=256, block_size=None, rope_theta=500.0, rotary_dim=64, rotary_interleaved=True),
+    dict(heads=2, kv_heads=1, dim=256, block_size=256, causal=True),
 ]
 
 
@@ -333,3 +334,28 @@ def test_gpu_matches_float64_reference(case, dtype):
     assert rel_err(out, oracle) <= max(2 * rel_err(naive, oracle), floor)
     for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
         assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[:2] + GPU_CASES[-1:], ids=["full-gqa-causal-d128", "full-d64", "b256-d256"])
+def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
+    """Plain heads on sm_90+ take tensor-map loads; the pointer loads give the same forward bits and
+    gradients equal to rounding (GQA adds the dK/dV pass's partial tiles in another order)."""
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(sum(GPU_LENGTHS), h, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+               for h in (heads, kv_heads, kv_heads))
+    offsets = offsets_from_lengths(GPU_LENGTHS, device="cuda")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor maps need sm_90+")
+    assert tma_loads(q, k, v, rope_theta=None)
+    grad_out = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    runs = []
+    for maps in (True, False):
+        monkeypatch.setattr(flash_common, "TENSOR_MAPS", maps)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = bl.block_attention(*leaves, offsets, backend="triton_flash", **case)
+        runs.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(rel_err(a, b) < 1e-2 for a, b in zip(runs[0][1:], runs[1][1:]))

@@ -150,7 +150,10 @@ def test_backward_bitwise_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def test_cuda_graph_replay_with_new_data():
+@pytest.mark.parametrize("block_size,backend", [(64, "triton"), (None, "triton_flash")], ids=["block", "flash"])
+def test_cuda_graph_replay_with_new_data(block_size, backend):
+    """Captured forward and backward replay with new data in the same buffers (the flash case's
+    tensor maps hold the buffers' addresses)."""
     q, k, v, offsets = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16)
     static = [x.clone().requires_grad_() for x in (q, k, v)]
     grad_out = torch.randn_like(q)
@@ -158,12 +161,12 @@ def test_cuda_graph_replay_with_new_data():
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            out = bl.block_attention(*static, offsets, backend="triton", causal=True)
+            out = bl.block_attention(*static, offsets, block_size, backend=backend, causal=True)
             torch.autograd.grad(out, static, grad_out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = bl.block_attention(*static, offsets, backend="triton", causal=True)
+        out = bl.block_attention(*static, offsets, block_size, backend=backend, causal=True)
         grads = torch.autograd.grad(out, static, grad_out)
     for seed in range(3):
         fresh = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16, seed=seed + 10)[:3]
@@ -172,7 +175,7 @@ def test_cuda_graph_replay_with_new_data():
                 s.copy_(f)
         graph.replay()
         fresh = [x.requires_grad_() for x in fresh]
-        eager = bl.block_attention(*fresh, offsets, backend="triton", causal=True)
+        eager = bl.block_attention(*fresh, offsets, block_size, backend=backend, causal=True)
         eager_grads = torch.autograd.grad(eager, fresh, grad_out)
         assert torch.equal(out, eager)
         assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
