@@ -20,6 +20,7 @@ have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -197,8 +198,9 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
     return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
 
 
-# False: pointer loads everywhere (the tests run both kinds of loads).
-TENSOR_MAPS = True
+# False: pointer loads everywhere (the tests run both kinds of loads); ``BLOCKATTN_TENSOR_MAPS=0``
+# in the environment sets it at import.
+TENSOR_MAPS = os.environ.get("BLOCKATTN_TENSOR_MAPS", "1") != "0"
 
 
 def tma_loads(*tensors: torch.Tensor, rope_theta: Optional[float]) -> bool:

@@ -9,6 +9,10 @@ fp32 and fp16 only: bf16 arithmetic is wrong in the interpreter; bf16 needs the 
 The interpreter runs the 64-row tiles it uses by default, so lengths 63, 64, 65, 130 and 200
 cross tile borders; one test drives the launchers with 16/32-row tiles on blocks of 40.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -219,6 +223,16 @@ def test_tensor_map_and_pointer_loads_agree(monkeypatch, block_size, causal):
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(*runs))
     _assert_close(runs[0][0], runs[0][1:], *_oracle(q, k, v, offsets, block_size, grad_out, causal=causal),
                   TOL[torch.float32])
+
+
+def test_tensor_maps_off_by_environment():
+    """``BLOCKATTN_TENSOR_MAPS=0`` turns the tensor-map loads off at import; by default they are on."""
+    code = ("import torch; from blockattn_layers.kernels._flash_common import tma_loads; "
+            "x = torch.zeros(8, 2, 32); print(tma_loads(x, x, x, rope_theta=None))")
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, BLOCKATTN_TENSOR_MAPS=value)
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and result.stdout.split() == [want], result.stderr[-2000:]
 
 
 @interpret_only
