@@ -285,6 +285,34 @@ def load_split(
 
 
 @triton.jit
+def load_row_tiles(
+    x_ptr, y_ptr, XD, YD, head, start, r0, offs, ok, offs_d, d_ok, Pos, first_row, log2_theta,
+    stride_xt, stride_xd, stride_yt, stride_yd,
+    TENSOR_MAPS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+    FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+):
+    """The loop tiles of rows ``r0 + [0, BLOCK)`` of a block from token ``start``: x (q or k, of
+    ``head``) as rotated ``(a, b, p)`` tiles and y (dO or v) whole; through the tensor maps ``XD``,
+    ``YD`` when ``TENSOR_MAPS`` (whole tiles, plain heads: ``a`` and ``b`` are ``p``), else by
+    pointers from ``x_ptr``, ``y_ptr`` (rows ``offs``, zeros where not ``ok``)."""
+    if TENSOR_MAPS:
+        row = (start + r0).to(tl.int32)
+        p = XD.load([row, head * HEAD_DIM])
+        a = p
+        b = p
+        y = YD.load([row, head * HEAD_DIM])
+    else:
+        rows = start + offs
+        sin, cos = tile_sin_cos(Pos, start, first_row, offs, ok, log2_theta,
+                                BLOCK, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+        a, b, p = load_split(x_ptr, rows, ok, sin, cos, stride_xt, stride_xd,
+                             BLOCK, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        y = load_cols(y_ptr, rows, ok, offs_d, d_ok, stride_yt, stride_yd, INT64)
+    return a, b, p, y
+
+
+@triton.jit
 def split_scores(
     qa, qb, qp, ka, kb, kp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of
 from ._flash_common import (
-    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, row_tiles, split_acc, split_scores, store_split,
-    tile_of_program, tile_sin_cos, tma_loads,
+    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_acc, split_scores,
+    store_split, tile_of_program, tile_sin_cos, tma_loads,
 )
 from ._launch import Launcher
 from ._tiles import load_cols, store_cols
@@ -70,21 +70,15 @@ def _dkdv_query_tiles(
     # accumulators across the outer loop break the software pipeliner on sm_100.
     for it in range(0, GROUPS * m_tiles):
         h = hk * GROUPS + it // m_tiles
-        offs_m = m_lo + (it % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m0 = m_lo + (it % m_tiles) * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n
         rows_m = start + offs_m
-        if TMA and not MASKED:
-            row = (start + m_lo + (it % m_tiles) * BLOCK_M).to(tl.int32)
-            qp = QD.load([row, h * HEAD_DIM])
-            qa = qp
-            qb = qp
-            do = DOD.load([row, h * HEAD_DIM])
-        else:
-            q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
-                                        BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
-            qa, qb, qp = load_split(Q + h * stride_qh, rows_m, m_ok, q_sin, q_cos, stride_qt, stride_qd,
-                                    BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
-            do = load_cols(DO + h * stride_doh, rows_m, m_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        qa, qb, qp, do = load_row_tiles(
+            Q + h * stride_qh, DO + h * stride_doh, QD, DOD, h, start, m0, offs_m, m_ok, offs_d, d_ok, Pos,
+            first_row, log2_theta, stride_qt, stride_qd, stride_dot, stride_dod,
+            TMA and not MASKED, BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG, INT64,
+        )
         lse = tl.load(row_ptrs(Lse, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0) * _LOG2E
         delta = tl.load(row_ptrs(Delta, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0)
         s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
@@ -113,19 +107,11 @@ def _dq_key_tiles(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n
-        rows_n = start + offs_n
-        if TMA and not MASKED:
-            row = (start + n0).to(tl.int32)
-            kp = KD.load([row, hk * HEAD_DIM])
-            ka = kp
-            kb = kp
-            v = VD.load([row, hk * HEAD_DIM])
-        else:
-            k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
-                                        BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
-            ka, kb, kp = load_split(K + hk * stride_kh, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
-                                    BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
-            v = load_cols(V + hk * stride_vh, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        ka, kb, kp, v = load_row_tiles(
+            K + hk * stride_kh, V + hk * stride_vh, KD, VD, hk, start, n0, offs_n, n_ok, offs_d, d_ok, Pos,
+            first_row, log2_theta, stride_kt, stride_kd, stride_vt, stride_vd,
+            TMA and not MASKED, BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG, INT64,
+        )
         s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if MASKED:

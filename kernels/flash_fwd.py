@@ -25,11 +25,11 @@ import triton.language as tl
 
 from ._common import LOG2E, kernel_meta, major_of
 from ._flash_common import (
-    FlashSchedule, allowed, flash_tiles, load_split, row_ptrs, row_tiles, split_scores, tile_of_program,
+    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_scores, tile_of_program,
     tile_sin_cos, tma_loads,
 )
 from ._launch import Launcher
-from ._tiles import load_cols, store_cols
+from ._tiles import store_cols
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -62,19 +62,11 @@ def _fwd_key_tiles(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n
-        rows_n = start + offs_n
-        if TMA and not MASKED:
-            row = (start + n0).to(tl.int32)
-            kp = KD.load([row, hk * HEAD_DIM])
-            ka = kp
-            kb = kp
-            v = VD.load([row, hk * HEAD_DIM])
-        else:
-            k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
-                                        BLOCK_N, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
-            ka, kb, kp = load_split(k_ptr, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
-                                    BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
-            v = load_cols(v_ptr, rows_n, n_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+        ka, kb, kp, v = load_row_tiles(
+            k_ptr, v_ptr, KD, VD, hk, start, n0, offs_n, n_ok, offs_d, d_ok, Pos, first_row, log2_theta,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            TMA and not MASKED, BLOCK_N, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG, INT64,
+        )
         s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
         if MASKED:
             s = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL), s, float("-inf"))
