@@ -14,7 +14,7 @@ call), which is what small batches pay for.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -69,9 +69,16 @@ def raw_apply(function: type) -> Callable:
     return raw.__get__(None, function)
 
 
-def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) -> Callable:
+def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable,
+                            fwd_planned: Optional[Callable] = None) -> Callable:
     """Register fakes and autograd for the ops ``fwd``/``bwd`` (implemented by ``fwd_impl`` /
-    ``bwd_impl``); return the public autograd entry point."""
+    ``bwd_impl``); return the public autograd entry point.
+
+    ``fwd_planned``, if given, is ``fwd_impl`` that also returns the backward's launch prepared
+    on the caller's thread (``(out, plan)``, plan None or with ``plan.launch(grad_out, q, k, v)``
+    returning the gradients or None): eager calls take it, and their backward, which the
+    autograd engine runs on its device thread, launches the plan where it holds.
+    """
 
     @fwd.register_fake
     def _fwd_fake(q, *args):
@@ -109,7 +116,24 @@ def register_attention_pair(fwd, bwd, fwd_impl: Callable, bwd_impl: Callable) ->
             _save(ctx, q, k, v, offsets, *rest)
             return fwd_impl(q, k, v, offsets, *rest)
 
-    apply = raw_apply(_EagerAttention)
+    class _PlannedAttention(_Attention):
+        # ``_EagerAttention`` with the backward's launch prepared by the forward.
+        @staticmethod
+        def forward(ctx, q, k, v, offsets, rest):
+            _save(ctx, q, k, v, offsets, *rest)
+            out, ctx.plan = fwd_planned(q, k, v, offsets, *rest)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            if ctx.plan is not None and type(grad_out) is torch.Tensor:
+                q, k, v = ctx.saved_tensors[:3]
+                grads = ctx.plan.launch(grad_out, q, k, v)
+                if grads is not None:
+                    return grads + (None, None)
+            return _Attention.backward(ctx, grad_out)
+
+    apply = raw_apply(_EagerAttention if fwd_planned is None else _PlannedAttention)
 
     def attention(q, k, v, offsets, *rest):
         if not plain_eager(q, k, v):

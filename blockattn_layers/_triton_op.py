@@ -15,7 +15,7 @@ from torch import Tensor
 
 from blockattn_layers.kernels._common import MAX_TILE
 from blockattn_layers.kernels.block_bwd import block_attention_bwd
-from blockattn_layers.kernels.block_fwd import block_attention_fwd
+from blockattn_layers.kernels.block_fwd import block_attention_fwd, block_attention_fwd_planned
 
 from ._op_registration import register_attention_pair
 from ._params import AttentionParams
@@ -46,9 +46,21 @@ def _triton_bwd(
     )
 
 
+def _triton_fwd_planned(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
+    rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+):
+    """:func:`_triton_fwd` and its backward's launch, prepared on the caller's thread."""
+    return block_attention_fwd_planned(
+        q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+        rotary_interleaved, cpu_offsets,
+    )
+
+
 triton_fwd = torch.library.custom_op("blockattn::triton_fwd", _triton_fwd, mutates_args=())
 triton_bwd = torch.library.custom_op("blockattn::triton_bwd", _triton_bwd, mutates_args=())
-_attention = register_attention_pair(triton_fwd, triton_bwd, _triton_fwd, _triton_bwd)
+_attention = register_attention_pair(triton_fwd, triton_bwd, _triton_fwd, _triton_bwd, _triton_fwd_planned)
 
 
 def run_triton(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:

@@ -194,7 +194,14 @@ def _build_block_plan(key: tuple) -> tuple:
     return meta, loop, key
 
 
+def empty_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer of ``x``'s shape and dtype. ``empty_like`` where ``x`` is contiguous
+    (it keeps that layout; its host time is about 2/3 of ``new_empty(x.shape)``'s, which parses
+    the shape), ``new_empty`` otherwise (on the H200's host half the time of
+    ``torch.empty(shape, dtype=, device=)``)."""
+    return torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)
+
+
 def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """Contiguous ``(dq, dk, dv)`` buffers with the inputs' shapes and dtypes (``new_empty``: on
-    the H200's host half the time of ``torch.empty(shape, dtype=, device=)``)."""
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    """Contiguous ``(dq, dk, dv)`` buffers with the inputs' shapes and dtypes."""
+    return empty_contiguous(q), empty_contiguous(k), empty_contiguous(v)

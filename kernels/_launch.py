@@ -26,7 +26,7 @@ whose tensors are on another GPU switches to theirs for the launch.
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Dict, Hashable, Sequence, Tuple
+from typing import Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 from triton import knobs
@@ -77,32 +77,64 @@ class Launcher:
         return self._tensors, self._ints
 
     def __call__(self, grid: Sequence[int], args: Sequence[object], meta: dict, q: torch.Tensor,
-                 meta_key: Hashable = None) -> None:
+                 meta_key: Hashable = None) -> Optional[tuple]:
         """Launch on ``q``'s device: Triton launches on the current device, so a call whose tensors
         live on another GPU switches to theirs for the launch.
 
         ``meta_key``, when given, stands for ``meta`` in the cache key: the caller promises that
         equal keys come with equal ``meta`` (``_common.block_plan`` builds both), which spares
         hashing every item of ``meta`` on each call.
+
+        Returns the cache key of a direct launch on the current device (equal keys: the same
+        compiled kernel, tensor dtypes and alignments, and specialized ints), else None.
         """
         if not q.is_cuda:
             self.kernel[grid](*args, **meta)
-            return
+            return None
         if self._device is None:
             self._device, self._stream = driver.active.get_current_device, driver.active.get_current_stream
         device = q.get_device()
         if device != self._device():
             with torch.cuda.device(device):
                 self._launch(grid, args, meta, device, meta_key)
-            return
-        self._launch(grid, args, meta, device, meta_key)
+            return None
+        return self._launch(grid, args, meta, device, meta_key)
 
-    def _launch(self, grid: Sequence[int], args: Sequence[object], meta: dict, device: int, meta_key: Hashable) -> None:
-        """On the current device ``device``: calls with 32-bit addressing go direct."""
+    def entry_for(self, args: Sequence[object], q: torch.Tensor, meta_key: Hashable, aligned: Sequence[bool]):
+        """The compiled kernel that a direct launch of ``args`` on ``q``'s device would run if its
+        tensor arguments had the 16-byte alignments ``aligned``: ``(launch, head, consts)`` for
+        :func:`launch_entry`, or None where such a launch would not go direct (not on the current
+        device, launch hooks set, 64-bit addressing) or nothing is cached for it yet.
+
+        Lets a caller prepare a later launch whose tensors do not exist yet (the backward's
+        gradient buffers): it passes stand-ins of the same dtypes and strides in ``args``.
+        """
+        if not DIRECT or not q.is_cuda or self._tensors is None or self._device is None:
+            return None
+        device = q.get_device()
+        if device != self._device() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            return None
+        tensors, ints = self._key_getters(args)
+        key = (device, meta_key, tuple([t.dtype for t in tensors(args)]), tuple(aligned), ints(args))
+        return self._compiled.get(key)
+
+    def goes_direct(self, device: int) -> bool:
+        """Whether a launch on ``device`` now would go direct (after a first launch): it is the
+        current device, and no launch hook is set."""
+        return (DIRECT and self._device() == device and not _hooked(knobs.runtime.launch_enter_hook)
+                and not _hooked(knobs.runtime.launch_exit_hook))
+
+    def stream(self, device: int) -> int:
+        """The current stream of ``device`` (after a first launch: the driver's own getter)."""
+        return self._stream(device)
+
+    def _launch(self, grid: Sequence[int], args: Sequence[object], meta: dict, device: int,
+                meta_key: Hashable) -> Optional[tuple]:
+        """On the current device ``device``: calls with 32-bit addressing go direct (see ``__call__``)."""
         fast = DIRECT and not meta.get("INT64", False)
         if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **meta)
-            return
+            return None
         tensors, ints = self._key_getters(args)
         tensors = tensors(args)
         addresses = [t.data_ptr() for t in tensors]
@@ -112,13 +144,14 @@ class Launcher:
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
             self._compiled[key] = _entry(compiled, tuple(meta[n] for n in self._constexpr_names()))
-            return
+            return key
         launch, head, consts = entry
         args = list(args)
         for i, address in zip(self._tensor_positions, addresses):
             args[i] = address
         grid_y = grid[1] if len(grid) > 1 else 1
         launch(grid[0], grid_y, 1, self._stream(device), *head, *args, *consts)
+        return key
 
 
 def _entry(compiled, consts: tuple) -> tuple:

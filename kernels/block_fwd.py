@@ -12,17 +12,18 @@ programs loop over a balanced contiguous range of those tiles.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, block_plan, needs_int64
+from ._common import LOG2E, block_grid, block_plan, empty_contiguous, needs_int64
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
 from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
+from .block_bwd import PlannedBackward, plan_backward
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
@@ -151,14 +152,31 @@ def block_attention_fwd(
     rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Launch the forward kernel; returns ``o [T, H, D]`` (contiguous, dtype of ``q``)."""
-    total, num_heads, head_dim = q.shape
+    return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                    rotary_interleaved, cpu_offsets, False)[0]
+
+
+def block_attention_fwd_planned(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
+    scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
+    rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, Optional[PlannedBackward]]:
+    """:func:`block_attention_fwd`, and the launch of its backward prepared on this thread
+    (:class:`~blockattn_layers.kernels.block_bwd.PlannedBackward`, or None)."""
+    return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                    rotary_interleaved, cpu_offsets, True)
+
+
+def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+             rotary_interleaved, cpu_offsets, plan: bool) -> tuple:
+    total = q.shape[0]
     kv_heads = k.shape[1]
-    o = q.new_empty((total, num_heads, head_dim))
+    o = empty_contiguous(q)
     if total == 0:
-        return o
+        return o, None
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
-        return o
+        return o, None
     meta, loop, key = block_plan(
         q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
         causal, False, sched.inline_seqs, needs_int64(q, k, v, o),
@@ -171,8 +189,11 @@ def block_attention_fwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
     grid = block_grid(meta["PERSISTENT"], sched.programs, 1 if loop else kv_heads, q.device, False)
-    _launch_fwd(grid, args, meta, q, key)
-    return o
+    launched = _launch_fwd(grid, args, meta, q, key)
+    if not plan:
+        return o, None
+    return o, plan_backward(q, k, v, sched, launched, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                            rotary_interleaved)
 
 
 _launch_fwd = Launcher(_block_fwd_kernel)

@@ -47,7 +47,7 @@ def small() -> List[Case]:
     by tens of percent over a run, more than the methods differ), and as CUDA-graph replays
     (GPU time: METHOD.md's way to time small launches, and how host-bound training steps are run)."""
     lengths = uniform_lengths(64, 1, 256, seed=1)
-    return [Case("small/d64h4", "small", lengths, 4, 64, BLOCK, rounds=5),
+    return [Case("small/d64h4", "small", lengths, 4, 64, BLOCK, rounds=9),
             Case("small_graph/d64h4", "small", lengths, 4, 64, BLOCK, graphed=True)]
 
 

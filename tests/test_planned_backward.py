@@ -1,0 +1,187 @@
+"""The backward launch prepared by the forward (``block_bwd.PlannedBackward``): the eager
+backward takes it where it holds and gives the same bits as the ordinary path; where it does
+not hold (strided dO, saved-tensor hooks, first call of a signature) the ordinary path runs.
+The autograd plumbing is checked on the CPU with a stand-in plan; the launches on the GPU."""
+import pytest
+import torch
+
+import blockattn_layers as bl
+from blockattn_layers import _op_registration
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _pair(plan_result, calls):
+    """An entry point over a doubling 'attention' whose plan returns ``plan_result``."""
+
+    class Plan:
+        def launch(self, grad_out, q, k, v):
+            calls.append((grad_out, q, k, v))
+            return plan_result
+
+    def fwd_impl(q, k, v, offsets, *rest):
+        return 2 * q
+
+    def fwd_planned(q, k, v, offsets, *rest):
+        return fwd_impl(q, k, v, offsets, *rest), Plan()
+
+    def bwd_impl(grad_out, q, k, v, offsets, *rest):
+        return 2 * grad_out, torch.zeros_like(k), torch.zeros_like(v)
+
+    lib = f"blockattn_test_plan_{len(_NAMES)}"
+    _NAMES.append(lib)
+    f = torch.library.custom_op(f"{lib}::fwd", fwd_impl, mutates_args=(), schema=f"({_ARGS}) -> Tensor")
+    b = torch.library.custom_op(f"{lib}::bwd", bwd_impl, mutates_args=(),
+                                schema=f"(Tensor grad_out, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+    return _op_registration.register_attention_pair(f, b, fwd_impl, bwd_impl, fwd_planned)
+
+
+_NAMES: list = []
+_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor offsets, int block_size, float scale, bool causal, "
+         "float? rope_theta, Tensor? positions, int rotary_dim, bool rotary_interleaved, Tensor? cpu_offsets, "
+         "int? max_seqlen")
+_REST = (64, 1.0, False, None, None, 0, False, None, None)
+
+
+def _leaves():
+    return [torch.randn(5, 2, 4, requires_grad=True) for _ in range(3)]
+
+
+def test_backward_takes_the_plan_where_it_holds():
+    calls = []
+    planned = tuple(torch.full((5, 2, 4), float(i)) for i in (7, 8, 9))
+    attention = _pair(planned, calls)
+    q, k, v = _leaves()
+    grads = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5]), *_REST), (q, k, v), torch.ones(5, 2, 4))
+    assert len(calls) == 1 and calls[0][1] is q and calls[0][2] is k and calls[0][3] is v
+    for g, want in zip(grads, planned):
+        assert torch.equal(g, want)
+
+
+def test_backward_falls_back_where_the_plan_does_not_hold():
+    calls = []
+    attention = _pair(None, calls)
+    q, k, v = _leaves()
+    grad_out = torch.randn(5, 2, 4)
+    dq, dk, dv = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5]), *_REST), (q, k, v), grad_out)
+    assert len(calls) == 1
+    assert torch.equal(dq, 2 * grad_out) and not dk.any() and not dv.any()
+
+
+# ------------------------------------------------------------------------------------------- GPU
+def _inputs(lengths, heads, kv_heads, dim, dtype=torch.float16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    total = int(offsets[-1])
+    qkv = [torch.randn(total, h, dim, device="cuda", generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)]
+    return qkv, offsets.cuda()
+
+
+def _spy(monkeypatch):
+    """Count the planned launches that gave gradients."""
+    from blockattn_layers.kernels.block_bwd import PlannedBackward
+
+    used = []
+    launch = PlannedBackward.launch
+
+    def spy(self, *args):
+        grads = launch(self, *args)
+        used.append(grads is not None)
+        return grads
+
+    monkeypatch.setattr(PlannedBackward, "launch", spy)
+    return used
+
+
+def _run(qkv, offsets, grad_out, **kw):
+    leaves = [x.clone().requires_grad_() for x in qkv]
+    out = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+    return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+
+PLANNED_CASES = [
+    dict(block_size=64),
+    dict(block_size=48, causal=True, rope_theta=1e4),
+    dict(block_size=64, rope_theta=500.0, positions="float"),
+]
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", PLANNED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_planned_backward_gives_the_ordinary_bits(monkeypatch, case, table):
+    """GQA, edge lengths; the in-kernel schedule and the block table (kept alive by the plan:
+    memory is reused and scribbled on between forward and backward)."""
+    from blockattn_layers.kernels import _schedule, block_fwd
+
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    qkv, offsets = _inputs([0, 1, 63, 64, 65, 130, 7, 200], 4, 2, 64)
+    if case.get("positions") == "float":
+        case["positions"] = torch.rand(qkv[0].shape[0], device="cuda") * 1000
+    grad_out = torch.randn_like(qkv[0])
+    used = _spy(monkeypatch)
+    _run(qkv, offsets, grad_out, **case)  # compiles the backward through the ordinary path
+    leaves = [x.clone().requires_grad_() for x in qkv]
+    out = bl.block_attention(*leaves, offsets, backend="triton", **case)
+    for _ in range(4):
+        torch.empty(1 << 20, device="cuda").fill_(float("nan"))
+    planned = (out, *torch.autograd.grad(out, leaves, grad_out))
+    assert used[-1] is True, "the second call's backward takes its plan"
+    monkeypatch.setattr(block_fwd, "plan_backward", lambda *a: None)
+    ordinary = _run(qkv, offsets, grad_out, **case)
+    for a, b in zip(planned, ordinary):
+        assert torch.equal(a, b)
+
+
+@cuda
+@pytest.mark.gpu
+def test_planned_backward_falls_back_on_strided_grad_and_saved_tensor_hooks(monkeypatch):
+    """A dO that is not contiguous (``out.sum()``'s expanded ones) and saved-tensor hooks that
+    replace q, k, v both take the ordinary path, with the same results."""
+    qkv, offsets = _inputs([5, 64, 0, 130, 1], 4, 2, 64)
+    used = _spy(monkeypatch)
+    ones = torch.ones_like(qkv[0])
+    want = _run(qkv, offsets, ones, block_size=64)
+    leaves = [x.clone().requires_grad_() for x in qkv]
+    out = bl.block_attention(*leaves, offsets, 64, backend="triton")
+    got = torch.autograd.grad(out.sum(), leaves)
+    assert used[-1] is False
+    for a, b in zip(got, want[1:]):
+        assert torch.equal(a, b)
+    leaves = [x.clone().requires_grad_() for x in qkv]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.cpu(), lambda t: t.cuda()):
+        out = bl.block_attention(*leaves, offsets, 64, backend="triton")
+    got = torch.autograd.grad(out, leaves, ones)
+    assert used[-1] is False
+    for a, b in zip(got, want[1:]):
+        assert torch.equal(a, b)
+
+
+@cuda
+@pytest.mark.gpu
+def test_planned_backward_follows_the_input_strides(monkeypatch):
+    """Inputs of the same shapes, first contiguous, then views into one packed ``[T, 3H, D]``
+    tensor (other strides, so another forward key and backward plan): each planned backward
+    gives the ordinary path's bits."""
+    from blockattn_layers.kernels import block_fwd
+
+    lengths = [3, 64, 0, 130, 1, 77]
+    (q, k, v), offsets = _inputs(lengths, 2, 2, 64)
+    packed = torch.cat([q, k, v], dim=1)
+    views = packed[:, :2], packed[:, 2:4], packed[:, 4:]
+    grad_out = torch.randn_like(q)
+    used = _spy(monkeypatch)
+    planner = block_fwd.plan_backward
+    for qkv in ((q, k, v), views, (q, k, v), views):
+        _run(qkv, offsets, grad_out, block_size=64, causal=True)
+        monkeypatch.setattr(block_fwd, "plan_backward", planner)
+        planned = _run(qkv, offsets, grad_out, block_size=64, causal=True)
+        assert used[-1] is True
+        monkeypatch.setattr(block_fwd, "plan_backward", lambda *a: None)
+        ordinary = _run(qkv, offsets, grad_out, block_size=64, causal=True)
+        for a, b in zip(planned, ordinary):
+            assert torch.equal(a, b)
