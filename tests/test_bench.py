@@ -123,3 +123,12 @@ def test_host_bound_cases_are_timed_in_interleaved_rounds(monkeypatch):
     assert rows["broken"]["status"] == "failed" and "fwd_ms" not in rows["broken"]
     wrong = runner.run_case(case, methods[3:], CPU, runner.Timing(cpu_reps=1), modes=("fwd",))[0]
     assert wrong["status"] == "FAILED"
+
+
+def test_commit_stamp_takes_blockattn_commit_first(monkeypatch):
+    from blockattn_layers.bench import env
+
+    monkeypatch.setenv("BLOCKATTN_COMMIT", "abc123")
+    assert env.git_commit() == ("abc123", "BLOCKATTN_COMMIT")
+    monkeypatch.delenv("BLOCKATTN_COMMIT")
+    assert env.git_commit()[1] in ("git", "none")

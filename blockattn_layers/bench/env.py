@@ -14,7 +14,12 @@ _ATEN_OPS = ("_flash_attention_forward", "_flash_attention_backward")
 
 
 def git_commit() -> Tuple[str, str]:
-    """``(commit, source)``: git HEAD (``+dirty`` if the tree has changes), else ``$BLOCKATTN_COMMIT``, else unknown."""
+    """``(commit, source)``: ``$BLOCKATTN_COMMIT`` if set (a copy of a tree whose own git
+    metadata is stale, as on a remote GPU machine that receives the working tree), else git HEAD
+    (``+dirty`` if the tree has changes), else unknown."""
+    env = os.environ.get("BLOCKATTN_COMMIT")
+    if env:
+        return env, "BLOCKATTN_COMMIT"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
@@ -25,8 +30,7 @@ def git_commit() -> Tuple[str, str]:
             return head.stdout.strip() + suffix, "git"
     except (OSError, subprocess.SubprocessError):
         pass
-    env = os.environ.get("BLOCKATTN_COMMIT")
-    return (env, "BLOCKATTN_COMMIT") if env else ("unknown", "none")
+    return "unknown", "none"
 
 
 def _triton_version() -> str:
