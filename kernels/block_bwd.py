@@ -197,9 +197,9 @@ class PlannedBackward:
 
     __slots__ = ("refs", "ptrs", "keep", "entry", "grid", "device", "tail", "do_strides")
 
-    def __init__(self, qkv, keep, entry, grid, device, tail, do_strides):
-        self.refs = tuple(weakref.ref(t) for t in qkv)
-        self.ptrs = tuple(t.data_ptr() for t in qkv)
+    def __init__(self, q, k, v, keep, entry, grid, device, tail, do_strides):
+        self.refs = (weakref.ref(q), weakref.ref(k), weakref.ref(v))
+        self.ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         self.keep, self.entry, self.grid, self.device, self.tail, self.do_strides = (
             keep, entry, grid, device, tail, do_strides)
 
@@ -260,9 +260,8 @@ def plan_backward(
         sched.table.data_ptr(), pos.data_ptr(), sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads, *strides,
     )
-    grid = block_grid(persistent, sched.programs, kv_heads, q.device, True)
-    return PlannedBackward((q, k, v), (sched.table, positions), entry, (grid[0], grid[1] if len(grid) > 1 else 1),
-                           q.get_device(), tail, strides[9:12])
+    grid = (block_grid(True, sched.programs, kv_heads, q.device, True)[0], 1) if persistent else (sched.programs, kv_heads)
+    return PlannedBackward(q, k, v, (sched.table, positions), entry, grid, q.get_device(), tail, strides[9:12])
 
 
 def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
