@@ -68,6 +68,112 @@ def test_backward_falls_back_where_the_plan_does_not_hold():
     assert torch.equal(dq, 2 * grad_out) and not dk.any() and not dv.any()
 
 
+# ------------------------------------------------------- CPU: the plan's launch arguments
+def _ordinary_launch(monkeypatch, do, q, k, v, offsets, **kw):
+    """What the ordinary backward passes to its launcher: ``(grid, args, meta, key)``."""
+    from blockattn_layers.kernels import block_bwd
+
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(block_bwd, "_launch_bwd", _Recorder(seen))
+        block_bwd.block_attention_bwd(do, q, k, v, offsets, **kw)
+    return seen[0]
+
+
+class _Recorder:
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __call__(self, grid, args, meta, q, key=None):
+        self.seen.append((grid, args, meta, key))
+
+
+def _ints(args):
+    return [a for a in args if type(a) is int]
+
+
+def _tensors(args):
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["simple", "persistent"])
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table, persistent):
+    """On the CPU, with the launches recorded: the plan's launch gets the ordinary backward's
+    grid and arguments (tensors as their addresses, the fresh gradient buffers aside), and the
+    compiled kernel it asks for is looked up under the ordinary launch's specialization (the
+    stand-ins for dO and the gradients have their dtypes and strides)."""
+    from blockattn_layers.kernels import _common, _schedule, block_bwd
+
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    monkeypatch.setattr(_common, "KERNELS", "persistent" if persistent else "simple")
+    g = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 63, 64, 65, 130, 7]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    total = offsets[-1].item()
+    packed = torch.randn(total, 8, 32, generator=g, dtype=torch.float16)
+    q, k, v = packed[:, :4], packed[:, 4:6], packed[:, 6:]
+    positions = torch.rand(total, generator=g) * 100
+    kw = dict(block_size=48, scale=0.3, causal=True, rope_theta=500.0, positions=positions, rotary_dim=16,
+              rotary_interleaved=False, cpu_offsets=None)
+    do = torch.randn(total, 4, 32, generator=g, dtype=torch.float16)
+    grid, args, meta, key = _ordinary_launch(monkeypatch, do, q, k, v, offsets, **kw)
+
+    sched = _schedule.Schedule(offsets, total, 48, None)
+    looked_up, launched = [], []
+    entry = (lambda *a: launched.append(a), ("head",), ("consts",))
+
+    def entry_for(args_, q_, key_, aligned):
+        looked_up.append((args_, key_, aligned))
+        return entry
+
+    monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", entry_for)
+    monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
+    monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 99)
+    block_bwd._TEMPLATES.clear()
+    plan = block_bwd.plan_backward(q, k, v, sched, ("a forward key",), 48, 0.3, True, 500.0, positions, 16, False)
+    # the schedule's table is the ordinary call's own (the table variant allocates a new one)
+    args = (*args[:7], sched.table, args[8] if kw["positions"] is not None else sched.table, *args[9:])
+    (stand_in, plan_key, aligned), = looked_up
+    assert plan_key == key
+    assert _ints(stand_in) == _ints(args), "the same ints (the specialized ones among them)"
+    assert [t.dtype for t in _tensors(stand_in)] == [t.dtype for t in _tensors(args)]
+    assert aligned == tuple(t.data_ptr() % 16 == 0 for t in _tensors(args))
+
+    grads = plan.launch(do, q, k, v)
+    (call,) = launched
+    assert call[:5] == (grid[0], grid[1] if len(grid) > 1 else 1, 1, 99, "head") and call[-1] == "consts"
+    passed = call[5:-1]
+    want = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    assert passed[:4] == tuple(want[:4]) and passed[7:] == tuple(want[7:])
+    assert passed[4:7] == tuple(g_.data_ptr() for g_ in grads)
+    for g_, x in zip(grads, (q, k, v)):
+        assert g_.shape == x.shape and g_.dtype == x.dtype and g_.is_contiguous()
+
+
+def test_plan_does_not_hold_for_other_tensors_or_a_strided_grad(monkeypatch):
+    from blockattn_layers.kernels import _schedule, block_bwd
+
+    launched = []
+    monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", lambda *a: (lambda *b: launched.append(b), (), ()))
+    monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
+    monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 0)
+    block_bwd._TEMPLATES.clear()
+    offsets = torch.tensor([0, 5, 70])
+    q, k, v = (torch.randn(70, 2, 16) for _ in range(3))
+    plan = block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), ("key",), 64, 0.25, False,
+                                   None, None, 0, False)
+    do = torch.randn(70, 2, 16)
+    assert plan.launch(do, q.clone(), k, v) is None
+    assert plan.launch(do.transpose(0, 1).contiguous().transpose(0, 1), q, k, v) is None
+    assert plan.launch(torch.ones(1, 1, 1).expand(70, 2, 16), q, k, v) is None
+    assert not launched
+    assert plan.launch(do, q, k, v) is not None and len(launched) == 1
+    assert block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), None, 64, 0.25, False,
+                                   None, None, 0, False) is None
+
+
 # ------------------------------------------------------------------------------------------- GPU
 def _inputs(lengths, heads, kv_heads, dim, dtype=torch.float16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
