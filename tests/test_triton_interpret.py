@@ -93,6 +93,18 @@ def test_int32_offsets_noncontiguous_inputs_and_scale():
     assert rel_err(out, want) < 2e-5
 
 
+def test_outputs_have_the_fakes_strides():
+    """Output and gradients are laid out as the ops' fakes say (standard contiguous strides), also
+    for inputs that are contiguous with other strides on a dimension of size 1."""
+    q = torch.randn(4, 1, 16).transpose(0, 1).requires_grad_()
+    k, v = (torch.randn(2, 1, 16).transpose(0, 1).requires_grad_() for _ in range(2))
+    assert q.is_contiguous() and q.stride() != (64, 16, 1)
+    out = bl.block_attention(q, k, v, _offsets([1]), 64, backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert out.stride() == (64, 16, 1)
+    assert [g.stride() for g in grads] == [(64, 16, 1), (32, 16, 1), (32, 16, 1)]
+
+
 def test_empty_batches_and_cpu_offsets():
     q = torch.randn(0, 2, 16)
     assert bl.block_attention(q, q, q, torch.zeros(1, dtype=torch.int64), backend="triton").shape == (0, 2, 16)
