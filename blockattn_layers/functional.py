@@ -82,12 +82,13 @@ def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
     The registered ops then compute in their inputs' dtype (autocast is off inside them).
     float64 inputs are left alone, as autocast leaves them.
     """
-    if not isinstance(q, Tensor):
+    # Constant-folded by torch.compile (``torch.amp.is_autocast_available`` is not traceable in
+    # torch 2.11); checked first, as autocast is off in most calls and this is the cheapest test.
+    if not torch._C._is_any_autocast_enabled() or not isinstance(q, Tensor):
         return q, k, v
     device_type = q.device.type
-    # Constant-folded by torch.compile (``torch.amp.is_autocast_available`` is not traceable in
-    # torch 2.11); the device types without autocast never get past the first test.
-    if not torch._C._is_any_autocast_enabled() or device_type not in _AUTOCAST_DEVICES:
+    # The device types without autocast never get past this test.
+    if device_type not in _AUTOCAST_DEVICES:
         return q, k, v
     if not torch.is_autocast_enabled(device_type):
         return q, k, v
