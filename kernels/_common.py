@@ -21,10 +21,18 @@ VARIANTS = ("simple", "persistent")
 KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
 # Compute-capability major -> the variant that measured faster than "simple" there.
 AUTO_VARIANT: dict = {}
-# Programs per SM in a persistent grid: what fits of the simple kernels at 4 warps (registers
-# per thread, ptxas for sm_90: forward about 116, backward about 200); the persistent kernels
-# need more, so part of the grid waits for a slot.
-PROGRAMS_PER_SM = {False: 4, True: 2}
+# Programs per SM in a persistent grid, by (backward, BLOCK_D > 64): what fits at 4 warps (ptxas
+# for sm_90, bf16, 64-row tiles). One-stage tile loop (registers bound them): forward 128, backward
+# 255 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
+# flight during this one's math; shared memory bounds them): forward 57 / 106 KB at D = 64 / 128,
+# backward 82 / 147 KB (228 KB per SM). More programs than fit would wait for a slot.
+PROGRAMS_PER_SM = {
+    1: {(False, False): 4, (False, True): 4, (True, False): 2, (True, True): 2},
+    2: {(False, False): 3, (False, True): 2, (True, False): 2, (True, True): 1},
+}
+# Stages of the persistent kernels' tile loop where the prefetch buffers fit: sm_90+, 2-byte
+# dtypes, 64-row tiles, D <= 128 (the sizes above); one elsewhere.
+PERSISTENT_STAGES = 2
 
 
 def kernel_variant(x: torch.Tensor) -> str:
@@ -52,11 +60,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def block_grid(persistent: bool, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
+def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
     """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs when persistent."""
-    if not persistent:
+    if not meta["PERSISTENT"]:
         return (programs, kv_heads)
-    return (min(programs * kv_heads, sm_count(device) * PROGRAMS_PER_SM[backward]),)
+    per_sm = PROGRAMS_PER_SM[meta["num_stages"]][backward, meta["BLOCK_D"] > 64]
+    return (min(programs * kv_heads, sm_count(device) * per_sm),)
 
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels with rotary. The forward's kv-head
@@ -82,6 +91,18 @@ def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize
     if major != 9 or variant != "simple" or meta["ROT_DIM"] == 0 or meta["BLOCK_M"] != 64 or itemsize != 2:
         return None
     return _SM90_MAXNREG.get((backward, meta["BLOCK_D"]))
+
+
+def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, block_d: int) -> int:
+    """``num_stages`` of a block kernel: 2 for the persistent tile loop where its prefetch
+    buffers fit (``PERSISTENT_STAGES``), else 1 (the simple kernels have no loop to pipeline).
+    With more than one, the kernels take ``PREFETCH``: the tile loop runs empty slots (masked)
+    instead of branching around them, which would keep the pipeliner from prefetching; without
+    it the loop keeps the branch (on sm_100, dropping it cost the 128-row backward its
+    ``tcgen05.mma``)."""
+    if variant == "persistent" and major >= 9 and itemsize == 2 and block_m == 64 and block_d <= 128:
+        return PERSISTENT_STAGES
+    return 1
 
 
 def variant_options(variant: str) -> dict:
@@ -185,10 +206,13 @@ def _build_block_plan(key: tuple) -> tuple:
     on_cuda = device.type == "cuda"
     meta = dict(_static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs, **variant_options(variant))
+    major = _major(device) if on_cuda else 9
+    meta["num_stages"] = tile_loop_stages(variant, major, dtype.itemsize, meta["BLOCK_M"], meta["BLOCK_D"])
+    meta["PREFETCH"] = meta["num_stages"] > 1
     loop = not backward and head_loop(meta, variant)
     if not backward:
         meta["HEAD_LOOP"] = loop
-    regs = max_registers(meta, variant, backward, _major(device) if on_cuda else 9, dtype.itemsize)
+    regs = max_registers(meta, variant, backward, major, dtype.itemsize)
     if regs:
         meta["maxnreg"] = regs
     return meta, loop, key

@@ -26,6 +26,84 @@ from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_col
 
 
 @triton.jit
+def _bwd_block(
+    Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+    stride_dvt, stride_dvh, stride_dvd,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Gradients of the block of ``n`` rows at ``start`` (``first_row``: its first row's index in
+    its sequence) of kv head ``hk`` and its query heads. Every load and store is masked by row,
+    so ``n == 0`` reads and writes nothing."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n
+    rows = start + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    dtype = Q.dtype.element_ty
+    k_ptr = K + hk * stride_kh
+    v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+    dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
+        # Angles reduced per column (H200: rotary backward D128 2.86 -> 2.76 ms; the forward
+        # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
+        sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, True)
+        ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, INT64)
+        dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
+        dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        q_ptr = Q + h * stride_qh
+        dq_ptr = DQ + h * stride_dqh
+        do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        if ROT_DIM > 0:
+            qa, qb = load_rotated_pair(q_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_qt, stride_qd,
+                                       INT64)
+            s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
+        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, False)
+        dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = (p * (dp - tl.sum(p * dp, 1)[:, None])).to(dtype)
+        ds_t = tl.trans(ds)
+        if ROT_DIM > 0:
+            dqa = tl.dot(ds, ka, input_precision=PRECISION) * scale
+            dqb = tl.dot(ds, kb, input_precision=PRECISION) * scale
+            dqa, dqb = rotate_pair(dqa, dqb, sin, cos, True)
+            store_cols(dq_ptr, dqa, rows, row_ok, cols_a, r_ok, stride_dqt, stride_dqd, INT64)
+            store_cols(dq_ptr, dqb, rows, row_ok, cols_b, r_ok, stride_dqt, stride_dqd, INT64)
+            dka = tl.dot(ds_t, qa, dka, input_precision=PRECISION)
+            dkb = tl.dot(ds_t, qb, dkb, input_precision=PRECISION)
+        if ROT_DIM < HEAD_DIM:
+            dqp = tl.dot(ds, kp, input_precision=PRECISION) * scale
+            store_cols(dq_ptr, dqp, rows, row_ok, cols_p, p_ok, stride_dqt, stride_dqd, INT64)
+            dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
+    dk_ptr = DK + hk * stride_dkh
+    if ROT_DIM > 0:
+        dka, dkb = rotate_pair(dka * scale, dkb * scale, sin, cos, True)
+        store_cols(dk_ptr, dka, rows, row_ok, cols_a, r_ok, stride_dkt, stride_dkd, INT64)
+        store_cols(dk_ptr, dkb, rows, row_ok, cols_b, r_ok, stride_dkt, stride_dkd, INT64)
+    if ROT_DIM < HEAD_DIM:
+        store_cols(dk_ptr, dkp * scale, rows, row_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
+    store_cols(DV + hk * stride_dvh, dv, rows, row_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
+
+
+@triton.jit
 def _bwd_tile(
     Q, K, V, DO, DQ, DK, DV, Sched, Pos, pid, hk, slots, num_seqs, block_size, scale, qk_scale,
     log2_theta,
@@ -36,72 +114,33 @@ def _bwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads."""
+    """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads.
+
+    ``SKIP_EMPTY``: branch around empty slots. The prefetching persistent loop (``PREFETCH``)
+    runs them instead (masked, they move nothing): a branch around the loads keeps Triton's
+    pipeliner from issuing the next tile's loads during this one's math (sm_90 PTX: no
+    ``cp.async`` at any ``num_stages``).
+    """
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if n > 0:
-        offs_m = tl.arange(0, BLOCK_M)
-        row_ok = offs_m < n
-        rows = start + offs_m
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        dtype = Q.dtype.element_ty
-        k_ptr = K + hk * stride_kh
-        v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
-        dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        if ROT_DIM > 0:
-            offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
-            pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-            # Angles reduced per column (H200: rotary backward D128 2.86 -> 2.76 ms; the forward
-            # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
-            sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, True)
-            ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, INT64)
-            dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        if ROT_DIM < HEAD_DIM:
-            cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-            kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
-            dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-        for g in range(GROUPS):
-            h = hk * GROUPS + g
-            q_ptr = Q + h * stride_qh
-            dq_ptr = DQ + h * stride_dqh
-            do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
-            s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-            if ROT_DIM > 0:
-                qa, qb = load_rotated_pair(q_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_qt, stride_qd,
-                                           INT64)
-                s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
-                s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
-            if ROT_DIM < HEAD_DIM:
-                qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
-                s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-            p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, False)
-            dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = (p * (dp - tl.sum(p * dp, 1)[:, None])).to(dtype)
-            ds_t = tl.trans(ds)
-            if ROT_DIM > 0:
-                dqa = tl.dot(ds, ka, input_precision=PRECISION) * scale
-                dqb = tl.dot(ds, kb, input_precision=PRECISION) * scale
-                dqa, dqb = rotate_pair(dqa, dqb, sin, cos, True)
-                store_cols(dq_ptr, dqa, rows, row_ok, cols_a, r_ok, stride_dqt, stride_dqd, INT64)
-                store_cols(dq_ptr, dqb, rows, row_ok, cols_b, r_ok, stride_dqt, stride_dqd, INT64)
-                dka = tl.dot(ds_t, qa, dka, input_precision=PRECISION)
-                dkb = tl.dot(ds_t, qb, dkb, input_precision=PRECISION)
-            if ROT_DIM < HEAD_DIM:
-                dqp = tl.dot(ds, kp, input_precision=PRECISION) * scale
-                store_cols(dq_ptr, dqp, rows, row_ok, cols_p, p_ok, stride_dqt, stride_dqd, INT64)
-                dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
-        dk_ptr = DK + hk * stride_dkh
-        if ROT_DIM > 0:
-            dka, dkb = rotate_pair(dka * scale, dkb * scale, sin, cos, True)
-            store_cols(dk_ptr, dka, rows, row_ok, cols_a, r_ok, stride_dkt, stride_dkd, INT64)
-            store_cols(dk_ptr, dkb, rows, row_ok, cols_b, r_ok, stride_dkt, stride_dkd, INT64)
-        if ROT_DIM < HEAD_DIM:
-            store_cols(dk_ptr, dkp * scale, rows, row_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
-        store_cols(DV + hk * stride_dvh, dv, rows, row_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
+    if SKIP_EMPTY:
+        if n > 0:
+            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
+                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                       stride_dvt, stride_dvh, stride_dvd,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION)
+    else:
+        _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
+                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                   stride_dvt, stride_dvh, stride_dvd,
+                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -115,7 +154,7 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     if PERSISTENT:
         lo, hi = persistent_range(slots, kv_heads)
@@ -127,7 +166,7 @@ def _block_bwd_kernel(
                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                       stride_dvt, stride_dvh, stride_dvd,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, not PREFETCH)
     else:
         _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
                   num_seqs, block_size, scale, qk_scale, log2_theta,
@@ -136,7 +175,7 @@ def _block_bwd_kernel(
                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
                   stride_dvt, stride_dvh, stride_dvd,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, True)
 
 
 def block_attention_bwd(
@@ -166,7 +205,7 @@ def block_attention_bwd(
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    _launch_bwd(block_grid(meta["PERSISTENT"], sched.programs, kv_heads, q.device, True), args, meta, q, key)
+    _launch_bwd(block_grid(meta, sched.programs, kv_heads, q.device, True), args, meta, q, key)
     return dq, dk, dv
 
 
@@ -221,7 +260,7 @@ class PlannedBackward:
         return dq, dk, dv
 
 
-# forward launch key -> (compiled backward, persistent, stride arguments) of its backward; the
+# forward launch key -> (compiled backward, its launch options, stride arguments) of its backward; the
 # forward's key fixes all three (see ``plan_backward``). Emptied when it reaches 256 entries.
 _TEMPLATES: dict = {}
 _MAX_TEMPLATES = 256
@@ -254,20 +293,21 @@ def plan_backward(
         if len(_TEMPLATES) >= _MAX_TEMPLATES:
             _TEMPLATES.clear()
         _TEMPLATES[fwd_key] = template
-    entry, persistent, strides = template
+    entry, meta, strides = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
     tail = (
         sched.table.data_ptr(), pos.data_ptr(), sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads, *strides,
     )
-    grid = (block_grid(True, sched.programs, kv_heads, q.device, True)[0], 1) if persistent else (sched.programs, kv_heads)
+    grid = block_grid(meta, sched.programs, kv_heads, q.device, True)
+    grid = (grid[0], grid[1] if len(grid) > 1 else 1)
     return PlannedBackward(q, k, v, (sched.table, positions), entry, grid, q.get_device(), tail, strides[9:12])
 
 
 def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
               rotary_interleaved) -> Optional[tuple]:
-    """``(entry, persistent, strides)`` of the backward launch for these inputs, with dO and the
+    """``(entry, meta, strides)`` of the backward launch for these inputs, with dO and the
     gradients contiguous and 16-byte aligned, or None where its kernel is not compiled yet."""
     meta, _, key = block_plan(
         q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
@@ -283,4 +323,4 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     aligned = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, True, True, True, True,
                sched.table.data_ptr() % 16 == 0, pos.data_ptr() % 16 == 0)
     entry = _launch_bwd.entry_for(args, q, key, aligned)
-    return None if entry is None else (entry, meta["PERSISTENT"], strides)
+    return None if entry is None else (entry, meta, strides)

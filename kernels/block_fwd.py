@@ -83,6 +83,43 @@ def _fwd_head(
 
 
 @triton.jit
+def _fwd_block(
+    Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr,
+):
+    """The block of ``n`` rows at ``start`` (``first_row``: its first row's index in its sequence)
+    of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of every kv head in turn (``hk``
+    unused), with the rotary angles computed once. Every load and store is masked by row, so
+    ``n == 0`` reads and writes nothing."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n
+    rows = start + offs_m
+    if HEAD_LOOP:
+        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
+        sin, cos = block_sin_cos(pos, first_row, offs_m, tl.arange(0, BLOCK_R), log2_theta, ROT_DIM, HAS_POS,
+                                 FAST_TRIG, False)
+        # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
+        for h in tl.range(0, kv_heads, num_stages=1):
+            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
+                      qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                      HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True)
+    else:
+        unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
+                  qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                  stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                  HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False)
+
+
+@triton.jit
 def _fwd_tile(
     Q, K, V, O, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
@@ -90,33 +127,29 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    """One block (table slot ``pid``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
-    every kv head in turn (``hk`` unused), with the rotary angles computed once."""
+    """One block (table slot ``pid``) of kv head ``hk`` and its query heads (see ``_fwd_block``).
+
+    ``SKIP_EMPTY``: branch around empty slots. The prefetching persistent loop (``PREFETCH``)
+    runs them instead (masked, they move nothing): a branch around the loads keeps Triton's
+    pipeliner from issuing the next tile's loads during this one's math (sm_90 PTX: no
+    ``cp.async`` at any ``num_stages``).
+    """
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if n > 0:
-        offs_m = tl.arange(0, BLOCK_M)
-        row_ok = offs_m < n
-        rows = start + offs_m
-        if HEAD_LOOP:
-            pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-            sin, cos = block_sin_cos(pos, first_row, offs_m, tl.arange(0, BLOCK_R), log2_theta, ROT_DIM, HAS_POS,
-                                     FAST_TRIG, False)
-            # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
-            for h in tl.range(0, kv_heads, num_stages=1):
-                _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
-                          qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                          stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                          HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                          HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True)
-        else:
-            unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
-                      qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                      HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False)
+    if SKIP_EMPTY:
+        if n > 0:
+            _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
+                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP)
+    else:
+        _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
+                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -129,6 +162,7 @@ def _block_fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if PERSISTENT:
         lo, hi = persistent_range(slots, kv_heads)
@@ -137,13 +171,13 @@ def _block_fwd_kernel(
                       qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, False)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, False, not PREFETCH)
     else:
         _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
                   qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, True)
 
 
 def block_attention_fwd(
@@ -188,7 +222,7 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
-    grid = block_grid(meta["PERSISTENT"], sched.programs, 1 if loop else kv_heads, q.device, False)
+    grid = block_grid(meta, sched.programs, 1 if loop else kv_heads, q.device, False)
     launched = _launch_fwd(grid, args, meta, q, key)
     if not plan:
         return o, None

@@ -4,8 +4,9 @@ and dQ kernels with pointer and tensor-map loads) for a GPU architecture on a ma
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
 generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
-and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``). Tiles and launch
-options are the ones the launchers use on that generation.
+and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``), and the pipelined
+persistent tile loops prefetch with asynchronous copies (``cp.async``). Tiles and launch options
+are the ones the launchers use on that generation.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ._common import head_loop, max_registers
+from ._common import head_loop, max_registers, tile_loop_stages
 from ._flash_common import flash_tiles
 from .block_bwd import _block_bwd_kernel
 from .block_fwd import _block_fwd_kernel
@@ -29,6 +30,7 @@ from .flash_fwd import _flash_fwd_kernel, fwd_launch_options
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
 TMA_COPY = "cp.async.bulk.tensor"
+ASYNC_COPY = "cp.async.cg.shared.global"
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
 _DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
@@ -95,8 +97,10 @@ def _block_variants(capability: int) -> Iterator[Variant]:
         backward = kernel is not _block_fwd_kernel
         if not backward:
             constexprs["HEAD_LOOP"] = head_loop(constexprs, variant)
-        options = dict(num_warps=4, num_stages=1)
-        regs = max_registers(constexprs, variant, backward, capability // 10, 4 if dtype == "fp32" else 2)
+        size = 4 if dtype == "fp32" else 2
+        options = dict(num_warps=4, num_stages=tile_loop_stages(variant, capability // 10, size, block, dim))
+        constexprs["PREFETCH"] = options["num_stages"] > 1
+        regs = max_registers(constexprs, variant, backward, capability // 10, size)
         if regs:
             options["maxnreg"] = regs
         yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
@@ -124,6 +128,16 @@ def _flash_variants(capability: int) -> Iterator[Variant]:
                 options = bwd_launch_options(outer, dim, "cuda", inner if kind == "dkv" else 64)
             name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
             yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+
+
+def required_copies(variant: Variant) -> Tuple[str, ...]:
+    """Copy instructions a variant's PTX must hold: TMA copies for tensor-map loads, asynchronous
+    copies for a persistent tile loop with more than one stage (else the loads wait in line)."""
+    if variant.constexprs.get("TMA"):
+        return (TMA_COPY,)
+    if variant.constexprs.get("PERSISTENT") and variant.options.get("num_stages", 1) > 1:
+        return (ASYNC_COPY,)
+    return ()
 
 
 def variants(capability: int) -> Iterator[Variant]:
@@ -159,7 +173,7 @@ def main(argv=None) -> int:
             failures.append(f"{variant.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
         (args.out / f"{variant.name}.ptx").write_text(ptx)
-        wanted = EXPECTED[args.arch] + ((TMA_COPY,) if variant.constexprs.get("TMA") else ())
+        wanted = EXPECTED[args.arch] + required_copies(variant)
         missing = [ins for ins in wanted if ins not in ptx]
         if missing:
             failures.append(f"{variant.name}: no {', '.join(missing)}")

@@ -20,6 +20,9 @@ def _options_per_call(q, k, block_size, rot, interleaved, has_pos, causal, backw
                 **_common.variant_options(variant))
     if not backward:
         meta["HEAD_LOOP"] = _common.head_loop(meta, variant)
+    meta["num_stages"] = _common.tile_loop_stages(variant, _common.major_of(q), q.element_size(), meta["BLOCK_M"],
+                                                  meta["BLOCK_D"])
+    meta["PREFETCH"] = meta["num_stages"] > 1
     regs = _common.max_registers(meta, variant, backward, _common.major_of(q), q.element_size())
     if regs:
         meta["maxnreg"] = regs
@@ -97,3 +100,19 @@ def test_kernels_with_scratch_memory_keep_tritons_launcher():
     compiled = _compiled(scratch=16)
     launch, head, _ = _launch._entry(compiled, ())
     assert launch is compiled.run and head == (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+@pytest.mark.parametrize("dtype,dim,block,stages", [
+    (torch.bfloat16, 128, 64, 2), (torch.float16, 64, 64, 2), (torch.float32, 128, 64, 1),
+    (torch.bfloat16, 256, 64, 1), (torch.bfloat16, 64, 128, 1),
+])
+def test_persistent_tile_loop_stages(monkeypatch, dtype, dim, block, stages):
+    """The persistent kernels pipeline their tile loop (2 stages) where the prefetch buffers fit
+    (2-byte dtypes, 64-row tiles, D <= 128; Hopper choices off the GPU); the simple ones take 1."""
+    q = torch.empty(8, 2, dim, dtype=dtype)
+    for variant, want in (("persistent", stages), ("simple", 1)):
+        monkeypatch.setattr(_common, "KERNELS", variant)
+        _common._BLOCK_PLANS.clear()
+        for backward in (False, True):
+            meta = _common.block_plan(q, q, block, 0, False, False, False, backward, 0, False)[0]
+            assert meta["num_stages"] == want and meta["PREFETCH"] == (want > 1)
