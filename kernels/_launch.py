@@ -48,6 +48,17 @@ def _hooked(hook) -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
+def _hooks_set() -> bool:
+    """Whether a launch enter or exit hook is set (profilers): launches then take ``kernel[grid]``."""
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+
+
+def _cache_key(device: int, meta_key: Hashable, tensors: Sequence[torch.Tensor], aligned: Sequence[bool],
+               ints: tuple) -> tuple:
+    """The launcher's cache key: at least as fine as what Triton specializes on (module docstring)."""
+    return device, meta_key, tuple([t.dtype for t in tensors]), tuple(aligned), ints
+
+
 class Launcher:
     """Launch ``kernel`` by its positional (non-constexpr) arguments and keyword meta."""
 
@@ -112,17 +123,15 @@ class Launcher:
         if not DIRECT or not q.is_cuda or self._tensors is None or self._device is None:
             return None
         device = q.get_device()
-        if device != self._device() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if device != self._device() or _hooks_set():
             return None
         tensors, ints = self._key_getters(args)
-        key = (device, meta_key, tuple([t.dtype for t in tensors(args)]), tuple(aligned), ints(args))
-        return self._compiled.get(key)
+        return self._compiled.get(_cache_key(device, meta_key, tensors(args), aligned, ints(args)))
 
     def goes_direct(self, device: int) -> bool:
         """Whether a launch on ``device`` now would go direct (after a first launch): it is the
         current device, and no launch hook is set."""
-        return (DIRECT and self._device() == device and not _hooked(knobs.runtime.launch_enter_hook)
-                and not _hooked(knobs.runtime.launch_exit_hook))
+        return DIRECT and self._device() == device and not _hooks_set()
 
     def stream(self, device: int) -> int:
         """The current stream of ``device`` (after a first launch: the driver's own getter)."""
@@ -132,14 +141,14 @@ class Launcher:
                 meta_key: Hashable) -> Optional[tuple]:
         """On the current device ``device``: calls with 32-bit addressing go direct (see ``__call__``)."""
         fast = DIRECT and not meta.get("INT64", False)
-        if not fast or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if not fast or _hooks_set():
             self.kernel[grid](*args, **meta)
             return None
         tensors, ints = self._key_getters(args)
         tensors = tensors(args)
         addresses = [t.data_ptr() for t in tensors]
-        key = (device, meta_key if meta_key is not None else tuple(meta.items()), tuple([t.dtype for t in tensors]),
-               tuple([a % 16 == 0 for a in addresses]), ints(args))
+        key = _cache_key(device, meta_key if meta_key is not None else tuple(meta.items()), tensors,
+                         [a % 16 == 0 for a in addresses], ints(args))
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)

@@ -118,10 +118,8 @@ def _bwd_tile(
 ):
     """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads.
 
-    ``SKIP_EMPTY``: branch around empty slots. The prefetching persistent loop (``PREFETCH``)
-    runs them instead (masked, they move nothing): a branch around the loads keeps Triton's
-    pipeliner from issuing the next tile's loads during this one's math (sm_90 PTX: no
-    ``cp.async`` at any ``num_stages``).
+    ``SKIP_EMPTY``: branch around empty slots; the prefetching persistent loop runs them masked
+    instead (why: ``_common.tile_loop_stages``).
     """
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
     if SKIP_EMPTY:
