@@ -68,15 +68,19 @@ def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, b
     return (min(programs * kv_heads, sm_count(device) * per_sm),)
 
 
-# Register caps (ptxas ``maxnreg``) of the simple block kernels with rotary. The forward's kv-head
-# loop (D <= 64, see ``block_fwd``) needs 128 to fit 4 programs per SM on every generation. The
-# others were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes) and apply there:
-# forward at D = 128: 104 (110 without a cap; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms);
-# backward at D = 64: 128 (140 without; 3 -> 4 programs per SM): 2.774 -> 2.673 ms. Plain kernels
-# take none: the plain D = 128 backward at 168 registers (4 programs instead of 2 by registers,
-# shared memory allows 3) measured 2.644 -> 2.623 ms, within noise, and 160 slower.
+# Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
+# (D <= 64, see ``block_fwd``) needs 128 to fit 4 programs per SM on every generation. The others
+# were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes, one query head per kv head)
+# and apply there, keyed (backward, BLOCK_D, rotary): rotary forward at D = 128: 104 (110 without
+# a cap; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms); rotary backward at D = 64: 128
+# (3 -> 4 programs per SM): 2.774 -> 2.673 ms; plain backward at D = 128: 168 (180 without, 4
+# bytes spilled; 2 -> 3 programs per SM, which shared memory allows): 2.582 -> 2.397 ms; plain
+# forward at D = 64: 72 (80 without, 16 bytes spilled; 6 -> 7 programs per SM): 1.199 -> 1.184 ms
+# (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
-_SM90_MAXNREG = {(False, 128): 104, (True, 64): 128}
+_SM90_MAXNREG = {
+    (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
+}
 
 
 def head_loop(meta: dict, variant: str) -> bool:
@@ -88,9 +92,9 @@ def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize
     """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
     if not backward and head_loop(meta, variant):
         return HEAD_LOOP_MAXNREG
-    if major != 9 or variant != "simple" or meta["ROT_DIM"] == 0 or meta["BLOCK_M"] != 64 or itemsize != 2:
+    if major != 9 or variant != "simple" or meta["BLOCK_M"] != 64 or itemsize != 2 or meta["GROUPS"] != 1:
         return None
-    return _SM90_MAXNREG.get((backward, meta["BLOCK_D"]))
+    return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
 
 
 def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, block_d: int) -> int:

@@ -48,20 +48,28 @@ def test_flash_kernels_compile(arch, instruction, tmp_path):
 
 
 def test_register_caps():
-    """``maxnreg`` only where it was measured: the rotary kv-head loop everywhere; the rotary
-    forward at D128 and backward at D64 on sm_90 with 16-bit inputs and 64-row simple tiles."""
+    """``maxnreg`` only where it was measured: the rotary kv-head loop everywhere; on sm_90 with
+    16-bit inputs, 64-row simple tiles and one query head per kv head, the rotary forward at D128,
+    the rotary backward at D64, the plain backward at D128 and the plain forward at D64."""
     from blockattn_layers.kernels._common import HEAD_LOOP_MAXNREG, max_registers
 
-    def meta(rot, d, m=64):
-        return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m)
+    def meta(rot, d, m=64, groups=1):
+        return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m, GROUPS=groups)
 
     assert max_registers(meta(64, 64), "simple", False, 8, 4) == HEAD_LOOP_MAXNREG
+    assert max_registers(meta(64, 64, groups=2), "simple", False, 9, 2) == HEAD_LOOP_MAXNREG
     assert max_registers(meta(64, 64), "persistent", False, 9, 2) is None
     assert max_registers(meta(128, 128), "simple", False, 9, 2) == 104
     assert max_registers(meta(64, 64), "simple", True, 9, 2) == 128
     assert max_registers(meta(32, 64), "simple", True, 9, 2) == 128
+    assert max_registers(meta(0, 128), "simple", True, 9, 2) == 168
+    assert max_registers(meta(0, 64), "simple", False, 9, 2) == 72
     for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),
                  (meta(128, 128), "simple", False, 9, 4), (meta(128, 128, 128), "simple", False, 9, 2),
-                 (meta(0, 128), "simple", False, 9, 2), (meta(0, 128), "simple", True, 9, 2),
-                 (meta(128, 128), "simple", True, 9, 2), (meta(64, 64), "persistent", True, 9, 2)]:
+                 (meta(0, 128), "simple", False, 9, 2), (meta(0, 128, groups=2), "simple", True, 9, 2),
+                 (meta(0, 128), "simple", True, 10, 2), (meta(0, 128), "persistent", True, 9, 2),
+                 (meta(0, 128), "simple", True, 9, 4), (meta(0, 64), "simple", True, 9, 2),
+                 (meta(0, 64, groups=2), "simple", False, 9, 2), (meta(0, 64, 128), "simple", False, 9, 2),
+                 (meta(128, 128), "simple", True, 9, 2), (meta(64, 64), "persistent", True, 9, 2),
+                 (meta(64, 64, groups=4), "simple", True, 9, 2)]:
         assert max_registers(*args) is None, args
