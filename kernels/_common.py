@@ -23,15 +23,19 @@ KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
 AUTO_VARIANT: dict = {}
 # Programs per SM in a persistent grid, by (backward, BLOCK_D > 64): what fits at 4 warps (ptxas
 # for sm_90, bf16, 64-row tiles). One-stage tile loop (registers bound them): forward 128, backward
-# 255 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
+# 202 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
 # flight during this one's math; shared memory bounds them): forward 57 / 106 KB at D = 64 / 128,
-# backward 82 / 147 KB (228 KB per SM). More programs than fit would wait for a slot.
+# backward 82 KB at D = 64 (228 KB per SM). More programs than fit would wait for a slot.
 PROGRAMS_PER_SM = {
     1: {(False, False): 4, (False, True): 4, (True, False): 2, (True, True): 2},
-    2: {(False, False): 3, (False, True): 2, (True, False): 2, (True, True): 1},
+    2: {(False, False): 3, (False, True): 2, (True, False): 2},
 }
-# Stages of the persistent kernels' tile loop where the prefetch buffers fit: sm_90+, 2-byte
-# dtypes, 64-row tiles, D <= 128 (the sizes above); one elsewhere.
+# Stages of the persistent kernels' tile loop where the prefetch buffers fit and the prefetch
+# measured no slower (H200, prod shapes, ms, one stage -> two): sm_90+, 2-byte dtypes, 64-row
+# tiles, forward at D <= 128 (D128 1.206 -> 1.222, D64 1.365 -> 1.363, rotary D128 1.649 ->
+# 1.407, D64 1.652 -> 1.509), backward at D <= 64 (2.834 -> 2.688, rotary 3.188 -> 3.204); one
+# elsewhere (backward at D = 128: 147 KB of shared memory, one program per SM: 2.747 -> 2.966,
+# rotary 3.484 -> 5.637).
 PERSISTENT_STAGES = 2
 
 
@@ -97,15 +101,16 @@ def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize
     return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
 
 
-def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, block_d: int) -> int:
+def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, block_d: int, backward: bool) -> int:
     """``num_stages`` of a block kernel: 2 for the persistent tile loop where its prefetch
-    buffers fit (``PERSISTENT_STAGES``), else 1 (the simple kernels have no loop to pipeline).
+    buffers fit and it measured no slower (``PERSISTENT_STAGES``), else 1 (the simple kernels have no loop to pipeline).
     With more than one, the kernels take ``PREFETCH``: the tile loop runs empty slots (masked,
     they move nothing) instead of branching around them, since Triton's pipeliner does not
     prefetch loads under that branch (sm_90 PTX: no ``cp.async`` at any ``num_stages``); without
     it the loop keeps the branch (on sm_100, dropping it cost the 128-row backward its
     ``tcgen05.mma``)."""
-    if variant == "persistent" and major >= 9 and itemsize == 2 and block_m == 64 and block_d <= 128:
+    widest = 64 if backward else 128
+    if variant == "persistent" and major >= 9 and itemsize == 2 and block_m == 64 and block_d <= widest:
         return PERSISTENT_STAGES
     return 1
 
@@ -212,7 +217,7 @@ def _build_block_plan(key: tuple) -> tuple:
     meta = dict(_static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs, **variant_options(variant))
     major = _major(device) if on_cuda else 9
-    meta["num_stages"] = tile_loop_stages(variant, major, dtype.itemsize, meta["BLOCK_M"], meta["BLOCK_D"])
+    meta["num_stages"] = tile_loop_stages(variant, major, dtype.itemsize, meta["BLOCK_M"], meta["BLOCK_D"], backward)
     meta["PREFETCH"] = meta["num_stages"] > 1
     loop = not backward and head_loop(meta, variant)
     if not backward:

@@ -89,16 +89,16 @@ def _block_variants(capability: int) -> Iterator[Variant]:
         name = (f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
                 f"{'' if variant == 'simple' else '_' + variant}")
         rot = dim if rotary else 0
+        backward = kernel is not _block_fwd_kernel
         constexprs = dict(
             HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
             BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
             FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=variant != "simple",
         )
-        backward = kernel is not _block_fwd_kernel
         if not backward:
             constexprs["HEAD_LOOP"] = head_loop(constexprs, variant)
         size = 4 if dtype == "fp32" else 2
-        options = dict(num_warps=4, num_stages=tile_loop_stages(variant, capability // 10, size, block, dim))
+        options = dict(num_warps=4, num_stages=tile_loop_stages(variant, capability // 10, size, block, dim, backward))
         constexprs["PREFETCH"] = options["num_stages"] > 1
         regs = max_registers(constexprs, variant, backward, capability // 10, size)
         if regs:
