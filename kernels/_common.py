@@ -75,12 +75,14 @@ def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, b
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
 # (D <= 64, see ``block_fwd``) needs 128 to fit 4 programs per SM on every generation. The others
 # were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes, one query head per kv head)
-# and apply there, keyed (backward, BLOCK_D, rotary): rotary forward at D = 128: 104 (110 without
-# a cap; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms); rotary backward at D = 64: 128
-# (3 -> 4 programs per SM): 2.774 -> 2.673 ms; plain backward at D = 128: 168 (180 without, 4
-# bytes spilled; 2 -> 3 programs per SM, which shared memory allows): 2.582 -> 2.397 ms; plain
-# forward at D = 64: 72 (80 without, 16 bytes spilled; 6 -> 7 programs per SM): 1.199 -> 1.184 ms
-# (64: 1.519 ms).
+# and apply there, keyed (backward, BLOCK_D, rotary):
+# - rotary forward, D = 128: 104 (110 without; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms);
+# - rotary backward, D = 64: 128 (140 without at the time, 128 since dV is stored early; 3 -> 4
+#   programs per SM): 2.774 -> 2.673 ms;
+# - plain backward, D = 128: 168 (180 without; 4 bytes spilled; 2 -> 3 programs per SM, which
+#   shared memory allows): 2.582 -> 2.397 ms;
+# - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
+#   1.184 ms (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
