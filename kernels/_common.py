@@ -25,10 +25,11 @@ AUTO_VARIANT: dict = {}
 # for sm_90, bf16, 64-row tiles). One-stage tile loop (registers bound them): forward 128, backward
 # 202 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
 # flight during this one's math; shared memory bounds them): forward 57 / 106 KB at D = 64 / 128,
-# backward 82 KB at D = 64 (228 KB per SM). More programs than fit would wait for a slot.
+# backward 82 / 147 KB (228 KB per SM; ``tile_loop_stages`` keeps the D = 128 backward at one
+# stage). More programs than fit would wait for a slot.
 PROGRAMS_PER_SM = {
     1: {(False, False): 4, (False, True): 4, (True, False): 2, (True, True): 2},
-    2: {(False, False): 3, (False, True): 2, (True, False): 2},
+    2: {(False, False): 3, (False, True): 2, (True, False): 2, (True, True): 1},
 }
 # Stages of the persistent kernels' tile loop where the prefetch buffers fit and the prefetch
 # measured no slower (H200, prod shapes, ms, one stage -> two): sm_90+, 2-byte dtypes, 64-row
