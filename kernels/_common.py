@@ -106,12 +106,12 @@ def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize
 
 def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, block_d: int, backward: bool) -> int:
     """``num_stages`` of a block kernel: 2 for the persistent tile loop where its prefetch
-    buffers fit and it measured no slower (``PERSISTENT_STAGES``), else 1 (the simple kernels have no loop to pipeline).
-    With more than one, the kernels take ``PREFETCH``: the tile loop runs empty slots (masked,
-    they move nothing) instead of branching around them, since Triton's pipeliner does not
-    prefetch loads under that branch (sm_90 PTX: no ``cp.async`` at any ``num_stages``); without
-    it the loop keeps the branch (on sm_100, dropping it cost the 128-row backward its
-    ``tcgen05.mma``)."""
+    buffers fit and it measured no slower (``PERSISTENT_STAGES``), else 1 (the simple kernels
+    have no loop to pipeline). With more than one, the kernels take ``PREFETCH``: the tile loop
+    runs empty slots (masked, they move nothing) instead of branching around them, since
+    Triton's pipeliner does not prefetch loads under that branch (sm_90 PTX: no ``cp.async`` at
+    any ``num_stages``); without it the loop keeps the branch (on sm_100, dropping it cost the
+    128-row backward its ``tcgen05.mma``)."""
     widest = 64 if backward else 128
     if variant == "persistent" and major >= 9 and itemsize == 2 and block_m == 64 and block_d <= widest:
         return PERSISTENT_STAGES
