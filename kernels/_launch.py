@@ -113,9 +113,10 @@ class Launcher:
 
     def entry_for(self, args: Sequence[object], q: torch.Tensor, meta_key: Hashable, aligned: Sequence[bool]):
         """The compiled kernel that a direct launch of ``args`` on ``q``'s device would run if its
-        tensor arguments had the 16-byte alignments ``aligned``: ``(launch, head, consts)`` for
-        :func:`launch_entry`, or None where such a launch would not go direct (not on the current
-        device, launch hooks set, 64-bit addressing) or nothing is cached for it yet.
+        tensor arguments had the 16-byte alignments ``aligned``: ``(launch, head, consts)`` as
+        :func:`_entry` builds it (``launch(gx, gy, 1, stream, *head, *args, *consts)`` runs it), or
+        None where such a launch would not go direct (not on the current device, launch hooks set,
+        64-bit addressing) or nothing is cached for it yet.
 
         Lets a caller prepare a later launch whose tensors do not exist yet (the backward's
         gradient buffers): it passes stand-ins of the same dtypes and strides in ``args``.

@@ -127,16 +127,8 @@ def _bwd_tile(
     instead (why: ``_common.tile_loop_stages``).
     """
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if SKIP_EMPTY:
-        if n > 0:
-            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
-                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                       stride_dvt, stride_dvh, stride_dvd,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION)
-    else:
+    # (A constexpr ``not SKIP_EMPTY`` makes the condition static: no branch at all.)
+    if not SKIP_EMPTY or n > 0:
         _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,

@@ -135,14 +135,8 @@ def _fwd_tile(
     instead (why: ``_common.tile_loop_stages``).
     """
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if SKIP_EMPTY:
-        if n > 0:
-            _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
-                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP)
-    else:
+    # (A constexpr ``not SKIP_EMPTY`` makes the condition static: no branch at all.)
+    if not SKIP_EMPTY or n > 0:
         _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
