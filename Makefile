@@ -43,6 +43,8 @@ gpu-check:
 	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider tests
 	BLOCKATTN_KERNELS=persistent python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py
+	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
+		tests/test_triton_gpu.py
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 clean:

@@ -13,14 +13,21 @@ LOG2E = 1.4426950408889634
 MAX_TILE = 128
 
 
-# Which block-kernel variant runs: "simple" (one program per (block, kv head)) or "persistent"
-# (a grid of resident programs, each looping over a balanced contiguous range of tiles). "auto"
-# takes the variant measured fastest on the GPU's generation (``AUTO_VARIANT``), else "simple".
-# (A third, the persistent loop warp-specialized over TMA loads, was withdrawn: see PERF_NOTES.)
-VARIANTS = ("simple", "persistent")
+# Which block-kernel variant runs: "simple" (one program per (block, kv head)), "persistent"
+# (a grid of resident programs, each looping over a balanced contiguous range of tiles) or
+# "hopper" (``hopper_block``: Gluon kernels for sm_90, one program per (block, kv head), for the
+# inputs ``hopper_fits`` admits; "simple" runs the others). "auto" takes the variant measured
+# fastest on the GPU's generation (``AUTO_VARIANT``), else "simple".
+# (A fourth, the persistent loop warp-specialized over TMA loads, was withdrawn: see PERF_NOTES.)
+VARIANTS = ("simple", "persistent", "hopper")
 KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
-# Compute-capability major -> the variant that measured faster than "simple" there.
-AUTO_VARIANT: dict = {}
+# Compute-capability major -> the variant that measured faster than "simple" there (H200, bf16,
+# prod shapes, BENCHMARKS.md).
+AUTO_VARIANT: dict = {9: "hopper"}
+# What the hopper kernels take: 16-bit dtypes, these head dims, blocks of at most 64 rows.
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_MAX_BLOCK = 64
 # Programs per SM in a persistent grid, by (backward, BLOCK_D > 64): what fits at 4 warps (ptxas
 # for sm_90, bf16, 64-row tiles). One-stage tile loop (registers bound them): forward 128, backward
 # 202 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
@@ -47,6 +54,58 @@ def kernel_variant(x: torch.Tensor) -> str:
             raise ValueError(f"BLOCKATTN_KERNELS must be auto or one of {', '.join(VARIANTS)}, got {KERNELS!r}")
         return KERNELS
     return AUTO_VARIANT.get(_major(x.device), "simple") if x.is_cuda else "simple"
+
+
+@functools.lru_cache(maxsize=1)
+def hopper_available() -> bool:
+    """Whether this Triton has the Gluon API the hopper kernels are written in."""
+    try:
+        from . import hopper_block  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def hopper_kernel(name: str):
+    """The hopper kernel ``name`` of ``hopper_block``, or None where Gluon is missing (then
+    ``hopper_fits`` admits nothing and it is never launched)."""
+    if not hopper_available():
+        return None
+    from . import hopper_block
+
+    return getattr(hopper_block, name)
+
+
+def _rows_copyable(t: torch.Tensor) -> bool:
+    """16-byte aligned rows of unit channel stride, token and head strides multiples of 16
+    elements (what Triton specializes as 16-divisible), as the hopper kernels' copies need."""
+    st, sh, sd = t.stride()
+    return sd == 1 and st % 16 == 0 and sh % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def hopper_admits(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> bool:
+    """Whether the hopper kernels compute this call: a 16-bit dtype, head dim 64 or 128, blocks of
+    at most 64 rows, no rotary or rotary on all channels in split halves, 32-bit offsets, and
+    every ``[T, H, D]`` tensor in ``tensors`` with copyable rows."""
+    head_dim = q.shape[2]
+    return (q.dtype in HOPPER_DTYPES and head_dim in HOPPER_HEAD_DIMS and block_size <= HOPPER_MAX_BLOCK
+            and not int64 and (rot == 0 or (rot == head_dim and not interleaved))
+            and all(_rows_copyable(t) for t in tensors))
+
+
+def hopper_fits(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> bool:
+    """Whether the hopper kernels take this call: ``hopper_admits`` it, on an sm_90 GPU."""
+    return (q.is_cuda and _major(q.device) == 9 and hopper_admits(q, tensors, block_size, rot, interleaved, int64)
+            and hopper_available())
+
+
+def block_variant(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> str:
+    """The variant a block-kernel call runs: ``kernel_variant``, with "hopper" falling back to
+    "simple" for the calls ``hopper_fits`` does not admit."""
+    variant = kernel_variant(q)
+    if variant == "hopper" and not hopper_fits(q, tensors, block_size, rot, interleaved, int64):
+        return "simple"
+    return variant
 
 
 @functools.lru_cache(maxsize=16)
@@ -85,18 +144,30 @@ def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, b
 # - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
 #   1.184 ms (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
+# The hopper kernels' caps, keyed as ``_SM90_MAXNREG`` (one query head per kv head); none
+# measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
+# 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
+# D64 2.450 -> 2.463 / 2.571). Their rotary kv-head loop takes ``HEAD_LOOP_MAXNREG`` (168 without,
+# no spills at 128: rotary D64 forward 1.186 -> 1.164 ms).
+HOPPER_MAXNREG: dict = {}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
 
 
 def head_loop(meta: dict, variant: str) -> bool:
-    """Whether a forward launch loops over the kv heads in each program (``HEAD_LOOP``)."""
-    return meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= 64 and variant == "simple"
+    """Whether a forward launch loops over the kv heads in each program (``HEAD_LOOP``): rotary at
+    D <= 64, simple kernels, or hopper ones with one query head per kv head."""
+    return (meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= 64
+            and (variant == "simple" or (variant == "hopper" and meta["GROUPS"] == 1)))
 
 
 def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize: int) -> Optional[int]:
     """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
+    if variant == "hopper":
+        if not backward and head_loop(meta, variant):
+            return HEAD_LOOP_MAXNREG
+        return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
     if not backward and head_loop(meta, variant):
         return HEAD_LOOP_MAXNREG
     if major != 9 or variant != "simple" or meta["BLOCK_M"] != 64 or itemsize != 2 or meta["GROUPS"] != 1:
@@ -120,7 +191,7 @@ def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, bloc
 
 def variant_options(variant: str) -> dict:
     """Constexprs of a block-kernel variant."""
-    return dict(PERSISTENT=variant != "simple")
+    return dict(PERSISTENT=variant == "persistent")
 
 
 def _pow2(n: int) -> int:
@@ -193,7 +264,7 @@ _MAX_BLOCK_PLANS = 256
 
 def block_plan(
     q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool, has_pos: bool,
-    causal: bool, backward: bool, inline_seqs: int, int64: bool,
+    causal: bool, backward: bool, inline_seqs: int, int64: bool, variant: Optional[str] = None,
 ) -> tuple:
     """``(meta, head_loop, key)`` of a block-kernel launch, built once per ``key``.
 
@@ -201,10 +272,11 @@ def block_plan(
     ``head_loop``: the forward's ``HEAD_LOOP`` (a grid of one kv head); ``key``: every input that
     ``meta`` depends on, hashable, which the launcher takes as its cache key in place of ``meta``.
     ``meta`` is shared between calls: read it, don't change it. Building it for each call cost
-    about a third of the launch's host time, which small batches pay for.
+    about a third of the launch's host time, which small batches pay for. ``variant``: the
+    call's (``block_variant``), by default ``kernel_variant(q)``.
     """
     key = (q.dtype, q.device, q.shape[2], q.shape[1] // k.shape[1], block_size, rot, interleaved, has_pos,
-           causal, backward, inline_seqs, int64, input_precision(q.dtype), kernel_variant(q))
+           causal, backward, inline_seqs, int64, input_precision(q.dtype), variant or kernel_variant(q))
     plan = _BLOCK_PLANS.get(key)
     if plan is None:
         if len(_BLOCK_PLANS) >= _MAX_BLOCK_PLANS:
@@ -219,6 +291,8 @@ def _build_block_plan(key: tuple) -> tuple:
     on_cuda = device.type == "cuda"
     meta = dict(_static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs, **variant_options(variant))
+    if variant == "hopper":
+        meta["BLOCK_M"] = 64  # one warpgroup's wgmma rows
     major = _major(device) if on_cuda else 9
     meta["num_stages"] = tile_loop_stages(variant, major, dtype.itemsize, meta["BLOCK_M"], meta["BLOCK_D"], backward)
     meta["PREFETCH"] = meta["num_stages"] > 1

@@ -6,7 +6,8 @@ are summed over the query heads in registers and written once, ``dQ`` once per h
 no atomics, so gradients are bitwise deterministic. ``Di = rowsum(dO * O)`` is computed
 inline as ``rowsum(P * dP)`` (equal, since ``dP = dO V^T`` and ``O = P V``): no
 preprocessing kernel and no extra ``PV`` product. Rotary gradients are rotated back by
-the transpose rotation before dq and dk are stored. Variants as in ``block_fwd``.
+the transpose rotation before dq and dk are stored. Variants as in ``block_fwd`` (the hopper
+kernel: ``hopper_block``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, block_plan, empty_grads, needs_int64
+from ._common import LOG2E, block_grid, block_plan, block_variant, empty_grads, hopper_kernel, needs_int64
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
@@ -189,10 +190,11 @@ def block_attention_bwd(
     if sched.programs == 0:
         return dq, dk, dv
     # (dk, dv: contiguous, no more elements than dq.)
-    meta, _, key = block_plan(
-        q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
-        causal, True, sched.inline_seqs, needs_int64(q, k, v, do, dq),
-    )
+    rot = rotary_dim if rope_theta is not None else 0
+    int64 = needs_int64(q, k, v, do, dq)
+    variant = block_variant(q, (q, k, v, do), block_size, rot, rotary_interleaved, int64)
+    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
+                              sched.inline_seqs, int64, variant)
     args = (
         q, k, v, do, dq, dk, dv, sched.table,
         positions if positions is not None else sched.table,
@@ -200,11 +202,16 @@ def block_attention_bwd(
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    _launch_bwd(block_grid(meta, sched.programs, kv_heads, q.device, True), args, meta, q, key)
+    _launcher(variant)(block_grid(meta, sched.programs, kv_heads, q.device, True), args, meta, q, key)
     return dq, dk, dv
 
 
 _launch_bwd = Launcher(_block_bwd_kernel)
+_launch_hopper_bwd = Launcher(hopper_kernel("_hopper_bwd_kernel"))
+
+
+def _launcher(variant: str) -> Launcher:
+    return _launch_hopper_bwd if variant == "hopper" else _launch_bwd
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -230,20 +237,20 @@ class PlannedBackward:
     passes.
     """
 
-    __slots__ = ("refs", "ptrs", "keep", "entry", "grid", "device", "tail", "do_strides")
+    __slots__ = ("refs", "ptrs", "keep", "entry", "launcher", "grid", "device", "tail", "do_strides")
 
-    def __init__(self, q, k, v, keep, entry, grid, device, tail, do_strides):
+    def __init__(self, q, k, v, keep, entry, launcher, grid, device, tail, do_strides):
         self.refs = (weakref.ref(q), weakref.ref(k), weakref.ref(v))
         self.ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        self.keep, self.entry, self.grid, self.device, self.tail, self.do_strides = (
-            keep, entry, grid, device, tail, do_strides)
+        self.keep, self.entry, self.launcher, self.grid, self.device, self.tail, self.do_strides = (
+            keep, entry, launcher, grid, device, tail, do_strides)
 
     def launch(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``(dq, dk, dv)``, or None where the plan does not hold for these tensors."""
         rq, rk, rv = self.refs
         if rq() is not q or rk() is not k or rv() is not v or do.stride() != self.do_strides:
             return None
-        if do.get_device() != self.device or not _launch_bwd.goes_direct(self.device):
+        if do.get_device() != self.device or not self.launcher.goes_direct(self.device):
             return None
         dq, dk, dv = empty_grads(q, k, v)
         grads = (do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
@@ -251,7 +258,7 @@ class PlannedBackward:
             return None
         launch, head, consts = self.entry
         gx, gy = self.grid
-        launch(gx, gy, 1, _launch_bwd.stream(self.device), *head, *self.ptrs, *grads, *self.tail, *consts)
+        launch(gx, gy, 1, self.launcher.stream(self.device), *head, *self.ptrs, *grads, *self.tail, *consts)
         return dq, dk, dv
 
 
@@ -288,7 +295,7 @@ def plan_backward(
         if len(_TEMPLATES) >= _MAX_TEMPLATES:
             _TEMPLATES.clear()
         _TEMPLATES[fwd_key] = template
-    entry, meta, strides = template
+    entry, launcher, meta, strides = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
     tail = (
@@ -297,17 +304,20 @@ def plan_backward(
     )
     grid = block_grid(meta, sched.programs, kv_heads, q.device, True)
     grid = (grid[0], grid[1] if len(grid) > 1 else 1)
-    return PlannedBackward(q, k, v, (sched.table, positions), entry, grid, q.get_device(), tail, strides[9:12])
+    return PlannedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
+                           strides[9:12])
 
 
 def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
               rotary_interleaved) -> Optional[tuple]:
-    """``(entry, meta, strides)`` of the backward launch for these inputs, with dO and the
-    gradients contiguous and 16-byte aligned, or None where its kernel is not compiled yet."""
-    meta, _, key = block_plan(
-        q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
-        causal, True, sched.inline_seqs, False,
-    )
+    """``(entry, launcher, meta, strides)`` of the backward launch for these inputs, with dO and
+    the gradients contiguous and 16-byte aligned, or None where its kernel is not compiled yet."""
+    rot = rotary_dim if rope_theta is not None else 0
+    # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
+    variant = block_variant(q, (q, k, v), block_size, rot, rotary_interleaved, False)
+    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
+                              sched.inline_seqs, False, variant)
+    launcher = _launcher(variant)
     pos = positions if positions is not None else sched.table
     q_strides, kv_strides = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
     strides = (*q.stride(), *k.stride(), *v.stride(), *q_strides, *q_strides, *kv_strides, *kv_strides)
@@ -317,5 +327,5 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
             scale * LOG2E, 0.0, k.shape[1], *strides)
     aligned = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, True, True, True, True,
                sched.table.data_ptr() % 16 == 0, pos.data_ptr() % 16 == 0)
-    entry = _launch_bwd.entry_for(args, q, key, aligned)
-    return None if entry is None else (entry, meta, strides)
+    entry = launcher.entry_for(args, q, key, aligned)
+    return None if entry is None else (entry, launcher, meta, strides)

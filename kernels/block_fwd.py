@@ -7,7 +7,8 @@ applied to the q and k tiles right after loading (see ``_rotary``). Rows past th
 masked, so no other block's data is used.
 
 Variants (``_common.KERNELS``): one program per (block, kv head), or a persistent grid whose
-programs loop over a balanced contiguous range of those tiles.
+programs loop over a balanced contiguous range of those tiles; on sm_90 the Gluon kernels of
+``hopper_block`` take the calls they admit.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, block_plan, empty_contiguous, needs_int64
+from ._common import LOG2E, block_grid, block_plan, block_variant, empty_contiguous, hopper_kernel, needs_int64
 from ._launch import Launcher
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
@@ -203,10 +204,11 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
     sched = Schedule(offsets, total, block_size, cpu_offsets)
     if sched.programs == 0:
         return o, None
-    meta, loop, key = block_plan(
-        q, k, block_size, rotary_dim if rope_theta is not None else 0, rotary_interleaved, positions is not None,
-        causal, False, sched.inline_seqs, needs_int64(q, k, v, o),
-    )
+    rot = rotary_dim if rope_theta is not None else 0
+    int64 = needs_int64(q, k, v, o)
+    variant = block_variant(q, (q, k, v), block_size, rot, rotary_interleaved, int64)
+    meta, loop, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, False,
+                                 sched.inline_seqs, int64, variant)
     args = (
         q, k, v, o, sched.table,
         positions if positions is not None else sched.table,
@@ -215,7 +217,7 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
     )
     grid = block_grid(meta, sched.programs, 1 if loop else kv_heads, q.device, False)
-    launched = _launch_fwd(grid, args, meta, q, key)
+    launched = (_launch_hopper_fwd if variant == "hopper" else _launch_fwd)(grid, args, meta, q, key)
     if not plan:
         return o, None
     return o, plan_backward(q, k, v, sched, launched, block_size, scale, causal, rope_theta, positions, rotary_dim,
@@ -223,3 +225,4 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
 
 
 _launch_fwd = Launcher(_block_fwd_kernel)
+_launch_hopper_fwd = Launcher(hopper_kernel("_hopper_fwd_kernel"))

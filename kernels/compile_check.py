@@ -1,5 +1,6 @@
-"""Compile every kernel variant (block kernels simple and persistent; the flash forward, dK/dV
-and dQ kernels with pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
+"""Compile every kernel variant (block kernels simple and persistent, and for sm_90 the Gluon
+hopper kernels; the flash forward, dK/dV and dQ kernels with pointer and tensor-map loads) for a
+GPU architecture on a machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
@@ -20,7 +21,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ._common import head_loop, max_registers, tile_loop_stages
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``)
+    GluonASTSource = None
+
+from ._common import head_loop, hopper_kernel, max_registers, tile_loop_stages
 from ._flash_common import flash_tiles
 from .block_bwd import _block_bwd_kernel
 from .block_fwd import _block_fwd_kernel
@@ -106,6 +112,32 @@ def _block_variants(capability: int) -> Iterator[Variant]:
         yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
 
 
+def _hopper_variants(capability: int) -> Iterator[Variant]:
+    """The Gluon kernels of the hopper variant (sm_90 only): 16-bit dtypes, D 64 / 128, rotary,
+    causal, one or two query heads per kv head, the block table or the in-kernel schedule."""
+    fwd, bwd = hopper_kernel("_hopper_fwd_kernel"), hopper_kernel("_hopper_bwd_kernel")
+    if capability // 10 != 9 or fwd is None:
+        return
+    for (kind, kernel), dtype, dim, rotary, causal, groups in itertools.product(
+        (("fwd", fwd), ("bwd", bwd)), ("bf16", "fp16"), (64, 128), (False, True), (False, True), (1, 2),
+    ):
+        rot = dim if rotary else 0
+        constexprs = dict(
+            HEAD_DIM=dim, GROUPS=groups, BLOCK_M=64, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
+            ROT_DIM=rot, INTERLEAVED=False, HAS_POS=rotary and causal, IS_CAUSAL=causal, FAST_TRIG=True,
+            INT64=False, PRECISION="tf32", INLINE_SEQS=512 if groups == 2 else 0, PERSISTENT=False, PREFETCH=False,
+        )
+        if kind == "fwd":
+            constexprs["HEAD_LOOP"] = head_loop(constexprs, "hopper")
+        options = dict(num_warps=4, num_stages=1)
+        regs = max_registers(constexprs, "hopper", kind == "bwd", 9, 2)
+        if regs:
+            options["maxnreg"] = regs
+        name = (f"{kind}_{dtype}_b64_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+                f"{'_gqa' if groups > 1 else ''}_hopper")
+        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+
+
 def _flash_variants(capability: int) -> Iterator[Variant]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
     on) and half rotary (pointer loads), with the tiles and options of full attention."""
@@ -132,10 +164,12 @@ def _flash_variants(capability: int) -> Iterator[Variant]:
 
 def required_copies(variant: Variant) -> Tuple[str, ...]:
     """Copy instructions a variant's PTX must hold: TMA copies for tensor-map loads, asynchronous
-    copies for a persistent tile loop with more than one stage (else the loads wait in line)."""
+    copies for the hopper kernels (every tile) and a persistent tile loop with more than one stage
+    (else the loads wait in line)."""
     if variant.constexprs.get("TMA"):
         return (TMA_COPY,)
-    if variant.constexprs.get("PERSISTENT") and variant.options.get("num_stages", 1) > 1:
+    if variant.name.endswith("_hopper") or (variant.constexprs.get("PERSISTENT")
+                                            and variant.options.get("num_stages", 1) > 1):
         return (ASYNC_COPY,)
     return ()
 
@@ -143,13 +177,15 @@ def required_copies(variant: Variant) -> Tuple[str, ...]:
 def variants(capability: int) -> Iterator[Variant]:
     """Every shipped kernel variant, with the launch options used on GPUs of ``capability``."""
     yield from _block_variants(capability)
+    yield from _hopper_variants(capability)
     yield from _flash_variants(capability)
 
 
 def compile_variant(variant: Variant, capability: int) -> str:
     """PTX of one variant."""
     signature, attrs = _signature(variant.kernel, variant.dtype, variant.constexprs)
-    src = ASTSource(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
+    source = GluonASTSource if variant.name.endswith("_hopper") else ASTSource
+    src = source(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=variant.options)
     return compiled.asm["ptx"]
 

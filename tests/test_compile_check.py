@@ -22,8 +22,10 @@ def _compile_check(arch: str, only: str, out) -> dict:
 @pytest.mark.parametrize("arch,instruction", ARCHS)
 def test_compile_check(arch, instruction, tmp_path):
     ptx = _compile_check(arch, "bf16_b64_d128", tmp_path)
-    # fwd/bwd x rotary x causal x simple/persistent
-    assert len(ptx) == 16
+    # fwd/bwd x rotary x causal x simple/persistent, and on sm_90 the hopper kernels (x 1 or 2
+    # query heads per kv head)
+    assert len(ptx) == (32 if arch == "sm_90" else 16)
+    assert sum(name.endswith("_hopper") for name in ptx) == (16 if arch == "sm_90" else 0)
     assert all(instruction in text for text in ptx.values())
     # 16-byte tile loads: vector loads into registers, or cp.async.cg copies into shared memory
     # (16 bytes each).
@@ -31,10 +33,28 @@ def test_compile_check(arch, instruction, tmp_path):
     assert all(any(op in text for op in vector) for text in ptx.values()), "tile loads should be 16-byte vectors"
     # The persistent forward's tile loop prefetches the next tile with asynchronous copies from
     # sm_90 on (one stage on sm_80; the D128 backward keeps one stage); the simple kernels have
-    # no loop to pipeline.
+    # no loop to pipeline; the hopper kernels copy every tile so.
     for name, text in ptx.items():
         prefetch = "persistent" in name and arch != "sm_80" and name.startswith("fwd")
-        assert ("cp.async.cg.shared.global" in text) == prefetch, name
+        assert ("cp.async.cg.shared.global" in text) == (prefetch or name.endswith("_hopper")), name
+
+
+def test_hopper_kernels_compile(tmp_path):
+    """The Gluon kernels for sm_90 (fp16 / bf16, D 64 / 128, rotary with given or implicit
+    positions, causal, GQA, block table or in-kernel schedule): wgmma products, 16-byte
+    asynchronous copies in, 16-byte stores out (through shared memory, not from the
+    accumulators' 4-byte pieces). Other generations have no hopper variant."""
+    ptx = _compile_check("sm_90", "_hopper", tmp_path / "sm_90")
+    assert len(ptx) == 64
+    for name, text in ptx.items():
+        assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text, name
+        assert "st.global.v4" in text and "st.global.b32" not in text and "st.global.v2" not in text, name
+    for arch in ("sm_80", "sm_100"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", arch, "--out",
+               str(tmp_path / arch), "--only", "_hopper"]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 1 and f"{arch}: 0 variants" in result.stdout
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)

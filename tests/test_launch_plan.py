@@ -119,3 +119,48 @@ def test_persistent_tile_loop_stages(monkeypatch, dtype, dim, block, fwd_stages,
             want = (bwd_stages if backward else fwd_stages) if variant == "persistent" else 1
             meta = _common.block_plan(q, q, block, 0, False, False, False, backward, 0, False)[0]
             assert meta["num_stages"] == want and meta["PREFETCH"] == (want > 1)
+
+
+def test_hopper_admits():
+    """The hopper kernels' inputs: 16-bit, D 64 / 128, blocks <= 64 rows, full split-half rotary or
+    none, 32-bit offsets, 16-byte aligned rows of unit channel stride and 16-divisible strides."""
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    ok = dict(block_size=64, rot=0, interleaved=False, int64=False)
+
+    def admits(x=q, tensors=None, **kw):
+        return _common.hopper_admits(x, (x,) if tensors is None else tensors, **dict(ok, **kw))
+
+    assert admits() and admits(rot=128) and admits(block_size=16)
+    assert admits(torch.empty(5, 4, 64, dtype=torch.float16))
+    assert not admits(rot=128, interleaved=True) and not admits(rot=64) and not admits(block_size=65)
+    assert not admits(int64=True)
+    assert not admits(torch.empty(5, 2, 128)) and not admits(torch.empty(5, 2, 96, dtype=torch.bfloat16))
+    wide = torch.empty(5, 2, 136, dtype=torch.bfloat16)
+    assert not admits(q, (q, wide[..., :128]))  # head stride 136
+    assert not admits(q, (q, torch.empty(5, 128, 2, dtype=torch.bfloat16).transpose(1, 2)))  # channel stride 2
+    flat = torch.empty(5 * 2 * 128 + 8, dtype=torch.bfloat16)
+    assert not admits(q, (q, flat[8 - 1:-1].view(5, 2, 128)))  # 2-byte aligned rows
+    assert admits(q, (q, flat[8:].view(5, 2, 128)))
+
+
+def test_hopper_variant_falls_back_to_simple(monkeypatch):
+    q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+    args = (q, (q,), 64, 0, False, False)
+    monkeypatch.setattr(_common, "KERNELS", "hopper")
+    assert _common.block_variant(*args) == "simple"  # CPU tensors: not an sm_90 GPU
+    monkeypatch.setattr(_common, "hopper_fits", lambda *a: True)
+    assert _common.block_variant(*args) == "hopper"
+    monkeypatch.setattr(_common, "KERNELS", "persistent")
+    assert _common.block_variant(*args) == "persistent"
+    for backward in (False, True):
+        meta, loop, key = _common.block_plan(q, q, 16, 0, False, False, False, backward, 512, False, "hopper")
+        assert meta["BLOCK_M"] == 64 and not meta["PERSISTENT"] and meta["num_stages"] == 1 and not loop
+        assert meta.get("maxnreg") == _common.HOPPER_MAXNREG.get((backward, 64, False))
+        assert key[-1] == "hopper" and _common.block_grid(meta, 10, 2, q.device, backward) == (10, 2)
+    groups = dict(ROT_DIM=0, BLOCK_D=128, BLOCK_M=64, GROUPS=2)
+    assert _common.max_registers(groups, "hopper", True, 9, 2) is None
+    # Rotary at D64, one query head per kv head: the forward loops over the kv heads.
+    for kv_heads, loops in ((2, True), (1, False)):
+        meta, loop, _ = _common.block_plan(q, q[:, :kv_heads], 64, 64, False, False, False, False, 512, False, "hopper")
+        assert loop == meta["HEAD_LOOP"] == loops
+        assert meta.get("maxnreg") == (_common.HEAD_LOOP_MAXNREG if loops else None)

@@ -242,11 +242,13 @@ def test_compile_fullgraph_no_recompile_across_batches():
 
 
 def test_kernels_compile_once_across_batches():
-    from blockattn_layers.kernels.block_bwd import _block_bwd_kernel
-    from blockattn_layers.kernels.block_fwd import _block_fwd_kernel
+    from blockattn_layers.kernels.block_bwd import _launch_bwd, _launch_hopper_bwd
+    from blockattn_layers.kernels.block_fwd import _launch_fwd, _launch_hopper_fwd
 
-    def count(kernel):
-        return sum(len(c[0]) for c in kernel.device_caches.values())
+    launchers = (_launch_fwd, _launch_bwd, _launch_hopper_fwd, _launch_hopper_bwd)
+
+    def count():
+        return tuple(sum(len(c[0]) for c in x.kernel.device_caches.values()) if x.kernel else 0 for x in launchers)
 
     def step(lengths, seed):
         q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.bfloat16, seed=seed)
@@ -255,10 +257,61 @@ def test_kernels_compile_once_across_batches():
         out.sum().backward()
 
     step([5, 64, 130], 0)
-    before = count(_block_fwd_kernel), count(_block_bwd_kernel)
+    before = count()
+    assert sum(before) > 0
     for i, lengths in enumerate(([1, 1, 300, 7, 0], [65] * 33, [2000, 3, 17, 64], [999] * 3)):
         step(lengths, i + 1)
-    assert (count(_block_fwd_kernel), count(_block_bwd_kernel)) == before
+    assert count() == before
+
+
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                          reason="needs an sm_90 GPU")
+HOPPER_CASES = [
+    dict(heads=2, kv_heads=2, dim=128, block_size=64),
+    dict(heads=4, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),
+    dict(heads=4, kv_heads=4, dim=64, block_size=48, rope_theta=500.0, positions="int"),
+    dict(heads=2, kv_heads=1, dim=64, block_size=64, causal=True, scale=0.3),
+]
+
+
+@SM90
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=_case_id)
+def test_hopper_kernels_forced(monkeypatch, case, table):
+    """The Gluon kernels take these calls on sm_90 (checked) and match the float64 oracle, fp16
+    and bf16, with the in-kernel schedule or the block table."""
+    from blockattn_layers.kernels import _common, _schedule
+
+    monkeypatch.setattr(_common, "KERNELS", "hopper")
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2, heads, kv_heads, dim, dtype, seed=heads + dim)
+        if case.get("positions") == "int":
+            case["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
+        rot = dim if case.get("rope_theta") else 0
+        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper"
+        check_against_oracle(q, k, v, offsets, **dict(case))
+
+
+@SM90
+def test_hopper_falls_back_to_simple(monkeypatch):
+    """Calls the hopper kernels do not take run the simple ones: fp32, 128-row blocks, partial or
+    interleaved rotary, rows not 16-byte aligned, 64-bit offsets."""
+    from blockattn_layers.kernels import _common
+
+    monkeypatch.setattr(_common, "KERNELS", "hopper")
+    q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
+    assert _common.block_variant(q, (q, k, v), 64, 0, False, False) == _common.kernel_variant(q) == "hopper"
+    for args in [(q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
+                 (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
+                 (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
+        assert _common.block_variant(*args) == "simple"
+    check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
+    check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)
 
 
 def test_auto_picks_triton_on_cuda():

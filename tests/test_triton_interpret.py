@@ -250,7 +250,8 @@ def test_kernel_variant_knob(monkeypatch):
     x = torch.empty(1)
     assert _common.kernel_variant(x) == "simple"
     monkeypatch.setattr(_common, "KERNELS", "fast")
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, persistent, got 'fast'"):
+    wanted = "BLOCKATTN_KERNELS must be auto or one of simple, persistent, hopper, got 'fast'"
+    with pytest.raises(ValueError, match=wanted):
         _common.kernel_variant(x)
     simple = dict(PERSISTENT=False, num_stages=1, BLOCK_D=64)
     assert _common.block_grid(simple, 10, 3, x.device, False) == (10, 3)

@@ -1,0 +1,462 @@
+"""Block-attention forward and backward for Hopper (sm_90), written in Gluon: the ``hopper`` variant.
+
+Same contract, arguments and constexprs as ``block_fwd`` / ``block_bwd`` (so the launchers,
+launch plans and the planned backward serve both), for the inputs ``_common.hopper_fits``
+admits: fp16 / bf16, head dim 64 or 128, blocks of at most 64 rows, no rotary or rotary on all
+channels in split halves (positions given or implicit), 16-byte aligned rows with unit channel
+stride, 32-bit offsets. One program per (block, kv head) and its ``GROUPS`` query heads.
+
+What Gluon allows that the Triton kernels could not get from the compiler:
+- every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,
+  no registers held while in flight), and each ``wgmma`` reads its operands from that one
+  shared copy: the rotary halves of q and k are rotated in place there, and P and dS share one
+  buffer. Backward, one query head per kv head, D = 128: 72 KB of shared memory plain or
+  rotary (Triton: 72 / 80 KB), 150 / 192 registers;
+- results leave through a shared tile that is dead by then (a copied input), read back in
+  16-byte row chunks: coalesced stores. Storing straight from the accumulator layout (4-byte
+  pieces) made the backward 1.7x slower (H200, ncu: 30% excess sectors).
+Rows past the block are masked on every load and store, so no other block's data is used.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+_TWO_PI = gl.constexpr(6.283185307179586)
+_INV_TWO_PI = gl.constexpr(0.15915494309189535)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr):
+    """``(start, length, first_row)`` of this program's block (``_schedule.block_of_program``)."""
+    if INLINE_SEQS > 0:
+        layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // 128, 1)], [32], [4], [0])
+        i = gl.arange(0, INLINE_SEQS, layout=layout)
+        m = i < num_seqs
+        seq_start = gl.load(Sched + i, mask=m, other=0)
+        seq_end = gl.load(Sched + i + 1, mask=m, other=0)
+        blocks = (seq_end - seq_start + block_size - 1) // block_size
+        before = gl.associative_scan(blocks, 0, _add) <= pid
+        s = gl.sum(before.to(gl.int32), 0)
+        first_row = (pid - gl.sum(gl.where(before, blocks, 0), 0)) * block_size
+        this = i == s
+        start = gl.sum(gl.where(this, seq_start, 0), 0) + first_row
+        end = gl.sum(gl.where(this, seq_end, 0), 0)
+        length = gl.where(s < num_seqs, gl.minimum(end - start, block_size), 0)
+        return start, length, first_row
+    else:
+        return gl.load(Sched + pid), gl.load(Sched + slots + pid), gl.load(Sched + 2 * slots + pid)
+
+
+@gluon.jit
+def _ptrs(ptr, rows, cols, stride_t):
+    return ptr + gl.expand_dims(rows, 1) * stride_t + gl.expand_dims(cols, 0)
+
+
+@gluon.jit
+def _copy_rows(dst, src, rows, cols, mask, stride_t):
+    """Asynchronous copy of a row tile to shared memory (masked rows zero-filled)."""
+    async_copy.async_copy_global_to_shared(dst, _ptrs(src, rows, cols, stride_t), mask)
+
+
+@gluon.jit
+def _reduced(angle):
+    """``angle`` moved into [-pi, pi], where sin/cos.approx are accurate (~1e-6)."""
+    return angle - _TWO_PI * gl.floor(angle * _INV_TWO_PI + 0.5)
+
+
+@gluon.jit
+def _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
+             HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
+    positions, or at ``first_row + m`` with the angles reduced once per column (``_rotary``)."""
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
+    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
+    if HAS_POS:
+        pos = gl.load(Pos + start + offs_m, mask=offs_m < n, other=0).to(gl.float32)
+        angle = _reduced(gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0))
+    else:
+        base = _reduced(first_row.to(gl.float32) * inv_freq)
+        angle = gl.expand_dims(base, 0) + gl.expand_dims(offs_m.to(gl.float32), 1) * gl.expand_dims(inv_freq, 0)
+    sin = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
+    cos = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
+    return sin, cos
+
+
+@gluon.jit
+def _rotate_in_place(a_s, b_s, sin, cos, LAYOUT: gl.constexpr):
+    """Rotate the shared halves ``(a, b) -> (a cos - b sin, a sin + b cos)`` (float32 math)."""
+    a = a_s.load(LAYOUT).to(gl.float32)
+    b = b_s.load(LAYOUT).to(gl.float32)
+    a_s.store((a * cos - b * sin).to(a_s.dtype))
+    b_s.store((a * sin + b * cos).to(b_s.dtype))
+
+
+@gluon.jit
+def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
+    """Exact softmax of raw scores ``s`` over the block's ``n`` keys (and the causal triangle):
+    unnormalized probabilities and the rows' reciprocal sums."""
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LAYOUT))
+    valid = gl.expand_dims(cols < n, 0)
+    if IS_CAUSAL:
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+        valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+    s = gl.where(valid, s * qk_scale, float("-inf"))
+    p = gl.exp2(s - gl.expand_dims(gl.max(s, 1), 1))
+    return p, 1.0 / gl.sum(p, 1)
+
+
+@gluon.constexpr_function
+def _row_layout(width):
+    """Register layout of a ``[64, width]`` tile in 16-byte row chunks (coalesced copies)."""
+    return gl.BlockedLayout([1, 8], [32 // (width // 8), width // 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _smem_layout(width):
+    """Shared layout of 16-bit tiles ``width`` columns wide, as ``wgmma`` reads them."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=2)
+
+
+@gluon.constexpr_function
+def _acc_layout(width):
+    """Accumulator layout of a ``wgmma`` product ``[64, width]`` of one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 16])
+
+
+@gluon.jit
+def _store_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
+    """Store ``x`` to rows ``start .. start + n`` through the dead shared tile ``buf``
+    (``[BLOCK_M, WIDTH]``), read back in 16-byte row chunks."""
+    gl.thread_barrier()  # every warp is done reading buf
+    buf.store(x.to(buf.dtype))
+    gl.thread_barrier()
+    _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
+
+
+@gluon.jit
+def _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
+    """``_store_via`` of the row tile whose column halves are ``lo`` and ``hi``."""
+    HALF: gl.constexpr = WIDTH // 2
+    gl.thread_barrier()
+    buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
+    buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
+    gl.thread_barrier()
+    _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
+
+
+@gluon.jit
+def _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
+    layout: gl.constexpr = _row_layout(WIDTH)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), buf.load(layout), mask=gl.expand_dims(offs_m < n, 1))
+
+
+@gluon.jit
+def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, mask,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HALF: gl.constexpr):
+    """Issue the copies of kv head ``h``'s rotary q and k halves and v tile (one group)."""
+    q_ptr = Q + h * stride_qh
+    k_ptr = K + h * stride_kh
+    _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
+    _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
+    _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
+    _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+    _copy_rows(v_s, V + h * stride_vh, rows, offs_d, mask, stride_vt)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Rotary forward of one block for every head (one query head per kv head): the angles once,
+    and two stages of shared tiles, so each head's copies are in flight during the previous
+    head's math."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    smem_d: gl.constexpr = _smem_layout(BLOCK_D)
+    smem_h: gl.constexpr = _smem_layout(HALF)
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D)
+    ld: gl.constexpr = _row_layout(BLOCK_D)
+    rot_l: gl.constexpr = _row_layout(HALF)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    rows = start + offs_m
+    mask = gl.expand_dims(offs_m < n, 1)
+    qa_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
+    qb_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
+    ka_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
+    kb_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
+    v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], smem_d)
+    _copy_head(qa_s.index(0), qb_s.index(0), ka_s.index(0), kb_s.index(0), v_s.index(0), Q, K, V, 0, rows, offs_h,
+               offs_d, mask, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HALF)
+    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    for h in range(kv_heads):
+        stage = h % 2
+        gl.thread_barrier()  # every warp is done with the other stage (the previous head's)
+        if h + 1 < kv_heads:
+            nxt = 1 - stage
+            _copy_head(qa_s.index(nxt), qb_s.index(nxt), ka_s.index(nxt), kb_s.index(nxt), v_s.index(nxt), Q, K, V,
+                       h + 1, rows, offs_h, offs_d, mask, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, HALF)
+            async_copy.wait_group(1)
+        else:
+            async_copy.wait_group(0)
+        gl.thread_barrier()
+        qa, qb, ka, kb = qa_s.index(stage), qb_s.index(stage), ka_s.index(stage), kb_s.index(stage)
+        _rotate_in_place(qa, qb, sin, cos, rot_l)
+        _rotate_in_place(ka, kb, sin, cos, rot_l)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+        s = warpgroup_mma(qb, kb.permute((1, 0)), s)
+        p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+        o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(stage), zero_d)
+        o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
+        _store_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_fwd_kernel(
+    Q, K, V, O, Sched, Pos,
+    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
+    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, HEAD_LOOP: gl.constexpr,
+    PREFETCH: gl.constexpr,
+):
+    hk = gl.program_id(1)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS)
+    if HEAD_LOOP:
+        if n > 0:
+            _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                              BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
+    elif n > 0:
+        HALF: gl.constexpr = BLOCK_D // 2
+        ROTARY: gl.constexpr = ROT_DIM > 0
+        dtype: gl.constexpr = Q.dtype.element_ty
+        smem_d: gl.constexpr = _smem_layout(BLOCK_D)
+        smem_h: gl.constexpr = _smem_layout(HALF)
+        acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+        acc_d: gl.constexpr = _acc_layout(BLOCK_D)
+        acc_h: gl.constexpr = _acc_layout(HALF)
+        ld: gl.constexpr = _row_layout(BLOCK_D)
+        rot_l: gl.constexpr = _row_layout(HALF)
+        a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+        rows = start + offs_m
+        mask = gl.expand_dims(offs_m < n, 1)
+        k_ptr = K + hk * stride_kh
+        v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+        zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+        if ROTARY:
+            qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
+            _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+            if GROUPS > 1:
+                o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
+        else:
+            q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            _copy_rows(k_s, k_ptr, rows, offs_d, mask, stride_kt)
+        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask, stride_vt)
+        for g in gl.static_range(GROUPS):
+            q_ptr = Q + (hk * GROUPS + g) * stride_qh
+            if g > 0:
+                gl.thread_barrier()  # every warp is done with the previous head's q
+            if ROTARY:
+                _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
+                _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
+            else:
+                _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
+            async_copy.commit_group()
+            if ROTARY:
+                if g == 0:
+                    # Angles while the copies are in flight.
+                    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+            async_copy.wait_group(0)
+            if ROTARY:
+                gl.thread_barrier()
+                _rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                if g == 0:
+                    _rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            if ROTARY:
+                s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
+                s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
+            else:
+                s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+            p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
+            o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
+            o_ptr = O + (hk * GROUPS + g) * stride_oh
+            if not ROTARY:
+                _store_via(q_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+            elif g == GROUPS - 1:
+                _store_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+            else:
+                _store_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
+    slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+    stride_dvt, stride_dvh, stride_dvd,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
+    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    hk = gl.program_id(1)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS)
+    if n > 0:
+        HALF: gl.constexpr = BLOCK_D // 2
+        ROTARY: gl.constexpr = ROT_DIM > 0
+        dtype: gl.constexpr = Q.dtype.element_ty
+        smem_d: gl.constexpr = _smem_layout(BLOCK_D)
+        smem_h: gl.constexpr = _smem_layout(HALF)
+        acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+        acc_d: gl.constexpr = _acc_layout(BLOCK_D)
+        acc_h: gl.constexpr = _acc_layout(HALF)
+        ld: gl.constexpr = _row_layout(BLOCK_D)
+        rot_l: gl.constexpr = _row_layout(HALF)
+
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+        rows = start + offs_m
+        mask = gl.expand_dims(offs_m < n, 1)
+        k_ptr = K + hk * stride_kh
+        v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], smem_d)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+        if ROTARY:
+            qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
+            _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+        else:
+            q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            _copy_rows(k_s, k_ptr, rows, offs_d, mask, stride_kt)
+        # (dK and dV start at the first head's products, not as zeros held from the top.)
+        for g in gl.static_range(GROUPS):
+            h = hk * GROUPS + g
+            q_ptr = Q + h * stride_qh
+            if g > 0:
+                gl.thread_barrier()  # every warp is done with the previous head's q and dO
+            if ROTARY:
+                _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
+                _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
+            else:
+                _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
+            async_copy.commit_group()
+            _copy_rows(do_s, DO + h * stride_doh, rows, offs_d, mask, stride_dot)
+            if g == 0:
+                _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask, stride_vt)
+            async_copy.commit_group()
+            if ROTARY:
+                if g == 0:
+                    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+
+            # S once q and k have landed (dO and v may still be in flight).
+            async_copy.wait_group(1)
+            if ROTARY:
+                gl.thread_barrier()
+                _rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                if g == 0:
+                    _rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            if ROTARY:
+                s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
+                s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
+            else:
+                s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+            p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            p = p * gl.expand_dims(inv, 1)
+
+            # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
+            pds_s.store(p.to(dtype))
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
+            ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+            if g == 0:
+                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+            else:
+                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
+            if GROUPS == 1:
+                # v is dead: dV leaves now, and its accumulator with it.
+                _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)
+            gl.thread_barrier()  # dV's product is done reading P
+            pds_s.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
+            dq_ptr = DQ + h * stride_dqh
+            if ROTARY:
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+                # (Angles again in the accumulators' layout: cheaper than keeping them live.)
+                sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+                dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+                _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
+                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D)
+                if g == 0:
+                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
+                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+                else:
+                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
+                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
+            else:
+                dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+                _store_via(do_s, dq_ptr, dq * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D)
+                if g == 0:
+                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+                else:
+                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
+        dk_ptr = DK + hk * stride_dkh
+        if ROTARY:
+            sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+            _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
+                              start, n, stride_dkt, BLOCK_M, BLOCK_D)
+        else:
+            _store_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D)
+        if GROUPS > 1:
+            _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)
