@@ -258,7 +258,6 @@ def _hopper_fwd_kernel(
         smem_h: gl.constexpr = _smem_layout(HALF)
         acc_s: gl.constexpr = _acc_layout(BLOCK_M)
         acc_d: gl.constexpr = _acc_layout(BLOCK_D)
-        acc_h: gl.constexpr = _acc_layout(HALF)
         ld: gl.constexpr = _row_layout(BLOCK_D)
         rot_l: gl.constexpr = _row_layout(HALF)
         a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
