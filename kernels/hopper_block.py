@@ -11,7 +11,7 @@ What Gluon allows that the Triton kernels could not get from the compiler:
   no registers held while in flight), and each ``wgmma`` reads its operands from that one
   shared copy: the rotary halves of q and k are rotated in place there, and P and dS share one
   buffer. Backward, one query head per kv head, D = 128: 72 KB of shared memory plain or
-  rotary (Triton: 72 / 80 KB), 150 / 192 registers;
+  rotary (Triton: 72 / 80 KB), 158 / 191 registers;
 - results leave through a shared tile that is dead by then (a copied input), read back in
   16-byte row chunks: coalesced stores. Storing straight from the accumulator layout (4-byte
   pieces) made the backward 1.7x slower (H200, ncu: 30% excess sectors).
@@ -35,7 +35,8 @@ def _add(a, b):
 
 @gluon.jit
 def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr):
-    """``(start, length, first_row)`` of this program's block (``_schedule.block_of_program``)."""
+    """``(start, length, first_row)`` of this program's block: ``_schedule.block_of_program``
+    written again in Gluon (which cannot call Triton JIT functions: its tensors carry layouts)."""
     if INLINE_SEQS > 0:
         layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // 128, 1)], [32], [4], [0])
         i = gl.arange(0, INLINE_SEQS, layout=layout)
@@ -67,6 +68,13 @@ def _copy_rows(dst, src, rows, cols, mask, stride_t):
 
 
 @gluon.jit
+def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HALF: gl.constexpr):
+    """``_copy_rows`` of a row tile's rotary halves: columns ``[0, HALF)`` and ``[HALF, 2 HALF)``."""
+    _copy_rows(a_s, src, rows, offs_h, mask, stride_t)
+    _copy_rows(b_s, src, rows, offs_h + HALF, mask, stride_t)
+
+
+@gluon.jit
 def _reduced(angle):
     """``angle`` moved into [-pi, pi], where sin/cos.approx are accurate (~1e-6)."""
     return angle - _TWO_PI * gl.floor(angle * _INV_TWO_PI + 0.5)
@@ -76,7 +84,8 @@ def _reduced(angle):
 def _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
              HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
     """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
-    positions, or at ``first_row + m`` with the angles reduced once per column (``_rotary``)."""
+    positions, or at ``first_row + m`` with the angles reduced once per column (the Gluon form of
+    ``_rotary.block_sin_cos`` with ``PER_COLUMN``)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
     offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
     inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
@@ -167,10 +176,8 @@ def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, ma
     """Issue the copies of kv head ``h``'s rotary q and k halves and v tile (one group)."""
     q_ptr = Q + h * stride_qh
     k_ptr = K + h * stride_kh
-    _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
-    _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
-    _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
-    _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+    _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
+    _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
     _copy_rows(v_s, V + h * stride_vh, rows, offs_d, mask, stride_vt)
     async_copy.commit_group()
 
@@ -276,8 +283,7 @@ def _hopper_fwd_kernel(
             qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
-            _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+            _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
             if GROUPS > 1:
                 o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
         else:
@@ -290,8 +296,7 @@ def _hopper_fwd_kernel(
             if g > 0:
                 gl.thread_barrier()  # every warp is done with the previous head's q
             if ROTARY:
-                _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
-                _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
+                _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
             else:
                 _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
             async_copy.commit_group()
@@ -366,8 +371,7 @@ def _hopper_bwd_kernel(
             qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            _copy_rows(ka_s, k_ptr, rows, offs_h, mask, stride_kt)
-            _copy_rows(kb_s, k_ptr, rows, offs_h + HALF, mask, stride_kt)
+            _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
         else:
             q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
@@ -379,8 +383,7 @@ def _hopper_bwd_kernel(
             if g > 0:
                 gl.thread_barrier()  # every warp is done with the previous head's q and dO
             if ROTARY:
-                _copy_rows(qa_s, q_ptr, rows, offs_h, mask, stride_qt)
-                _copy_rows(qb_s, q_ptr, rows, offs_h + HALF, mask, stride_qt)
+                _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
             else:
                 _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
             async_copy.commit_group()
