@@ -129,6 +129,11 @@ class Launcher:
         tensors, ints = self._key_getters(args)
         return self._compiled.get(_cache_key(device, meta_key, tensors(args), aligned, ints(args)))
 
+    def compiled(self, key: tuple) -> tuple:
+        """The ``(launch, head, consts)`` of the direct launch that returned ``key`` (see
+        ``entry_for``)."""
+        return self._compiled[key]
+
     def goes_direct(self, device: int) -> bool:
         """Whether a launch on ``device`` now would go direct (after a first launch): it is the
         current device, and no launch hook is set."""

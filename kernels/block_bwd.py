@@ -266,6 +266,15 @@ class PlannedBackward:
 # forward's key fixes all three (see ``plan_backward``). Emptied when it reaches 256 entries.
 _TEMPLATES: dict = {}
 _MAX_TEMPLATES = 256
+# The last (forward key, template) planned: a forward remembered by its signature passes the same
+# key object on every call, found by identity without hashing the key (``block_fwd._forward``).
+_LAST: list = [None, None]
+
+
+def forget_templates() -> None:
+    """Empty the templates (tests)."""
+    _TEMPLATES.clear()
+    _LAST[:] = None, None
 
 
 def plan_backward(
@@ -286,15 +295,18 @@ def plan_backward(
     """
     if fwd_key is None or sched.programs == 0:
         return None
-    template = _TEMPLATES.get(fwd_key)
-    if template is None:
-        template = _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
-                             rotary_interleaved)
+    last_key, template = _LAST
+    if fwd_key is not last_key:
+        template = _TEMPLATES.get(fwd_key)
         if template is None:
-            return None
-        if len(_TEMPLATES) >= _MAX_TEMPLATES:
-            _TEMPLATES.clear()
-        _TEMPLATES[fwd_key] = template
+            template = _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                                 rotary_interleaved)
+            if template is None:
+                return None
+            if len(_TEMPLATES) >= _MAX_TEMPLATES:
+                _TEMPLATES.clear()
+            _TEMPLATES[fwd_key] = template
+        _LAST[:] = fwd_key, template
     entry, launcher, meta, strides = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]

@@ -131,7 +131,7 @@ def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table, persis
     monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", entry_for)
     monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
     monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 99)
-    block_bwd._TEMPLATES.clear()
+    block_bwd.forget_templates()
     plan = block_bwd.plan_backward(q, k, v, sched, ("a forward key",), 48, 0.3, True, 500.0, positions, 16, False)
     # the schedule's table is the ordinary call's own (the table variant allocates a new one)
     args = (*args[:7], sched.table, args[8] if kw["positions"] is not None else sched.table, *args[9:])
@@ -159,7 +159,7 @@ def test_plan_does_not_hold_for_other_tensors_or_a_strided_grad(monkeypatch):
     monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", lambda *a: (lambda *b: launched.append(b), (), ()))
     monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
     monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 0)
-    block_bwd._TEMPLATES.clear()
+    block_bwd.forget_templates()
     offsets = torch.tensor([0, 5, 70])
     q, k, v = (torch.randn(70, 2, 16) for _ in range(3))
     plan = block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), ("key",), 64, 0.25, False,

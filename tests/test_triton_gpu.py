@@ -220,6 +220,57 @@ def test_small_calls_launch_path(monkeypatch, path):
         check_against_oracle(q, k, v, offsets, block_size=48, causal=True, rope_theta=1e4)
 
 
+def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
+    """From the second forward of a signature on, the launch remembered for it runs
+    (``block_fwd._REMEMBERED``: no variant choice, launch plan or launcher key); across batches,
+    input strides, alignments, positions' dtypes and a variant switch it gives the bits of the
+    ordinary launch through ``kernel[grid]``."""
+    from blockattn_layers.kernels import _common, _launch, block_fwd
+
+    ordinary_calls = []
+    ordinary = block_fwd._launch_ordinary
+
+    def spy(*args):
+        ordinary_calls.append(1)
+        return ordinary(*args)
+
+    monkeypatch.setattr(block_fwd, "_launch_ordinary", spy)
+    block_fwd._REMEMBERED.clear()
+
+    def inputs(lengths, seed, layout):
+        q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)
+        if layout == "packed":
+            packed = torch.cat([q, k, v], dim=1)
+            q, k, v = packed[:, :4], packed[:, 4:6], packed[:, 6:]
+        elif layout == "unaligned":
+            flat = torch.empty(q.numel() + 1, device=DEV, dtype=q.dtype)
+            flat[1:].copy_(q.flatten())
+            q = flat[1:].view(q.shape)
+        return q, k, v, offsets
+
+    def forward(q, k, v, offsets, **kw):
+        return bl.block_attention(q, k, v, offsets, 48, backend="triton", causal=True, rope_theta=1e4, **kw)
+
+    cases = [("contiguous", None), ("packed", None), ("unaligned", None), ("contiguous", "int"),
+             ("contiguous", "float"), ("contiguous", None)]
+    for i, (layout, positions) in enumerate(cases):
+        if i == len(cases) - 1:
+            monkeypatch.setattr(_common, "KERNELS", "simple")
+        for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0, 200], [1, 1, 65])):
+            q, k, v, offsets = inputs(lengths, seed, layout)
+            kw = {}
+            if positions is not None:
+                pos = torch.randint(0, 1000, (q.shape[0],), device=DEV)
+                kw["positions"] = pos if positions == "int" else pos.float() * 0.5
+            before = len(ordinary_calls)
+            got = forward(q, k, v, offsets, **kw)
+            assert len(ordinary_calls) == before + (seed == 0), (layout, positions, seed)
+            monkeypatch.setattr(_launch, "DIRECT", False)
+            want = forward(q, k, v, offsets, **kw)
+            monkeypatch.setattr(_launch, "DIRECT", True)
+            assert torch.isfinite(got).all() and torch.equal(got, want), (layout, positions, seed)
+
+
 def test_compile_fullgraph_no_recompile_across_batches():
     torch._dynamo.reset()
     compiles = []
