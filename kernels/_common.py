@@ -16,10 +16,11 @@ MAX_TILE = 128
 # Which block-kernel variant runs: "simple" (one program per (block, kv head)), "persistent"
 # (a grid of resident programs, each looping over a balanced contiguous range of tiles) or
 # "hopper" (``hopper_block``: Gluon kernels for sm_90, one program per (block, kv head), for the
-# inputs ``hopper_fits`` admits; "simple" runs the others). "auto" takes the variant measured
-# fastest on the GPU's generation (``AUTO_VARIANT``), else "simple".
-# (A fourth, the persistent loop warp-specialized over TMA loads, was withdrawn: see PERF_NOTES.)
-VARIANTS = ("simple", "persistent", "hopper")
+# inputs ``hopper_fits`` admits; "simple" runs the others) or "hopper_ws" (``hopper_ws``: Gluon
+# kernels for sm_90, persistent and warp-specialized, TMA loads for full blocks, for the inputs
+# ``hopper_ws_fits`` admits; "hopper" runs the others). "auto" takes the variant measured fastest
+# on the GPU's generation (``AUTO_VARIANT``), else "simple".
+VARIANTS = ("simple", "persistent", "hopper", "hopper_ws")
 KERNELS = os.environ.get("BLOCKATTN_KERNELS", "auto")
 # Compute-capability major -> the variant that measured faster than "simple" there (H200, bf16,
 # prod shapes, BENCHMARKS.md).
@@ -28,6 +29,13 @@ AUTO_VARIANT: dict = {9: "hopper"}
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_MAX_BLOCK = 64
+# The hopper_ws kernels: 8 warps (a compute warpgroup, a loader warp and 3 idle ones), launched at
+# 128 registers (the compute warpgroup raises its own to 232, ``setmaxnreg``), so at most 2
+# programs per SM; shared memory (2 stages of tiles, ptxas for sm_90) allows 2 forwards (49 / 98 KB
+# at D = 64 / 128) and backwards at D = 64 (74 KB), 1 backward at D = 128 (139 KB). Keyed
+# (backward, BLOCK_D > 64).
+HOPPER_WS_MAXNREG = 128
+HOPPER_WS_PROGRAMS_PER_SM = {(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1}
 # Programs per SM in a persistent grid, by (backward, BLOCK_D > 64): what fits at 4 warps (ptxas
 # for sm_90, bf16, 64-row tiles). One-stage tile loop (registers bound them): forward 128, backward
 # 202 registers at D = 128. Two-stage tile loop (sm_90+, 2-byte dtypes: the next tile's loads in
@@ -66,14 +74,29 @@ def hopper_available() -> bool:
     return True
 
 
-def hopper_kernel(name: str):
-    """The hopper kernel ``name`` of ``hopper_block``, or None where Gluon is missing (then
-    ``hopper_fits`` admits nothing and it is never launched)."""
+@functools.lru_cache(maxsize=1)
+def hopper_ws_available() -> bool:
+    """Whether this Triton has the Gluon API of the hopper_ws kernels (TMA, mbarriers, warp
+    specialization)."""
     if not hopper_available():
-        return None
-    from . import hopper_block
+        return False
+    try:
+        from . import hopper_ws  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
 
-    return getattr(hopper_block, name)
+
+def hopper_kernel(name: str):
+    """The Gluon kernel ``name`` of ``hopper_block`` or ``hopper_ws``, or None where that module
+    cannot be imported (then ``hopper_fits`` / ``hopper_ws_fits`` admit nothing and it is never
+    launched)."""
+    ws = name.startswith("_hopper_ws_")
+    if not (hopper_ws_available() if ws else hopper_available()):
+        return None
+    from . import hopper_block, hopper_ws
+
+    return getattr(hopper_ws if ws else hopper_block, name)
 
 
 def _rows_copyable(t: torch.Tensor) -> bool:
@@ -99,10 +122,29 @@ def hopper_fits(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved
             and hopper_available())
 
 
+def hopper_ws_admits(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> bool:
+    """Whether the hopper_ws kernels compute this call: what ``hopper_admits`` takes, one query
+    head per kv head, and in every ``[T, H, D]`` tensor the heads of a row contiguous (head stride
+    ``D``: one ``[T, H * D]`` tensor map covers them)."""
+    k = tensors[1]
+    return (q.shape[1] == k.shape[1]
+            and all(t.shape[1] == 1 or t.stride(1) == t.shape[2] for t in tensors)
+            and hopper_admits(q, tensors, block_size, rot, interleaved, int64))
+
+
+def hopper_ws_fits(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> bool:
+    """Whether the hopper_ws kernels take this call: ``hopper_ws_admits`` it, on an sm_90 GPU."""
+    return (q.is_cuda and _major(q.device) == 9 and hopper_ws_available()
+            and hopper_ws_admits(q, tensors, block_size, rot, interleaved, int64))
+
+
 def block_variant(q: torch.Tensor, tensors, block_size: int, rot: int, interleaved: bool, int64: bool) -> str:
-    """The variant a block-kernel call runs: ``kernel_variant``, with "hopper" falling back to
-    "simple" for the calls ``hopper_fits`` does not admit."""
+    """The variant a block-kernel call runs: ``kernel_variant``, with "hopper_ws" falling back to
+    "hopper" for the calls ``hopper_ws_fits`` does not admit, and "hopper" to "simple" for those
+    ``hopper_fits`` does not."""
     variant = kernel_variant(q)
+    if variant == "hopper_ws" and not hopper_ws_fits(q, tensors, block_size, rot, interleaved, int64):
+        variant = "hopper"
     if variant == "hopper" and not hopper_fits(q, tensors, block_size, rot, interleaved, int64):
         return "simple"
     return variant
@@ -124,11 +166,16 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, backward: bool) -> tuple:
-    """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs when persistent."""
+def block_grid(meta: dict, programs: int, kv_heads: int, device: torch.device, backward: bool,
+               variant: Optional[str] = None) -> tuple:
+    """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs when persistent
+    (``variant``: the call's, for "hopper_ws")."""
     if not meta["PERSISTENT"]:
         return (programs, kv_heads)
-    per_sm = PROGRAMS_PER_SM[meta["num_stages"]][backward, meta["BLOCK_D"] > 64]
+    if variant == "hopper_ws":
+        per_sm = HOPPER_WS_PROGRAMS_PER_SM[backward, meta["BLOCK_D"] > 64]
+    else:
+        per_sm = PROGRAMS_PER_SM[meta["num_stages"]][backward, meta["BLOCK_D"] > 64]
     return (min(programs * kv_heads, sm_count(device) * per_sm),)
 
 
@@ -164,6 +211,8 @@ def head_loop(meta: dict, variant: str) -> bool:
 
 def max_registers(meta: dict, variant: str, backward: bool, major: int, itemsize: int) -> Optional[int]:
     """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
+    if variant == "hopper_ws":
+        return HOPPER_WS_MAXNREG
     if variant == "hopper":
         if not backward and head_loop(meta, variant):
             return HEAD_LOOP_MAXNREG
@@ -191,7 +240,7 @@ def tile_loop_stages(variant: str, major: int, itemsize: int, block_m: int, bloc
 
 def variant_options(variant: str) -> dict:
     """Constexprs of a block-kernel variant."""
-    return dict(PERSISTENT=variant == "persistent")
+    return dict(PERSISTENT=variant in ("persistent", "hopper_ws"))
 
 
 def _pow2(n: int) -> int:
@@ -291,7 +340,7 @@ def _build_block_plan(key: tuple) -> tuple:
     on_cuda = device.type == "cuda"
     meta = dict(_static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs, **variant_options(variant))
-    if variant == "hopper":
+    if variant in ("hopper", "hopper_ws"):
         meta["BLOCK_M"] = 64  # one warpgroup's wgmma rows
     major = _major(device) if on_cuda else 9
     meta["num_stages"] = tile_loop_stages(variant, major, dtype.itemsize, meta["BLOCK_M"], meta["BLOCK_D"], backward)

@@ -22,15 +22,20 @@ so the key need not hash every option on each call.
 
 Launch hooks (profilers) force the ordinary path. Triton launches on the current device; a call
 whose tensors are on another GPU switches to theirs for the launch.
+
+Kernels that need global scratch memory (``scratch=True``: the tensor maps the hopper_ws kernels
+make) get it from Triton's allocator; where the caller has set none, their launches set one over
+PyTorch's caching allocator for the duration of the launch (CUDA-graph capture included).
 """
 from __future__ import annotations
 
+import contextlib
 from operator import itemgetter
 from typing import Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 from triton import knobs
-from triton.runtime import driver
+from triton.runtime import _allocation, driver
 
 # False sends every launch through ``kernel[grid]`` (the tests run both paths).
 DIRECT = True
@@ -53,6 +58,24 @@ def _hooks_set() -> bool:
     return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
 
 
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton allocator over PyTorch's caching allocator (its blocks are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+@contextlib.contextmanager
+def scratch_allocator():
+    """Triton's allocator for a launch: the caller's, or ``_torch_scratch`` where none is set."""
+    if _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+        yield
+        return
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def _cache_key(device: int, meta_key: Hashable, tensors: Sequence[torch.Tensor], aligned: Sequence[bool],
                ints: tuple) -> tuple:
     """The launcher's cache key: at least as fine as what Triton specializes on (module docstring)."""
@@ -62,8 +85,9 @@ def _cache_key(device: int, meta_key: Hashable, tensors: Sequence[torch.Tensor],
 class Launcher:
     """Launch ``kernel`` by its positional (non-constexpr) arguments and keyword meta."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, scratch: bool = False):
         self.kernel = kernel
+        self.scratch = scratch
         self._const_names = None
         self._tensors = self._ints = None
         self._tensor_positions: Tuple[int, ...] = ()
@@ -99,6 +123,12 @@ class Launcher:
         Returns the cache key of a direct launch on the current device (equal keys: the same
         compiled kernel, tensor dtypes and alignments, and specialized ints), else None.
         """
+        if self.scratch:
+            with scratch_allocator():
+                return self._call(grid, args, meta, q, meta_key)
+        return self._call(grid, args, meta, q, meta_key)
+
+    def _call(self, grid, args, meta, q, meta_key) -> Optional[tuple]:
         if not q.is_cuda:
             self.kernel[grid](*args, **meta)
             return None

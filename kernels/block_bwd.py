@@ -11,6 +11,7 @@ kernel: ``hopper_block``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Optional, Tuple
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, block_grid, block_plan, block_variant, empty_grads, hopper_kernel, needs_int64
-from ._launch import Launcher
+from ._launch import Launcher, scratch_allocator
 from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ._schedule import Schedule, block_of_program, persistent_range
 from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
@@ -202,21 +203,26 @@ def block_attention_bwd(
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    _launcher(variant)(block_grid(meta, sched.programs, kv_heads, q.device, True), args, meta, q, key)
+    _launcher(variant)(block_grid(meta, sched.programs, kv_heads, q.device, True, variant), args, meta, q, key)
     return dq, dk, dv
 
 
 _launch_bwd = Launcher(_block_bwd_kernel)
 _launch_hopper_bwd = Launcher(hopper_kernel("_hopper_bwd_kernel"))
+_launch_hopper_ws_bwd = Launcher(hopper_kernel("_hopper_ws_bwd_kernel"), scratch=True)
+_LAUNCHERS = {"hopper": _launch_hopper_bwd, "hopper_ws": _launch_hopper_ws_bwd}
 
 
 def _launcher(variant: str) -> Launcher:
-    return _launch_hopper_bwd if variant == "hopper" else _launch_bwd
+    return _LAUNCHERS.get(variant, _launch_bwd)
 
 
 def _contiguous_strides(shape) -> tuple:
     t, h, d = shape
     return (h * d, d, 1)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 class PlannedBackward:
@@ -258,12 +264,13 @@ class PlannedBackward:
             return None
         launch, head, consts = self.entry
         gx, gy = self.grid
-        launch(gx, gy, 1, self.launcher.stream(self.device), *head, *self.ptrs, *grads, *self.tail, *consts)
+        with scratch_allocator() if self.launcher.scratch else _NO_CONTEXT:
+            launch(gx, gy, 1, self.launcher.stream(self.device), *head, *self.ptrs, *grads, *self.tail, *consts)
         return dq, dk, dv
 
 
-# forward launch key -> (compiled backward, its launch options, stride arguments) of its backward; the
-# forward's key fixes all three (see ``plan_backward``). Emptied when it reaches 256 entries.
+# forward launch key -> (compiled backward, its launcher, launch options, stride arguments, variant) of
+# its backward; the forward's key fixes them all (see ``plan_backward``). Emptied when it reaches 256 entries.
 _TEMPLATES: dict = {}
 _MAX_TEMPLATES = 256
 # The last (forward key, template) planned: a forward remembered by its signature passes the same
@@ -307,14 +314,14 @@ def plan_backward(
                 _TEMPLATES.clear()
             _TEMPLATES[fwd_key] = template
         _LAST[:] = fwd_key, template
-    entry, launcher, meta, strides = template
+    entry, launcher, meta, strides, variant = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
     tail = (
         sched.table.data_ptr(), pos.data_ptr(), sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads, *strides,
     )
-    grid = block_grid(meta, sched.programs, kv_heads, q.device, True)
+    grid = block_grid(meta, sched.programs, kv_heads, q.device, True, variant)
     grid = (grid[0], grid[1] if len(grid) > 1 else 1)
     return PlannedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
                            strides[9:12])
@@ -322,8 +329,9 @@ def plan_backward(
 
 def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
               rotary_interleaved) -> Optional[tuple]:
-    """``(entry, launcher, meta, strides)`` of the backward launch for these inputs, with dO and
-    the gradients contiguous and 16-byte aligned, or None where its kernel is not compiled yet."""
+    """``(entry, launcher, meta, strides, variant)`` of the backward launch for these inputs, with
+    dO and the gradients contiguous and 16-byte aligned, or None where its kernel is not compiled
+    yet."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     variant = block_variant(q, (q, k, v), block_size, rot, rotary_interleaved, False)
@@ -340,4 +348,4 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     aligned = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, True, True, True, True,
                sched.table.data_ptr() % 16 == 0, pos.data_ptr() % 16 == 0)
     entry = launcher.entry_for(args, q, key, aligned)
-    return None if entry is None else (entry, launcher, meta, strides)
+    return None if entry is None else (entry, launcher, meta, strides, variant)

@@ -279,8 +279,8 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
     args = (q, k, v, o, sched.table, pos, sched.programs, sched.num_seqs, block_size, qk_scale, log2_theta, kv_heads,
             *strides)
-    grid = block_grid(meta, sched.programs, 1 if loop else kv_heads, q.device, False)
-    launcher = _launch_hopper_fwd if variant == "hopper" else _launch_fwd
+    grid = block_grid(meta, sched.programs, 1 if loop else kv_heads, q.device, False, variant)
+    launcher = _LAUNCHERS.get(variant, _launch_fwd)
     launched = launcher(grid, args, meta, q, key)
     if sig is not None and launched is not None and not meta["PERSISTENT"]:
         if len(_REMEMBERED) >= _MAX_REMEMBERED:
@@ -291,3 +291,5 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
 
 _launch_fwd = Launcher(_block_fwd_kernel)
 _launch_hopper_fwd = Launcher(hopper_kernel("_hopper_fwd_kernel"))
+_launch_hopper_ws_fwd = Launcher(hopper_kernel("_hopper_ws_fwd_kernel"), scratch=True)
+_LAUNCHERS = {"hopper": _launch_hopper_fwd, "hopper_ws": _launch_hopper_ws_fwd}

@@ -1,12 +1,13 @@
 """Compile every kernel variant (block kernels simple and persistent, and for sm_90 the Gluon
-hopper kernels; the flash forward, dK/dV and dQ kernels with pointer and tensor-map loads) for a
-GPU architecture on a machine without a GPU.
+hopper and warp-specialized hopper_ws kernels; the flash forward, dK/dV and dQ kernels with
+pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
 generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
 and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``), and the pipelined
-persistent tile loops prefetch with asynchronous copies (``cp.async``). Tiles and launch options
+persistent tile loops prefetch with asynchronous copies (``cp.async``), and the warp-specialized
+kernels reallocate registers between partitions (``setmaxnreg``). Tiles and launch options
 are the ones the launchers use on that generation.
 """
 from __future__ import annotations
@@ -22,9 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 try:
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``)
-    GluonASTSource = None
+    GluonASTSource = GluonJITFunction = None
 
 from ._common import head_loop, hopper_kernel, max_registers, tile_loop_stages
 from ._flash_common import flash_tiles
@@ -36,6 +37,7 @@ from .flash_fwd import _flash_fwd_kernel, fwd_launch_options
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
 TMA_COPY = "cp.async.bulk.tensor"
+SET_MAX_REGISTERS = "setmaxnreg"
 ASYNC_COPY = "cp.async.cg.shared.global"
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
@@ -138,6 +140,28 @@ def _hopper_variants(capability: int) -> Iterator[Variant]:
         yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
 
 
+def _hopper_ws_variants(capability: int) -> Iterator[Variant]:
+    """The persistent, warp-specialized Gluon kernels (sm_90 only): 16-bit dtypes, D 64 / 128,
+    rotary with given or implicit positions, causal, the block table or the in-kernel schedule."""
+    fwd, bwd = hopper_kernel("_hopper_ws_fwd_kernel"), hopper_kernel("_hopper_ws_bwd_kernel")
+    if capability // 10 != 9 or fwd is None:
+        return
+    for (kind, kernel), dtype, dim, rotary, causal in itertools.product(
+        (("fwd", fwd), ("bwd", bwd)), ("bf16", "fp16"), (64, 128), (False, True), (False, True),
+    ):
+        rot = dim if rotary else 0
+        constexprs = dict(
+            HEAD_DIM=dim, GROUPS=1, BLOCK_M=64, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
+            ROT_DIM=rot, INTERLEAVED=False, HAS_POS=rotary and causal, IS_CAUSAL=causal, FAST_TRIG=True,
+            INT64=False, PRECISION="tf32", INLINE_SEQS=512 if causal else 0, PERSISTENT=True, PREFETCH=False,
+        )
+        if kind == "fwd":
+            constexprs["HEAD_LOOP"] = False
+        options = dict(num_warps=4, num_stages=1, maxnreg=max_registers(constexprs, "hopper_ws", kind == "bwd", 9, 2))
+        name = f"ws_{kind}_{dtype}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+
+
 def _flash_variants(capability: int) -> Iterator[Variant]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
     on) and half rotary (pointer loads), with the tiles and options of full attention."""
@@ -165,7 +189,10 @@ def _flash_variants(capability: int) -> Iterator[Variant]:
 def required_copies(variant: Variant) -> Tuple[str, ...]:
     """Copy instructions a variant's PTX must hold: TMA copies for tensor-map loads, asynchronous
     copies for the hopper kernels (every tile) and a persistent tile loop with more than one stage
-    (else the loads wait in line)."""
+    (else the loads wait in line); for the warp-specialized kernels TMA copies (full blocks),
+    asynchronous copies (ragged ones) and the partitions' register reallocation."""
+    if variant.name.startswith("ws_"):
+        return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
     if variant.constexprs.get("TMA"):
         return (TMA_COPY,)
     if variant.name.endswith("_hopper") or (variant.constexprs.get("PERSISTENT")
@@ -178,13 +205,14 @@ def variants(capability: int) -> Iterator[Variant]:
     """Every shipped kernel variant, with the launch options used on GPUs of ``capability``."""
     yield from _block_variants(capability)
     yield from _hopper_variants(capability)
+    yield from _hopper_ws_variants(capability)
     yield from _flash_variants(capability)
 
 
 def compile_variant(variant: Variant, capability: int) -> str:
     """PTX of one variant."""
     signature, attrs = _signature(variant.kernel, variant.dtype, variant.constexprs)
-    source = GluonASTSource if variant.name.endswith("_hopper") else ASTSource
+    source = GluonASTSource if GluonJITFunction is not None and isinstance(variant.kernel, GluonJITFunction) else ASTSource
     src = source(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=variant.options)
     return compiled.asm["ptx"]

@@ -34,11 +34,12 @@ def _add(a, b):
 
 
 @gluon.jit
-def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr):
-    """``(start, length, first_row)`` of this program's block: ``_schedule.block_of_program``
-    written again in Gluon (which cannot call Triton JIT functions: its tensors carry layouts)."""
+def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr, WARPS: gl.constexpr):
+    """``(start, length, first_row)`` of block ``pid`` (in a region of ``WARPS`` warps):
+    ``_schedule.block_of_program`` written again in Gluon (which cannot call Triton JIT functions:
+    its tensors carry layouts)."""
     if INLINE_SEQS > 0:
-        layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // 128, 1)], [32], [4], [0])
+        layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // (32 * WARPS), 1)], [32], [WARPS], [0])
         i = gl.arange(0, INLINE_SEQS, layout=layout)
         m = i < num_seqs
         seq_start = gl.load(Sched + i, mask=m, other=0)
@@ -251,7 +252,7 @@ def _hopper_fwd_kernel(
     PREFETCH: gl.constexpr,
 ):
     hk = gl.program_id(1)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
     if HEAD_LOOP:
         if n > 0:
             _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
@@ -343,7 +344,7 @@ def _hopper_bwd_kernel(
     PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     hk = gl.program_id(1)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
     if n > 0:
         HALF: gl.constexpr = BLOCK_D // 2
         ROTARY: gl.constexpr = ROT_DIM > 0

@@ -57,6 +57,27 @@ def test_hopper_kernels_compile(tmp_path):
         assert result.returncode == 1 and f"{arch}: 0 variants" in result.stdout
 
 
+def test_hopper_ws_kernels_compile(tmp_path):
+    """The persistent, warp-specialized Gluon kernels for sm_90 (forward and backward, fp16 / bf16,
+    D 64 / 128, rotary, causal, block table or in-kernel schedule): wgmma products, TMA copies in
+    and out for full blocks (``cp.async.bulk.tensor`` both ways), 16-byte asynchronous copies for
+    ragged ones, tensor maps made in the kernel, and the partitions' register reallocation.
+    Other generations have no such variant."""
+    ptx = _compile_check("sm_90", "ws_", tmp_path / "sm_90")
+    assert len(ptx) == 32 and sum(name.startswith("ws_bwd") for name in ptx) == 16
+    for name, text in ptx.items():
+        for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
+                            "cp.async.bulk.tensor.2d.global.shared", "cp.async.cg.shared.global",
+                            "tensormap.replace", "setmaxnreg.inc", "mbarrier.try_wait"):
+            assert instruction in text, (name, instruction)
+    for arch in ("sm_80", "sm_100"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", arch, "--out",
+               str(tmp_path / arch), "--only", "ws_"]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 1 and f"{arch}: 0 variants" in result.stdout
+
+
 @pytest.mark.parametrize("arch,instruction", ARCHS)
 def test_flash_kernels_compile(arch, instruction, tmp_path):
     """bf16 flash forward, dK/dV and dQ (GQA, causal, D128, the generation's tiles): plain heads take

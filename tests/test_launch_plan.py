@@ -143,6 +143,45 @@ def test_hopper_admits():
     assert admits(q, (q, flat[8:].view(5, 2, 128)))
 
 
+def test_hopper_ws_admits():
+    """The hopper_ws kernels' inputs: the hopper kernels', one query head per kv head, the heads of a
+    row contiguous (one ``[T, H * D]`` tensor map covers them) where there is more than one."""
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+
+    def admits(*tensors, **kw):
+        args = dict(dict(block_size=64, rot=0, interleaved=False, int64=False), **kw)
+        return _common.hopper_ws_admits(tensors[0], tensors, **args)
+
+    assert admits(q, q, q) and admits(q, q, q, q, rot=128)
+    assert not admits(q, q, q, block_size=65) and not admits(q.float(), q.float(), q.float())
+    assert not admits(torch.empty(5, 4, 128, dtype=torch.bfloat16), q, q)  # GQA
+    packed = torch.empty(5, 6, 128, dtype=torch.bfloat16)
+    assert admits(packed[:, :2], packed[:, 2:4], packed[:, 4:])  # row stride 6 * 128, heads contiguous
+    gaps = torch.empty(5, 2, 256, dtype=torch.bfloat16)[..., :128]
+    assert _common.hopper_admits(gaps, (gaps,), 64, 0, False, False) and not admits(gaps, gaps, gaps)
+    one = torch.empty(5, 1, 256, dtype=torch.bfloat16)[..., :128]
+    assert admits(one, one, one)  # one head: its stride does not matter
+
+
+def test_hopper_ws_falls_back_to_hopper_then_simple(monkeypatch):
+    q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+    args = (q, (q,), 64, 0, False, False)
+    monkeypatch.setattr(_common, "KERNELS", "hopper_ws")
+    assert _common.block_variant(*args) == "simple"  # CPU tensors: not an sm_90 GPU
+    monkeypatch.setattr(_common, "hopper_fits", lambda *a: True)
+    assert _common.block_variant(*args) == "hopper"
+    monkeypatch.setattr(_common, "hopper_ws_fits", lambda *a: True)
+    assert _common.block_variant(*args) == "hopper_ws"
+    for backward, dim, per_sm in ((False, 64, 2), (False, 128, 2), (True, 64, 2), (True, 128, 1)):
+        meta, loop, key = _common.block_plan(q, q, 16, 0, False, False, False, backward, 0, False, "hopper_ws")
+        assert meta["BLOCK_M"] == 64 and meta["PERSISTENT"] and meta["num_stages"] == 1 and not loop
+        assert meta["maxnreg"] == _common.HOPPER_WS_MAXNREG and key[-1] == "hopper_ws"
+        meta = dict(meta, BLOCK_D=dim)
+        sms = _common.sm_count(q.device)
+        assert _common.block_grid(meta, 1000, 2, q.device, backward, "hopper_ws") == (sms * per_sm,)
+        assert _common.block_grid(meta, 1, 2, q.device, backward, "hopper_ws") == (2,)
+
+
 def test_hopper_variant_falls_back_to_simple(monkeypatch):
     q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
     args = (q, (q,), 64, 0, False, False)

@@ -235,6 +235,7 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
         return ordinary(*args)
 
     monkeypatch.setattr(block_fwd, "_launch_ordinary", spy)
+    monkeypatch.setattr(_common, "KERNELS", "auto")  # (persistent launches are not remembered)
     block_fwd._REMEMBERED.clear()
 
     def inputs(lengths, seed, layout):
@@ -293,19 +294,21 @@ def test_compile_fullgraph_no_recompile_across_batches():
 
 
 def test_kernels_compile_once_across_batches():
-    from blockattn_layers.kernels.block_bwd import _launch_bwd, _launch_hopper_bwd
-    from blockattn_layers.kernels.block_fwd import _launch_fwd, _launch_hopper_fwd
+    from blockattn_layers.kernels.block_bwd import _launch_bwd, _launch_hopper_bwd, _launch_hopper_ws_bwd
+    from blockattn_layers.kernels.block_fwd import _launch_fwd, _launch_hopper_fwd, _launch_hopper_ws_fwd
 
-    launchers = (_launch_fwd, _launch_bwd, _launch_hopper_fwd, _launch_hopper_bwd)
+    launchers = (_launch_fwd, _launch_bwd, _launch_hopper_fwd, _launch_hopper_bwd, _launch_hopper_ws_fwd,
+                 _launch_hopper_ws_bwd)
 
     def count():
         return tuple(sum(len(c[0]) for c in x.kernel.device_caches.values()) if x.kernel else 0 for x in launchers)
 
     def step(lengths, seed):
-        q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.bfloat16, seed=seed)
-        q, k, v = (x.requires_grad_() for x in (q, k, v))
-        out = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
-        out.sum().backward()
+        for kv_heads in (2, 4):  # GQA, and one query head per kv head (what hopper_ws takes)
+            q, k, v, offsets = make_inputs(lengths, 4, kv_heads, 64, torch.bfloat16, seed=seed)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = bl.block_attention(q, k, v, offsets, backend="triton", rope_theta=1e4)
+            out.sum().backward()
 
     step([5, 64, 130], 0)
     before = count()
@@ -344,6 +347,37 @@ def test_hopper_kernels_forced(monkeypatch, case, table):
             case["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
         rot = dim if case.get("rope_theta") else 0
         assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper"
+        check_against_oracle(q, k, v, offsets, **dict(case))
+
+
+HOPPER_WS_CASES = [
+    dict(heads=2, kv_heads=2, dim=128, block_size=64),
+    dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),
+    dict(heads=4, kv_heads=4, dim=64, block_size=64, rope_theta=500.0, positions="float"),
+    dict(heads=1, kv_heads=1, dim=64, block_size=48, causal=True, scale=0.3),
+]
+
+
+@SM90
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", HOPPER_WS_CASES, ids=_case_id)
+def test_hopper_ws_kernels_forced(monkeypatch, case, table):
+    """The persistent, warp-specialized kernels take these calls on sm_90 (checked), forward and
+    backward, and match the float64 oracle, fp16 and bf16: full blocks through TMA, ragged and
+    empty ones (the edge lengths) through masked copies, with the in-kernel schedule or the table."""
+    from blockattn_layers.kernels import _common, _schedule
+
+    monkeypatch.setattr(_common, "KERNELS", "hopper_ws")
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + [64] * 5, heads, kv_heads, dim, dtype, seed=heads + dim)
+        if case.get("positions") == "float":
+            case["positions"] = torch.rand(q.shape[0], device=DEV) * 4000
+        rot = dim if case.get("rope_theta") else 0
+        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper_ws"
         check_against_oracle(q, k, v, offsets, **dict(case))
 
 

@@ -1,0 +1,389 @@
+"""Persistent, warp-specialized block attention for Hopper (sm_90) in Gluon: the ``hopper_ws`` variant.
+
+Same arguments and constexprs as the other block kernels. ``min(#SMs x k, #tiles)`` programs each
+take a balanced contiguous range of (block, kv head) tiles (``_tile_range``, as
+``_schedule.persistent_range``). In each program a one-warp loader partition fills a ring of
+``STAGES`` shared-memory slots while the four-warp compute partition (one warpgroup) works on the
+slot before: the loads of tile i+1 overlap the math of tile i.
+
+- Full blocks (``BLOCK_M`` rows of one sequence) are copied by TMA from tensor maps of the
+  ``[T, H * D]`` row view, made in the kernel (``tma.make_tensor_descriptor``; the launcher gives
+  their global scratch), and the output of a full block leaves by a TMA store.
+- Ragged and empty blocks: the loader only signals the slot; the compute partition copies the
+  rows it needs with masked ``cp.async`` (rows past the block zero-filled) and stores with masks,
+  so no other block's data is read: a TMA box past the block would hold the next sequence's rows.
+- The math per tile is the hopper kernels' (``hopper_block``): wgmma from the shared tiles, the
+  rotary halves rotated in place, the exact softmax, results staged through a dead tile.
+
+Slots are handed over with two mbarriers each: ``ready`` (the loader's TMA bytes, or its bare
+arrival for a ragged block) and ``empty`` (the compute partition is done with the slot).
+Admitted calls (``_common.hopper_ws_admits``): the hopper variant's, one query head per kv head
+and heads contiguous within a row (head stride ``D``), so one 2-D tensor map covers every head.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from .hopper_block import (
+    _acc_layout, _block_of, _copy_halves, _copy_rows, _probs, _rotate_in_place, _row_layout, _sin_cos,
+    _smem_layout, _store_halves_via, _store_via,
+)
+
+STAGES = gl.constexpr(2)
+LOADER_REGS = gl.constexpr(48)
+# Rows a tensor map may address: only full blocks are copied through them, all inside [0, T).
+_ROWS = gl.constexpr(2**31 - 1)
+
+
+@gluon.jit
+def _tile_range(slots, kv_heads):
+    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles."""
+    tiles = slots.to(gl.int64) * kv_heads
+    lo = gl.program_id(0) * tiles // gl.num_programs(0)
+    hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
+    return lo.to(gl.int32), hi.to(gl.int32)
+
+
+@gluon.jit
+def _row_map(ptr, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes."""
+    return tma.make_tensor_descriptor(ptr, [_ROWS, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
+                                      _smem_layout(WIDTH))
+
+
+@gluon.jit
+def _store_tile(buf, out_map, ptr, lo, hi, start, n, col, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                HALVES: gl.constexpr):
+    """Store a result tile (``lo``, or its column halves ``lo`` and ``hi`` where ``HALVES``) to rows
+    ``start .. start + n`` through the dead shared tile ``buf``: by a TMA store (waited for, so
+    ``buf`` can be reused) for a full block, else read back in 16-byte row chunks, masked."""
+    if n == BLOCK_M:
+        HALF: gl.constexpr = WIDTH // 2
+        gl.thread_barrier()  # every warp is done reading buf
+        if HALVES:
+            buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
+            buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
+        else:
+            buf.store(lo.to(buf.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_map, [start.to(gl.int32), col], buf)
+        tma.store_wait(0)
+    elif HALVES:
+        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH)
+    else:
+        _store_via(buf, ptr, lo, start, n, stride_t, BLOCK_M, WIDTH)
+
+
+@gluon.jit
+def _fwd_loader(q_map, k_map, v_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Sched, slots, num_seqs, block_size,
+                kv_heads, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
+                INLINE_SEQS: gl.constexpr):
+    """Loader partition: a full block's q, k, v into the next free slot by TMA, else a bare
+    arrival (the compute partition copies ragged blocks itself)."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    for t in range(lo, hi):
+        i = t - lo
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, 1)
+        start = start.to(gl.int32)  # (offsets may be int64; admitted calls have T < 2**31)
+        col = (t % kv_heads) * HEAD_DIM
+        bar = ready.index(s)
+        if n == BLOCK_M:
+            mbarrier.expect(bar, 3 * BLOCK_M * HEAD_DIM * q_s.dtype.primitive_bitwidth // 8)
+            if ROTARY:
+                tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
+                tma.async_copy_global_to_shared(q_map, [start, col + HALF], bar, qb_s.index(s))
+                tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
+                tma.async_copy_global_to_shared(k_map, [start, col + HALF], bar, kb_s.index(s))
+            else:
+                tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
+                tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
+            tma.async_copy_global_to_shared(v_map, [start, col], bar, v_s.index(s))
+        else:
+            mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _fwd_compute(o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sched, Pos, slots, num_seqs, block_size,
+                 qk_scale, log2_theta, kv_heads, lo, hi, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                 stride_vh, stride_ot, stride_oh, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                 ROTARY: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr):
+    """Compute partition (one warpgroup): per tile S = QK^T, the exact softmax, O = PV."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D)
+    ld: gl.constexpr = _row_layout(BLOCK_D)
+    rot_l: gl.constexpr = _row_layout(HALF)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    for t in range(lo, hi):
+        i = t - lo
+        s = i % STAGES
+        h = t % kv_heads
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, 4)
+        qa, qb, ka, kb, vt = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s), v_s.index(s)
+        if ROTARY:
+            # Angles while the loads are in flight.
+            sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if n > 0:
+            if n < BLOCK_M:
+                rows = start + offs_m
+                mask = gl.expand_dims(offs_m < n, 1)
+                if ROTARY:
+                    _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
+                    _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
+                else:
+                    _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
+                    _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
+                _copy_rows(vt, V + h * stride_vh, rows, offs_d, mask, stride_vt)
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+            if ROTARY:
+                gl.thread_barrier()
+                _rotate_in_place(qa, qb, sin, cos, rot_l)
+                _rotate_in_place(ka, kb, sin, cos, rot_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            if ROTARY:
+                acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+                acc = warpgroup_mma(qb, kb.permute((1, 0)), acc)
+            else:
+                acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+            p, inv = _probs(acc, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), vt, zero_d)
+            o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
+            _store_tile(vt, o_map, O + h * stride_oh, o, o, start, n, h * BLOCK_D, stride_ot, BLOCK_M, BLOCK_D,
+                        False)
+        gl.thread_barrier()  # every warp is done with the slot
+        mbarrier.arrive(empty.index(s))
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_ws_fwd_kernel(
+    Q, K, V, O, Sched, Pos,
+    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
+    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, HEAD_LOOP: gl.constexpr,
+    PREFETCH: gl.constexpr,
+):
+    ROTARY: gl.constexpr = ROT_DIM > 0
+    WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
+    dtype: gl.constexpr = Q.dtype.element_ty
+    lo, hi = _tile_range(slots, kv_heads)
+    q_map = _row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    o_map = _row_map(O, kv_heads, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    if ROTARY:
+        qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    else:
+        qb_s = q_s
+        kb_s = k_s
+    v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_fwd_compute, (o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sched, Pos, slots, num_seqs,
+                        block_size, qk_scale, log2_theta, kv_heads, lo, hi, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_ot, stride_oh, BLOCK_M, BLOCK_D, ROTARY, HAS_POS, IS_CAUSAL,
+                        INLINE_SEQS)),
+        (_fwd_loader, (q_map, k_map, v_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Sched, slots, num_seqs,
+                       block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS)),
+    ], [1], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
+def _bwd_loader(q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots, num_seqs,
+                block_size, kv_heads, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
+                INLINE_SEQS: gl.constexpr):
+    """Loader partition of the backward: a full block's q, k, v, dO by TMA (else a bare arrival)."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    for t in range(lo, hi):
+        i = t - lo
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, 1)
+        start = start.to(gl.int32)
+        col = (t % kv_heads) * HEAD_DIM
+        bar = ready.index(s)
+        if n == BLOCK_M:
+            mbarrier.expect(bar, 4 * BLOCK_M * HEAD_DIM * q_s.dtype.primitive_bitwidth // 8)
+            tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
+            tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
+            if ROTARY:
+                tma.async_copy_global_to_shared(q_map, [start, col + HALF], bar, qb_s.index(s))
+                tma.async_copy_global_to_shared(k_map, [start, col + HALF], bar, kb_s.index(s))
+            tma.async_copy_global_to_shared(v_map, [start, col], bar, v_s.index(s))
+            tma.async_copy_global_to_shared(do_map, [start, col], bar, do_s.index(s))
+        else:
+            mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s, ready, empty, Q, K, V, DO, DQ, DK,
+                 DV, Sched, Pos, slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads, lo, hi,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                 stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                 BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROTARY: gl.constexpr, HAS_POS: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr):
+    """Compute partition of the backward (one warpgroup, one query head per kv head): the hopper
+    backward's math per tile; dV leaves through v's tile, dQ and then dK through dO's."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D)
+    acc_h: gl.constexpr = _acc_layout(HALF)
+    ld: gl.constexpr = _row_layout(BLOCK_D)
+    rot_l: gl.constexpr = _row_layout(HALF)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+    for t in range(lo, hi):
+        i = t - lo
+        s = i % STAGES
+        h = t % kv_heads
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, 4)
+        qa, qb, ka, kb = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s)
+        vt, dot = v_s.index(s), do_s.index(s)
+        if ROTARY:
+            sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if n > 0:
+            if n < BLOCK_M:
+                rows = start + offs_m
+                mask = gl.expand_dims(offs_m < n, 1)
+                if ROTARY:
+                    _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
+                    _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
+                else:
+                    _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
+                    _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
+                _copy_rows(vt, V + h * stride_vh, rows, offs_d, mask, stride_vt)
+                _copy_rows(dot, DO + h * stride_doh, rows, offs_d, mask, stride_dot)
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+            if ROTARY:
+                gl.thread_barrier()
+                _rotate_in_place(qa, qb, sin, cos, rot_l)
+                _rotate_in_place(ka, kb, sin, cos, rot_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+            if ROTARY:
+                acc = warpgroup_mma(qb, kb.permute((1, 0)), acc)
+            p, inv = _probs(acc, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            p = p * gl.expand_dims(inv, 1)
+            pds_s.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dp = warpgroup_mma(dot, vt.permute((1, 0)), zero_s)
+            ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+            dv = warpgroup_mma(pds_s.permute((1, 0)), dot, zero_d)
+            _store_tile(vt, dv_map, DV + h * stride_dvh, dv, dv, start, n, h * BLOCK_D, stride_dvt, BLOCK_M,
+                        BLOCK_D, False)
+            gl.thread_barrier()  # dV's product is done reading P
+            pds_s.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
+            if ROTARY:
+                sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                dqa = warpgroup_mma(pds_s, ka, zero_h)
+                dqb = warpgroup_mma(pds_s, kb, zero_h)
+                _store_tile(dot, dq_map, DQ + h * stride_dqh, (dqa * cos_h + dqb * sin_h) * scale,
+                            (dqb * cos_h - dqa * sin_h) * scale, start, n, h * BLOCK_D, stride_dqt, BLOCK_M, BLOCK_D,
+                            True)
+                dka = warpgroup_mma(pds_s.permute((1, 0)), qa, zero_h)
+                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb, zero_h)
+                _store_tile(dot, dk_map, DK + h * stride_dkh, (dka * cos_h + dkb * sin_h) * scale,
+                            (dkb * cos_h - dka * sin_h) * scale, start, n, h * BLOCK_D, stride_dkt, BLOCK_M, BLOCK_D,
+                            True)
+            else:
+                dq = warpgroup_mma(pds_s, ka, zero_d)
+                _store_tile(dot, dq_map, DQ + h * stride_dqh, dq * scale, dq, start, n, h * BLOCK_D, stride_dqt,
+                            BLOCK_M, BLOCK_D, False)
+                dk = warpgroup_mma(pds_s.permute((1, 0)), qa, zero_d)
+                _store_tile(dot, dk_map, DK + h * stride_dkh, dk * scale, dk, start, n, h * BLOCK_D, stride_dkt,
+                            BLOCK_M, BLOCK_D, False)
+        gl.thread_barrier()  # every warp is done with the slot
+        mbarrier.arrive(empty.index(s))
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_ws_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
+    slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+    stride_dvt, stride_dvh, stride_dvd,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
+    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    ROTARY: gl.constexpr = ROT_DIM > 0
+    WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
+    dtype: gl.constexpr = Q.dtype.element_ty
+    lo, hi = _tile_range(slots, kv_heads)
+    q_map = _row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    do_map = _row_map(DO, kv_heads, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dq_map = _row_map(DQ, kv_heads, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dk_map = _row_map(DK, kv_heads, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dv_map = _row_map(DV, kv_heads, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    if ROTARY:
+        qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
+    else:
+        qb_s = q_s
+        kb_s = k_s
+    v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], _smem_layout(BLOCK_M))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_bwd_compute, (dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s, ready, empty, Q, K, V, DO, DQ,
+                        DK, DV, Sched, Pos, slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads, lo, hi,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                        stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, BLOCK_M, BLOCK_D,
+                        ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS)),
+        (_bwd_loader, (q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots,
+                       num_seqs, block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS)),
+    ], [1], [LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
