@@ -6,8 +6,8 @@ are summed over the query heads in registers and written once, ``dQ`` once per h
 no atomics, so gradients are bitwise deterministic. ``Di = rowsum(dO * O)`` is computed
 inline as ``rowsum(P * dP)`` (equal, since ``dP = dO V^T`` and ``O = P V``): no
 preprocessing kernel and no extra ``PV`` product. Rotary gradients are rotated back by
-the transpose rotation before dq and dk are stored. Variants as in ``block_fwd`` (the hopper
-kernel: ``hopper_block``).
+the transpose rotation before dq and dk are stored. Variants as in ``block_fwd`` (the Gluon
+kernels: ``hopper_block``, ``hopper_ws``).
 """
 from __future__ import annotations
 

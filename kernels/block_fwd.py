@@ -8,7 +8,8 @@ masked, so no other block's data is used.
 
 Variants (``_common.KERNELS``): one program per (block, kv head), or a persistent grid whose
 programs loop over a balanced contiguous range of those tiles; on sm_90 the Gluon kernels of
-``hopper_block`` take the calls they admit.
+``hopper_block`` (and, where forced, the warp-specialized ones of ``hopper_ws``) take the calls
+they admit.
 """
 from __future__ import annotations
 

@@ -98,8 +98,9 @@ def test_small_shape_is_timed_eager_and_graphed():
 
 
 def test_host_bound_cases_are_timed_in_interleaved_rounds(monkeypatch):
-    """``rounds > 1``: every method is checked first, then all are timed round by round in turn,
-    each mode reporting the median of its rounds; wrong and broken methods are still marked."""
+    """``rounds > 1``: every method is checked first, then all are timed round by round in turn
+    (each round rotated by one), each mode reporting the median of its rounds; wrong and broken
+    methods are still marked."""
     case = dataclasses.replace(shapes.tiny()[0], rounds=3)
     assert shapes.small()[0].rounds > 1 and "3 rounds" in case.describe()
     order, times = [], iter([5.0, 1.0, 3.0, 2.0, 9.0, 4.0])
@@ -116,10 +117,11 @@ def test_host_bound_cases_are_timed_in_interleaved_rounds(monkeypatch):
                _reference_method("wrong", lambda out: out * 1.5)]
     rows = {r["method"]: r for r in runner.run_case(case, methods[:3], CPU, runner.Timing(cpu_reps=1),
                                                      modes=("fwd",))}
-    # checks (a, b), then rounds a, b, a, b, a, b: each timing calls the method once
-    assert order == ["a", "b"] + ["a", "b"] * 3
-    assert rows["a"]["fwd_rounds"] == "5 3 9" and rows["a"]["fwd_ms"] == 5.0
-    assert rows["b"]["fwd_rounds"] == "1 2 4" and rows["b"]["fwd_ms"] == 2.0
+    # checks (a, b), then rounds a, b / b, a / a, b (each round starts one method later): each
+    # timing calls the method once
+    assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    assert rows["a"]["fwd_rounds"] == "5 2 9" and rows["a"]["fwd_ms"] == 5.0
+    assert rows["b"]["fwd_rounds"] == "1 3 4" and rows["b"]["fwd_ms"] == 3.0
     assert rows["broken"]["status"] == "failed" and "fwd_ms" not in rows["broken"]
     wrong = runner.run_case(case, methods[3:], CPU, runner.Timing(cpu_reps=1), modes=("fwd",))[0]
     assert wrong["status"] == "FAILED"

@@ -250,7 +250,7 @@ def test_kernel_variant_knob(monkeypatch):
     x = torch.empty(1)
     assert _common.kernel_variant(x) == "simple"
     monkeypatch.setattr(_common, "KERNELS", "fast")
-    wanted = "BLOCKATTN_KERNELS must be auto or one of simple, persistent, hopper, got 'fast'"
+    wanted = "BLOCKATTN_KERNELS must be auto or one of simple, persistent, hopper, hopper_ws, got 'fast'"
     with pytest.raises(ValueError, match=wanted):
         _common.kernel_variant(x)
     simple = dict(PERSISTENT=False, num_stages=1, BLOCK_D=64)

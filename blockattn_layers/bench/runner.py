@@ -13,7 +13,9 @@ every call; small shapes also rotate between input sets), a host-clock median on
 Cases with ``rounds > 1`` (the small shape's eager calls: host-bound, and the host's speed drifts
 by tens of percent over a run) set every method up and check it first, then time all of them in
 ``rounds`` rounds, the methods interleaved, and report each mode's median over the rounds (every
-round's time is kept in ``<mode>_rounds``).
+round's time is kept in ``<mode>_rounds``). Each round starts one method later than the one before:
+in the all-shapes run of d9029ae the first method of every round ('triton') was host-bound in 5 of 9
+rounds, the second ('triton[simple]', much the same host path) in 1.
 
 Cases marked ``graphed`` (the small shape's second case) time the same calls captured in CUDA
 graphs, one per input set, and replayed in turn: GPU time without the host's launch costs, for
@@ -160,6 +162,12 @@ def attention_oracle(case: Case, inp: Inputs) -> Tuple[Tensor, Tuple[Tensor, ...
     return out.detach(), grads
 
 
+def _rotated(count: int, start: int) -> List[int]:
+    """``range(count)`` starting at ``start % count``, wrapping around."""
+    first = start % count if count else 0
+    return [*range(first, count), *range(first)]
+
+
 def _short(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     text = f"{type(err).__name__}: {lines[0] if lines else ''}".strip()
@@ -219,8 +227,10 @@ class CaseRunner:
             if prepared is not None:
                 live.append((method, row, prepared))
         times: Dict[Tuple[int, str], List[float]] = {}
-        for _ in range(self.case.rounds):
-            for i, (method, row, prepared) in enumerate(live):
+        for r in range(self.case.rounds):
+            # Each round starts one method later, so that no method is always timed first.
+            for i in _rotated(len(live), r):
+                method, row, prepared = live[i]
                 try:
                     with method.context():
                         for mode in self.modes:
