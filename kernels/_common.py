@@ -91,12 +91,15 @@ def hopper_kernel(name: str):
     """The Gluon kernel ``name`` of ``hopper_block`` or ``hopper_ws``, or None where that module
     cannot be imported (then ``hopper_fits`` / ``hopper_ws_fits`` admit nothing and it is never
     launched)."""
-    ws = name.startswith("_hopper_ws_")
-    if not (hopper_ws_available() if ws else hopper_available()):
-        return None
-    from . import hopper_block, hopper_ws
-
-    return getattr(hopper_ws if ws else hopper_block, name)
+    if name.startswith("_hopper_ws_"):
+        if not hopper_ws_available():
+            return None
+        from . import hopper_ws as module
+    else:
+        if not hopper_available():
+            return None
+        from . import hopper_block as module
+    return getattr(module, name)
 
 
 def _rows_copyable(t: torch.Tensor) -> bool:

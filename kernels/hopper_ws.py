@@ -19,6 +19,11 @@ Slots are handed over with two mbarriers each: ``ready`` (the loader's TMA bytes
 arrival for a ragged block) and ``empty`` (the compute partition is done with the slot).
 Admitted calls (``_common.hopper_ws_admits``): the hopper variant's, one query head per kv head
 and heads contiguous within a row (head stride ``D``), so one 2-D tensor map covers every head.
+
+On the H200 (BENCHMARKS.md, session 11) these are slower than the hopper kernels on every prod
+shape (D128 forward 1.20 against 1.12 ms, backward 2.21 against 2.04): two stages of tiles per
+program leave room for 2 programs per SM (1 for the D128 backward, 139 KB of shared memory)
+against the hopper kernels' 3-4, so ``auto`` does not pick them.
 """
 from __future__ import annotations
 
@@ -79,12 +84,13 @@ def _store_tile(buf, out_map, ptr, lo, hi, start, n, col, stride_t, BLOCK_M: gl.
 
 
 @gluon.jit
-def _fwd_loader(q_map, k_map, v_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Sched, slots, num_seqs, block_size,
-                kv_heads, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
-                INLINE_SEQS: gl.constexpr):
-    """Loader partition: a full block's q, k, v into the next free slot by TMA, else a bare
-    arrival (the compute partition copies ragged blocks itself)."""
+def _loader(q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots, num_seqs,
+            block_size, kv_heads, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
+            INLINE_SEQS: gl.constexpr, WITH_DO: gl.constexpr):
+    """Loader partition: a full block's q, k, v (and dO, ``WITH_DO``: the backward) into the next
+    free slot by TMA, else a bare arrival (the compute partition copies ragged blocks itself)."""
     HALF: gl.constexpr = HEAD_DIM // 2
+    TILES: gl.constexpr = 4 if WITH_DO else 3
     for t in range(lo, hi):
         i = t - lo
         s = i % STAGES
@@ -94,18 +100,32 @@ def _fwd_loader(q_map, k_map, v_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Sc
         col = (t % kv_heads) * HEAD_DIM
         bar = ready.index(s)
         if n == BLOCK_M:
-            mbarrier.expect(bar, 3 * BLOCK_M * HEAD_DIM * q_s.dtype.primitive_bitwidth // 8)
+            mbarrier.expect(bar, TILES * BLOCK_M * HEAD_DIM * q_s.dtype.primitive_bitwidth // 8)
+            tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
+            tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
             if ROTARY:
-                tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
                 tma.async_copy_global_to_shared(q_map, [start, col + HALF], bar, qb_s.index(s))
-                tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
                 tma.async_copy_global_to_shared(k_map, [start, col + HALF], bar, kb_s.index(s))
-            else:
-                tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
-                tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
             tma.async_copy_global_to_shared(v_map, [start, col], bar, v_s.index(s))
+            if WITH_DO:
+                tma.async_copy_global_to_shared(do_map, [start, col], bar, do_s.index(s))
         else:
             mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _init_slots(ready, empty):
+    """The slots' barriers, one arrival each (the loader's, or the compute partition's)."""
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+
+@gluon.jit
+def _drop_slots(ready, empty):
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
 
 @gluon.jit
@@ -200,47 +220,16 @@ def _hopper_ws_fwd_kernel(
     v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    _init_slots(ready, empty)
     gl.warp_specialize([
         (_fwd_compute, (o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sched, Pos, slots, num_seqs,
                         block_size, qk_scale, log2_theta, kv_heads, lo, hi, stride_qt, stride_qh, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_ot, stride_oh, BLOCK_M, BLOCK_D, ROTARY, HAS_POS, IS_CAUSAL,
                         INLINE_SEQS)),
-        (_fwd_loader, (q_map, k_map, v_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Sched, slots, num_seqs,
-                       block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS)),
+        (_loader, (q_map, k_map, v_map, v_map, q_s, qb_s, k_s, kb_s, v_s, v_s, ready, empty, Sched, slots, num_seqs,
+                   block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS, False)),
     ], [1], [LOADER_REGS])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
-
-
-@gluon.jit
-def _bwd_loader(q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots, num_seqs,
-                block_size, kv_heads, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
-                INLINE_SEQS: gl.constexpr):
-    """Loader partition of the backward: a full block's q, k, v, dO by TMA (else a bare arrival)."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    for t in range(lo, hi):
-        i = t - lo
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, 1)
-        start = start.to(gl.int32)
-        col = (t % kv_heads) * HEAD_DIM
-        bar = ready.index(s)
-        if n == BLOCK_M:
-            mbarrier.expect(bar, 4 * BLOCK_M * HEAD_DIM * q_s.dtype.primitive_bitwidth // 8)
-            tma.async_copy_global_to_shared(q_map, [start, col], bar, q_s.index(s))
-            tma.async_copy_global_to_shared(k_map, [start, col], bar, k_s.index(s))
-            if ROTARY:
-                tma.async_copy_global_to_shared(q_map, [start, col + HALF], bar, qb_s.index(s))
-                tma.async_copy_global_to_shared(k_map, [start, col + HALF], bar, kb_s.index(s))
-            tma.async_copy_global_to_shared(v_map, [start, col], bar, v_s.index(s))
-            tma.async_copy_global_to_shared(do_map, [start, col], bar, do_s.index(s))
-        else:
-            mbarrier.arrive(bar)
+    _drop_slots(ready, empty)
 
 
 @gluon.jit
@@ -372,18 +361,14 @@ def _hopper_ws_bwd_kernel(
     pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], _smem_layout(BLOCK_M))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    _init_slots(ready, empty)
     gl.warp_specialize([
         (_bwd_compute, (dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s, ready, empty, Q, K, V, DO, DQ,
                         DK, DV, Sched, Pos, slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads, lo, hi,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, BLOCK_M, BLOCK_D,
                         ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS)),
-        (_bwd_loader, (q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots,
-                       num_seqs, block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS)),
+        (_loader, (q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots,
+                   num_seqs, block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS, True)),
     ], [1], [LOADER_REGS])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _drop_slots(ready, empty)

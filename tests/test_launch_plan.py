@@ -163,6 +163,16 @@ def test_hopper_ws_admits():
     assert admits(one, one, one)  # one head: its stride does not matter
 
 
+def test_gluon_kernels_looked_up_by_module(monkeypatch):
+    """A Triton whose Gluon lacks what hopper_ws needs still has the hopper kernels."""
+    assert _common.hopper_kernel("_hopper_ws_fwd_kernel") is not None
+    monkeypatch.setattr(_common, "hopper_ws_available", lambda: False)
+    assert _common.hopper_kernel("_hopper_ws_fwd_kernel") is None
+    assert _common.hopper_kernel("_hopper_fwd_kernel") is not None
+    q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+    assert not _common.hopper_ws_fits(q, (q, q, q), 64, 0, False, False)
+
+
 def test_hopper_ws_falls_back_to_hopper_then_simple(monkeypatch):
     q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
     args = (q, (q,), 64, 0, False, False)
