@@ -213,3 +213,48 @@ def test_hopper_variant_falls_back_to_simple(monkeypatch):
         meta, loop, _ = _common.block_plan(q, q[:, :kv_heads], 64, 64, False, False, False, False, 512, False, "hopper")
         assert loop == meta["HEAD_LOOP"] == loops
         assert meta.get("maxnreg") == (_common.HEAD_LOOP_MAXNREG if loops else None)
+
+
+def test_forward_signature_separates_what_the_launch_depends_on(monkeypatch):
+    """``block_fwd._signature`` (the remembered forward launches' key) differs whenever anything
+    the variant, the launch plan or the launcher's key reads differs, and is the same across
+    batches (T, B) of one layout, which reuse the remembered launch."""
+    from blockattn_layers.kernels import _schedule, block_fwd
+
+    def signature(total=70, heads=2, kv_heads=2, dim=64, dtype=torch.float16, view=None, positions=None,
+                  block_size=64, rot=0, interleaved=False, causal=False, seqs=2, **_):
+        q = torch.empty(total, heads, dim, dtype=dtype)
+        k = torch.empty(total, kv_heads, dim, dtype=dtype)
+        if view is not None:
+            q = view(q)
+        offsets = torch.linspace(0, total, seqs + 1).long()
+        sched = _schedule.Schedule(offsets, total, block_size, None)
+        pos = positions if positions is not None else sched.table
+        ptrs = [t.data_ptr() for t in (q, k, k, q, sched.table, pos)]
+        return block_fwd._signature(q, k, k, pos, sched, block_size, rot, interleaved, positions is not None, causal,
+                                    tuple([p % 16 == 0 for p in ptrs]))
+
+    base = signature()
+    assert signature(total=500, seqs=7) == base  # another batch, same layout
+    changed = [
+        signature(dtype=torch.bfloat16), signature(heads=4), signature(kv_heads=1), signature(dim=128),
+        signature(view=lambda q: torch.empty(70, 4, 64, dtype=q.dtype)[:, :2]),  # head-strided view
+        signature(view=lambda q: torch.empty(70 * 2 * 64 + 1, dtype=q.dtype)[1:].view(70, 2, 64)),  # unaligned
+        signature(positions=torch.zeros(70, dtype=torch.int64)), signature(positions=torch.zeros(70)),
+        signature(block_size=48), signature(rot=64), signature(rot=64, interleaved=True), signature(causal=True),
+    ]
+    monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    changed.append(signature())  # the block table instead of the in-kernel schedule
+    monkeypatch.undo()
+    monkeypatch.setattr(_common, "KERNELS", "persistent")
+    changed.append(signature())
+    monkeypatch.undo()
+    matmul = torch.backends.cuda.matmul
+    tf32 = matmul.allow_tf32
+    try:
+        for allow in (True, False):  # fp32 dots follow this flag
+            matmul.allow_tf32 = allow
+            changed.append(signature(dtype=torch.float32))
+    finally:
+        matmul.allow_tf32 = tf32
+    assert len({base, *changed}) == len(changed) + 1
