@@ -154,7 +154,11 @@ def test_backward_bitwise_deterministic():
 def test_cuda_graph_replay_with_new_data(block_size, backend):
     """Captured forward and backward replay with new data in the same buffers (the flash case's
     tensor maps hold the buffers' addresses)."""
-    q, k, v, offsets = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16)
+    _graph_replay_matches_eager(block_size, backend, kv_heads=2)
+
+
+def _graph_replay_matches_eager(block_size, backend, kv_heads):
+    q, k, v, offsets = make_inputs([10, 64, 0, 100, 3, 64], 4, kv_heads, 64, torch.bfloat16)
     static = [x.clone().requires_grad_() for x in (q, k, v)]
     grad_out = torch.randn_like(q)
     stream = torch.cuda.Stream()
@@ -169,7 +173,7 @@ def test_cuda_graph_replay_with_new_data(block_size, backend):
         out = bl.block_attention(*static, offsets, block_size, backend=backend, causal=True)
         grads = torch.autograd.grad(out, static, grad_out)
     for seed in range(3):
-        fresh = make_inputs([10, 64, 0, 100, 3], 4, 2, 64, torch.bfloat16, seed=seed + 10)[:3]
+        fresh = make_inputs([10, 64, 0, 100, 3, 64], 4, kv_heads, 64, torch.bfloat16, seed=seed + 10)[:3]
         with torch.no_grad():
             for s, f in zip(static, fresh):
                 s.copy_(f)
@@ -379,6 +383,18 @@ def test_hopper_ws_kernels_forced(monkeypatch, case, table):
         rot = dim if case.get("rope_theta") else 0
         assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper_ws"
         check_against_oracle(q, k, v, offsets, **dict(case))
+
+
+@SM90
+def test_hopper_ws_cuda_graph_replay(monkeypatch):
+    """The hopper_ws kernels (tensor maps made in the kernel, their scratch from PyTorch's
+    allocator during capture) replay captured forward and backward with new data."""
+    from blockattn_layers.kernels import _common
+
+    monkeypatch.setattr(_common, "KERNELS", "hopper_ws")
+    q = torch.empty(1, 4, 64, device=DEV, dtype=torch.bfloat16)
+    assert _common.block_variant(q, (q, q, q), 64, 0, False, False) == "hopper_ws"
+    _graph_replay_matches_eager(64, "triton", kv_heads=4)
 
 
 @SM90
