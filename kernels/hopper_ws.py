@@ -45,7 +45,8 @@ _ROWS = gl.constexpr(2**31 - 1)
 
 @gluon.jit
 def _tile_range(slots, kv_heads):
-    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles."""
+    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles:
+    ``_schedule.persistent_range`` written again in Gluon (which cannot call Triton JIT functions)."""
     tiles = slots.to(gl.int64) * kv_heads
     lo = gl.program_id(0) * tiles // gl.num_programs(0)
     hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
@@ -123,9 +124,45 @@ def _init_slots(ready, empty):
 
 @gluon.jit
 def _drop_slots(ready, empty):
+    """Invalidate the slots' barriers once both partitions are done."""
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
+def _tile_scores(qa, qb, ka, kb, vt, dot, Q, K, V, DO, h, start, n, sin, cos, offs_m, offs_d, offs_h, zero_s,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                 BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROTARY: gl.constexpr, WITH_DO: gl.constexpr):
+    """Raw scores ``Q K^T`` of a non-empty block whose slot is ready: a ragged block's q, k, v (and
+    dO, ``WITH_DO``) copied first with masks (the loader copied only full ones), the rotary halves
+    rotated in place."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    rot_l: gl.constexpr = _row_layout(HALF)
+    if n < BLOCK_M:
+        rows = start + offs_m
+        mask = gl.expand_dims(offs_m < n, 1)
+        if ROTARY:
+            _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
+            _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
+        else:
+            _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
+            _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
+        _copy_rows(vt, V + h * stride_vh, rows, offs_d, mask, stride_vt)
+        if WITH_DO:
+            _copy_rows(dot, DO + h * stride_doh, rows, offs_d, mask, stride_dot)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+    if ROTARY:
+        gl.thread_barrier()
+        _rotate_in_place(qa, qb, sin, cos, rot_l)
+        _rotate_in_place(ka, kb, sin, cos, rot_l)
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+    if ROTARY:
+        acc = warpgroup_mma(qb, kb.permute((1, 0)), acc)
+    return acc
 
 
 @gluon.jit
@@ -138,8 +175,8 @@ def _fwd_compute(o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sch
     dtype: gl.constexpr = Q.dtype.element_ty
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(BLOCK_D)
-    ld: gl.constexpr = _row_layout(BLOCK_D)
     rot_l: gl.constexpr = _row_layout(HALF)
+    ld: gl.constexpr = _row_layout(BLOCK_D)
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
@@ -155,31 +192,14 @@ def _fwd_compute(o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sch
         if ROTARY:
             # Angles while the loads are in flight.
             sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+        else:
+            sin = 0.0  # (unused without rotary)
+            cos = 0.0
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         if n > 0:
-            if n < BLOCK_M:
-                rows = start + offs_m
-                mask = gl.expand_dims(offs_m < n, 1)
-                if ROTARY:
-                    _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
-                    _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
-                else:
-                    _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
-                    _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
-                _copy_rows(vt, V + h * stride_vh, rows, offs_d, mask, stride_vt)
-                async_copy.commit_group()
-                async_copy.wait_group(0)
-            if ROTARY:
-                gl.thread_barrier()
-                _rotate_in_place(qa, qb, sin, cos, rot_l)
-                _rotate_in_place(ka, kb, sin, cos, rot_l)
-            fence_async_shared()
-            gl.thread_barrier()
-            if ROTARY:
-                acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
-                acc = warpgroup_mma(qb, kb.permute((1, 0)), acc)
-            else:
-                acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+            acc = _tile_scores(qa, qb, ka, kb, vt, vt, Q, K, V, V, h, start, n, sin, cos, offs_m, offs_d, offs_h,
+                               zero_s, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vt,
+                               stride_vh, BLOCK_M, BLOCK_D, ROTARY, False)
             p, inv = _probs(acc, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
             o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), vt, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
@@ -246,8 +266,8 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(BLOCK_D)
     acc_h: gl.constexpr = _acc_layout(HALF)
-    ld: gl.constexpr = _row_layout(BLOCK_D)
     rot_l: gl.constexpr = _row_layout(HALF)
+    ld: gl.constexpr = _row_layout(BLOCK_D)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
@@ -263,30 +283,14 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
         vt, dot = v_s.index(s), do_s.index(s)
         if ROTARY:
             sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+        else:
+            sin = 0.0  # (unused without rotary)
+            cos = 0.0
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         if n > 0:
-            if n < BLOCK_M:
-                rows = start + offs_m
-                mask = gl.expand_dims(offs_m < n, 1)
-                if ROTARY:
-                    _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
-                    _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
-                else:
-                    _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
-                    _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
-                _copy_rows(vt, V + h * stride_vh, rows, offs_d, mask, stride_vt)
-                _copy_rows(dot, DO + h * stride_doh, rows, offs_d, mask, stride_dot)
-                async_copy.commit_group()
-                async_copy.wait_group(0)
-            if ROTARY:
-                gl.thread_barrier()
-                _rotate_in_place(qa, qb, sin, cos, rot_l)
-                _rotate_in_place(ka, kb, sin, cos, rot_l)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
-            if ROTARY:
-                acc = warpgroup_mma(qb, kb.permute((1, 0)), acc)
+            acc = _tile_scores(qa, qb, ka, kb, vt, dot, Q, K, V, DO, h, start, n, sin, cos, offs_m, offs_d, offs_h,
+                               zero_s, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                               stride_doh, BLOCK_M, BLOCK_D, ROTARY, True)
             p, inv = _probs(acc, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
             p = p * gl.expand_dims(inv, 1)
             pds_s.store(p.to(dtype))

@@ -338,19 +338,27 @@ HOPPER_CASES = [
 def test_hopper_kernels_forced(monkeypatch, case, table):
     """The Gluon kernels take these calls on sm_90 (checked) and match the float64 oracle, fp16
     and bf16, with the in-kernel schedule or the block table."""
+    _forced_variant_matches_oracle(monkeypatch, "hopper", case, table, EDGE_LENGTHS * 2)
+
+
+def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
+    """``variant`` forced takes the call (checked) and matches the float64 oracle, bf16 and fp16;
+    ``positions="int"`` / ``"float"`` in ``case`` draws random positions."""
     from blockattn_layers.kernels import _common, _schedule
 
-    monkeypatch.setattr(_common, "KERNELS", "hopper")
+    monkeypatch.setattr(_common, "KERNELS", variant)
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     for dtype in (torch.bfloat16, torch.float16):
-        q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2, heads, kv_heads, dim, dtype, seed=heads + dim)
-        if case.get("positions") == "int":
-            case["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
+        q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, dtype, seed=heads + dim)
+        if isinstance(case.get("positions"), str):
+            total = q.shape[0]
+            case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                                 else torch.rand(total, device=DEV) * 4000)
         rot = dim if case.get("rope_theta") else 0
-        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper"
+        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == variant
         check_against_oracle(q, k, v, offsets, **dict(case))
 
 
@@ -369,20 +377,7 @@ def test_hopper_ws_kernels_forced(monkeypatch, case, table):
     """The persistent, warp-specialized kernels take these calls on sm_90 (checked), forward and
     backward, and match the float64 oracle, fp16 and bf16: full blocks through TMA, ragged and
     empty ones (the edge lengths) through masked copies, with the in-kernel schedule or the table."""
-    from blockattn_layers.kernels import _common, _schedule
-
-    monkeypatch.setattr(_common, "KERNELS", "hopper_ws")
-    if table:
-        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
-    case = dict(case)
-    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
-    for dtype in (torch.bfloat16, torch.float16):
-        q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + [64] * 5, heads, kv_heads, dim, dtype, seed=heads + dim)
-        if case.get("positions") == "float":
-            case["positions"] = torch.rand(q.shape[0], device=DEV) * 4000
-        rot = dim if case.get("rope_theta") else 0
-        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == "hopper_ws"
-        check_against_oracle(q, k, v, offsets, **dict(case))
+    _forced_variant_matches_oracle(monkeypatch, "hopper_ws", case, table, EDGE_LENGTHS * 2 + [64] * 5)
 
 
 @SM90
