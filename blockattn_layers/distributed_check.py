@@ -18,7 +18,7 @@ AdamW steps on its own seeded jagged batches (zero-length sequences included). T
   are on the rank's device; each attention forward and backward ran with that device current;
   no other GPU holds memory allocated by the process (no hidden ``cuda:0``); on CUDA, the last
   step runs under ``torch.profiler``: every GPU kernel it records ran on the rank's device, and
-  the attention kernels (``_block_fwd_kernel``, ``_block_bwd_kernel``) are among them;
+  the attention kernels of the variant that ran (``ATTENTION_KERNELS``) are among them;
 - on CUDA, the attention ops (forward and backward, nothing else) run under
   ``torch.cuda.set_sync_debug_mode("error")`` without raising: no device-to-host sync inside them
   (no ``cpu_offsets`` are passed). That mode sees syncs made through PyTorch only;
@@ -195,7 +195,13 @@ def _other_gpu_allocations(device: torch.device) -> List[str]:
     return [f"{peak} B allocated on {name}" for name, peak in peaks.items() if name != str(device) and peak]
 
 
-ATTENTION_KERNELS = ("_block_fwd_kernel", "_block_bwd_kernel")
+# Profiler names of the attention kernels of every variant: the Triton block kernels, the Gluon
+# ones of sm_90 (hopper, hopper_ws) and the flash kernels (blocks over 128 rows).
+ATTENTION_KERNELS = (
+    "_block_fwd_kernel", "_block_bwd_kernel", "_hopper_fwd_kernel", "_hopper_bwd_kernel",
+    "_hopper_ws_fwd_kernel", "_hopper_ws_bwd_kernel", "_flash_fwd_kernel", "_flash_bwd_dkdv_kernel",
+    "_flash_bwd_dq_kernel",
+)
 
 
 class KernelDevices:

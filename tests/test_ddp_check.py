@@ -21,6 +21,19 @@ def _torchrun(*args, env=None, timeout=120):
     return lines
 
 
+def test_attention_kernel_names_cover_every_launcher():
+    """The check counts a profiler event as attention by its kernel name: every attention kernel
+    the package launches (any variant; the schedule kernels excepted) is named there."""
+    from blockattn_layers.distributed_check import ATTENTION_KERNELS
+    from blockattn_layers.kernels import _launch, block_bwd, block_fwd, flash_bwd, flash_fwd
+
+    launched = {launcher.kernel.__name__ for module in (block_fwd, block_bwd, flash_fwd, flash_bwd)
+                for launcher in vars(module).values()
+                if isinstance(launcher, _launch.Launcher) and launcher.kernel is not None}
+    assert {"_block_fwd_kernel", "_block_bwd_kernel", "_flash_fwd_kernel"} <= launched
+    assert launched <= set(ATTENTION_KERNELS)
+
+
 def test_ddp_check_gloo_cpu_reference():
     lines = _torchrun("--backend-dist", "gloo", "--attn-backend", "reference", "--steps", "3")
     assert "NCCL_NVLS_ENABLE=0" in lines[0]
