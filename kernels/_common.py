@@ -198,8 +198,10 @@ HEAD_LOOP_MAXNREG = 128
 # measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
 # 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
 # D64 2.450 -> 2.463 / 2.571). Their rotary kv-head loop takes ``HEAD_LOOP_MAXNREG`` (168 without,
-# no spills at 128: rotary D64 forward 1.186 -> 1.164 ms).
-HOPPER_MAXNREG: dict = {}
+# no spills at 128: rotary D64 forward 1.186 -> 1.164 ms). The rotary D128 backward, its gradients
+# rotated back 32 rows at a time from shared memory (``hopper_block._unrotate_store``), needs 178
+# registers uncapped and 168 with 16 bytes spilled: 3 programs per SM instead of 2.
+HOPPER_MAXNREG: dict = {(True, 128, True): 168}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }

@@ -11,7 +11,8 @@ What Gluon allows that the Triton kernels could not get from the compiler:
   no registers held while in flight), and each ``wgmma`` reads its operands from that one
   shared copy: the rotary halves of q and k are rotated in place there, and P and dS share one
   buffer. Backward, one query head per kv head, D = 128: 72 KB of shared memory plain or
-  rotary (Triton: 72 / 80 KB), 158 / 191 registers;
+  rotary (Triton: 72 / 80 KB), 158 / 168 registers (rotary: the gradients rotated back from
+  fp32 copies in dead tiles, 32 rows at a time, capped at 168: 3 programs per SM, was 191 and 2);
 - results leave through a shared tile that is dead by then (a copied input), read back in
   16-byte row chunks: coalesced stores. Storing straight from the accumulator layout (4-byte
   pieces) made the backward 1.7x slower (H200, ncu: 30% excess sectors).
@@ -87,7 +88,14 @@ def _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: 
     """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
     positions, or at ``first_row + m`` with the angles reduced once per column (the Gluon form of
     ``_rotary.block_sin_cos`` with ``PER_COLUMN``)."""
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    return _sin_cos_rows(Pos, start, n, first_row, log2_theta, 0, BLOCK_M, HALF, HAS_POS, LAYOUT)
+
+
+@gluon.jit
+def _sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                  HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """``_sin_cos`` of the block's rows ``ROW0 .. ROW0 + ROWS`` (the same values)."""
+    offs_m = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
     offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
     inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
     if HAS_POS:
@@ -161,6 +169,43 @@ def _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M: gl.constexp
     buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
     gl.thread_barrier()
     _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
+
+
+@gluon.jit
+def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr):
+    """Store the gradient whose rotary halves are the float32 accumulators ``a``, ``b``, rotated
+    back and scaled: ``((a cos + b sin) scale, (b cos - a sin) scale)``, to rows ``start .. start + n``.
+    ``a`` and ``b`` go to the dead shared tiles ``a_buf``, ``b_buf`` (16 KB each) and come back 32
+    rows at a time in 16-byte row chunks with those rows' angles: a quarter of the tile's registers
+    at a time instead of both halves, their angles and a result (the rotary D128 backward fits
+    168 registers)."""
+    ROWS: gl.constexpr = 32
+    layout: gl.constexpr = _row_layout(HALF)
+    fp32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    a_s = a_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
+    b_s = b_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
+    gl.thread_barrier()  # every warp is done reading the buffers
+    a_s.store(a)
+    b_s.store(b)
+    gl.thread_barrier()
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    # first_row through an opaque copy: the compiler would otherwise reuse the rotation's angles
+    # of these rows (same values, same layout) and hold them live from the top of the kernel.
+    first_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [first_row], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+    log2_theta = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [log2_theta], dtype=gl.float32, is_pure=False,
+                                          pack=1)
+    for c in gl.static_range(BLOCK_M // ROWS):
+        x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
+        y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
+        sin, cos = _sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, HAS_POS, layout)
+        offs_m = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        mask = gl.expand_dims(offs_m < n, 1)
+        gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
+                 mask=mask)
+        gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
+                 ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -433,7 +478,18 @@ def _hopper_bwd_kernel(
             gl.thread_barrier()
             # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
             dq_ptr = DQ + h * stride_dqh
-            if ROTARY:
+            if ROTARY and GROUPS == 1 and HALF == 64:
+                # v's and dO's tiles are dead: they carry dQ, then dK, back through the rotation.
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+                dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+                dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+                _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                                BLOCK_M, HALF, HAS_POS)
+                dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
+                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+                _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
+                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS)
+            elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 # (Angles again in the accumulators' layout: cheaper than keeping them live.)
                 sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
@@ -455,11 +511,11 @@ def _hopper_bwd_kernel(
                 else:
                     dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
         dk_ptr = DK + hk * stride_dkh
-        if ROTARY:
+        if ROTARY and (GROUPS > 1 or HALF != 64):
             sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
             _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
                               start, n, stride_dkt, BLOCK_M, BLOCK_D)
-        else:
+        elif not ROTARY:
             _store_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D)
         if GROUPS > 1:
             _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)

@@ -90,7 +90,8 @@ def test_flash_kernels_compile(arch, instruction, tmp_path):
 
 
 def test_register_caps():
-    """``maxnreg`` only where it was measured: the rotary kv-head loop everywhere; on sm_90 with
+    """``maxnreg`` only where it was measured: the rotary kv-head loop everywhere; the hopper rotary
+    backward at D128 with one query head per kv head; on sm_90 with
     16-bit inputs, 64-row simple tiles and one query head per kv head, the rotary forward at D128,
     the rotary backward at D64, the plain backward at D128 and the plain forward at D64."""
     from blockattn_layers.kernels._common import HEAD_LOOP_MAXNREG, max_registers
@@ -106,6 +107,10 @@ def test_register_caps():
     assert max_registers(meta(32, 64), "simple", True, 9, 2) == 128
     assert max_registers(meta(0, 128), "simple", True, 9, 2) == 168
     assert max_registers(meta(0, 64), "simple", False, 9, 2) == 72
+    assert max_registers(meta(128, 128), "hopper", True, 9, 2) == 168
+    for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
+                 (meta(64, 64), "hopper", True, 9, 2), (meta(128, 128, groups=2), "hopper", True, 9, 2)]:
+        assert max_registers(*args) is None, args
     for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),
                  (meta(128, 128), "simple", False, 9, 4), (meta(128, 128, 128), "simple", False, 9, 2),
                  (meta(0, 128), "simple", False, 9, 2), (meta(0, 128, groups=2), "simple", True, 9, 2),
