@@ -393,6 +393,10 @@ def _hopper_bwd_kernel(
     if n > 0:
         HALF: gl.constexpr = BLOCK_D // 2
         ROTARY: gl.constexpr = ROT_DIM > 0
+        # dQ and dK rotated back through the dead v and dO tiles (``_unrotate_store``): at D128 with
+        # one query head per kv head (v's tile is live across the heads of a group; at D64 the
+        # register path needs fewer registers).
+        UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
         dtype: gl.constexpr = Q.dtype.element_ty
         smem_d: gl.constexpr = _smem_layout(BLOCK_D)
         smem_h: gl.constexpr = _smem_layout(HALF)
@@ -478,8 +482,7 @@ def _hopper_bwd_kernel(
             gl.thread_barrier()
             # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
             dq_ptr = DQ + h * stride_dqh
-            if ROTARY and GROUPS == 1 and HALF == 64:
-                # v's and dO's tiles are dead: they carry dQ, then dK, back through the rotation.
+            if UNROTATE_IN_SMEM:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
@@ -511,7 +514,7 @@ def _hopper_bwd_kernel(
                 else:
                     dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
         dk_ptr = DK + hk * stride_dkh
-        if ROTARY and (GROUPS > 1 or HALF != 64):
+        if ROTARY and not UNROTATE_IN_SMEM:
             sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
             _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
                               start, n, stride_dkt, BLOCK_M, BLOCK_D)
