@@ -23,6 +23,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     REFERENCE = "reference"
     TRITON = "triton"
+    TRITON_FLASH = "triton_flash"
 
 
 @dataclass(frozen=True)
@@ -61,20 +62,30 @@ def _call_key(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tupl
             params.rope_theta is not None)
 
 
-Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionParams], torch.Tensor]
+# forward(q, k, v, offsets, *op_args) -> (out, lse or None); backward(grad_out, q, k, v, out, lse,
+# offsets, *op_args) -> (dq, dk, dv); op_args as ``AttentionParams.op_args()``.
+Forward = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
+Backward = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A backend and its declared capabilities.
+    """A backend: its implementations and its declared capabilities.
 
-    ``devices()`` lists the device types it can run on when asked by name;
+    ``forward`` and ``backward`` implement the registered ops ``blockattn::attention_fwd`` /
+    ``attention_bwd`` (:mod:`blockattn_layers.ops.library`) on this backend: ``forward`` returns
+    ``(out, lse)``, ``lse`` None unless the kind saves it (``ops.library.saves_lse``), and
+    ``backward`` gets ``out`` and ``lse`` back (None where not saved). ``forward_planned``, if
+    set, is ``forward`` for single-tile kinds that also returns the backward's launch prepared
+    on the caller's thread (``(out, plan)``, plan None or with ``plan.launch(grad_out, q, k, v)``
+    returning the gradients or None). ``devices()`` lists the device types it can run on when asked by name;
     ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
     adds checks that do not fit the declared fields (it returns reasons to refuse).
     """
 
     name: str
-    run: Runner
+    forward: Forward
+    backward: Backward
     priority: int
     devices: Optional[Callable[[], FrozenSet[str]]]
     auto_devices: Optional[FrozenSet[str]]
@@ -87,6 +98,7 @@ class BackendSpec:
     rotary: bool = True
     extra_reasons: Optional[Callable[[AttentionRequest], List[str]]] = field(default=None)
     description: str = ""
+    forward_planned: Optional[Callable] = None
 
     def not_supported_reasons(self, req: AttentionRequest) -> List[str]:
         """Why this backend cannot serve ``req``; empty when it can."""

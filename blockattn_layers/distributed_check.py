@@ -55,12 +55,12 @@ GRAD_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
 class AttentionProbe:
-    """While active, wraps every registered backend's ``run`` to watch the attention calls.
+    """While active, wraps every registered backend's implementations to watch the attention calls.
 
-    Each forward call checks its tensors' devices and the current CUDA device, and runs under
-    sync-debug ``"error"`` on CUDA; hooks on the output's autograd node do the same for the
-    backward. ``calls`` counts ``(direction, backend)`` pairs, ``dtypes`` holds the q dtypes seen and
-    ``problems`` lists violations.
+    Each forward and backward call (the prepared backward launch of ``forward_planned`` too)
+    checks its tensors' devices and the current CUDA device, and runs under sync-debug
+    ``"error"`` on CUDA. ``calls`` counts ``(direction, backend)`` pairs, ``dtypes`` holds the q
+    dtypes seen and ``problems`` lists violations.
     """
 
     def __init__(self, device: torch.device):
@@ -74,7 +74,10 @@ class AttentionProbe:
     def __enter__(self) -> "AttentionProbe":
         self._saved = registered_backends()
         for spec in self._saved:
-            register_backend(dataclasses.replace(spec, run=self._wrap(spec)))
+            planned = None if spec.forward_planned is None else self._wrap_planned(spec)
+            register_backend(dataclasses.replace(
+                spec, forward=self._wrap(spec.name, "forward", spec.forward),
+                backward=self._wrap(spec.name, "backward", spec.backward), forward_planned=planned))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -99,28 +102,48 @@ class AttentionProbe:
             totals[direction] = totals.get(direction, 0) + n
         return totals
 
-    def _wrap(self, spec):
-        def run(q, k, v, offsets, params):
-            self._check(f"{spec.name} forward inputs", (q, k, v, offsets, params.positions))
-            self._sync_debug(True)
-            try:
-                out = spec.run(q, k, v, offsets, params)
-            finally:
-                self._sync_debug(False)
-            self._check(f"{spec.name} forward output", (out,))
-            self.calls["forward", spec.name] += 1
-            self.dtypes.add(str(q.dtype).replace("torch.", ""))
-            if out.grad_fn is not None:
-                out.grad_fn.register_prehook(lambda grad_outputs: self._sync_debug(True))
-                out.grad_fn.register_hook(lambda grad_inputs, _: self._after_backward(spec.name, grad_inputs))
-            return out
+    def _watched(self, name: str, direction: str, call, inputs: Sequence, args: tuple):
+        """``call(*args)`` under sync-debug, its inputs and outputs checked and counted."""
+        self._check(f"{name} {direction} inputs", inputs)
+        self._sync_debug(True)
+        try:
+            result = call(*args)
+        finally:
+            self._sync_debug(False)
+        self.calls[direction, name] += 1
+        return result
+
+    def _wrap(self, name: str, direction: str, impl):
+        def run(*args):
+            result = self._watched(name, direction, impl, [a for a in args if isinstance(a, torch.Tensor)], args)
+            if direction == "forward":
+                self.dtypes.add(str(args[0].dtype).replace("torch.", ""))
+            self._check(f"{name} {direction} output", [r for r in result if isinstance(r, torch.Tensor)])
+            return result
 
         return run
 
-    def _after_backward(self, name: str, grad_inputs) -> None:
-        self._sync_debug(False)
-        self._check(f"{name} backward", grad_inputs)
-        self.calls["backward", name] += 1
+    def _wrap_planned(self, spec):
+        probe, forward = self, self._wrap(spec.name, "forward", lambda *args: spec.forward_planned(*args))
+
+        class Plan:
+            def __init__(self, plan):
+                self.plan = plan
+
+            def launch(self, grad_out, q, k, v):
+                grads = probe._watched(spec.name, "backward", self.plan.launch, (grad_out, q, k, v),
+                                       (grad_out, q, k, v))
+                if grads is None:
+                    probe.calls["backward", spec.name] -= 1  # the ordinary backward runs and counts
+                else:
+                    probe._check(f"{spec.name} backward output", grads)
+                return grads
+
+        def run(*args):
+            out, plan = forward(*args)
+            return out, None if plan is None else Plan(plan)
+
+        return run
 
 
 def _sync_debug_armed(device: torch.device) -> bool:

@@ -6,9 +6,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import _backends  # noqa: F401  (registers the backends)
 from ._call_plan import plan_call
 from .dispatch import Backend
+from .ops import attention
+from .ops import backends as _backends  # noqa: F401  (registers the backends)
 
 
 def block_attention(
@@ -70,7 +71,7 @@ def block_attention(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
         cpu_offsets, max_seqlen, backend, validate,
     )
-    return spec.run(q, k, v, offsets, params)
+    return attention(q, k, v, offsets, params, spec, backend)
 
 
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone"})

@@ -213,14 +213,18 @@ def _scatter_add(buf: Tensor, x: Tensor, c: _Chunk, groups: int) -> None:
     buf.index_add_(0, c.dest, x.transpose(1, 2).reshape(n * tile, heads // groups, head_dim))
 
 
-def _probs(qc: Tensor, kc: Tensor, c: _Chunk, scale: float, causal: bool) -> Tensor:
+def _scores(qc: Tensor, kc: Tensor, c: _Chunk, scale: float, causal: bool) -> Tensor:
+    """Scaled scores ``[n, H, tile, tile]``, keys outside the block (or after the query) masked."""
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     mask = c.valid[:, None, None, :]
     if causal:
         mask = mask & torch.ones(c.tile, c.tile, dtype=torch.bool, device=s.device).tril()
     # finfo.min rather than -inf: a block of length 0 (sync-free plans) gives a uniform row, not NaN.
-    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-    return torch.softmax(s, dim=-1)
+    return s.masked_fill(~mask, torch.finfo(s.dtype).min)
+
+
+def _probs(qc: Tensor, kc: Tensor, c: _Chunk, scale: float, causal: bool) -> Tensor:
+    return torch.softmax(_scores(qc, kc, c, scale, causal), dim=-1)
 
 
 def _rotated_inputs(q, k, offsets, rope_theta, positions, rotary_dim, interleaved, dtype):
@@ -243,18 +247,40 @@ def attention_forward(
     ``dtype`` overrides the compute dtype (tests use the input dtype to measure the error of
     a same-precision computation).
     """
+    return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                    rotary_interleaved, cpu_offsets, max_seqlen, dtype, False)[0]
+
+
+def attention_forward_lse(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: Optional[int], scale: float,
+    causal: bool, rope_theta: Optional[float] = None, positions: Optional[Tensor] = None,
+    rotary_dim: int = 0, rotary_interleaved: bool = False, cpu_offsets: Optional[Tensor] = None,
+    max_seqlen: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`attention_forward` and ``lse [H, T]`` float32, the natural-log logsumexp of each
+    query row's scaled scores over the keys it attends to (what multi-tile kernels save)."""
+    return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                    rotary_interleaved, cpu_offsets, max_seqlen, None, True)
+
+
+def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+             cpu_offsets, max_seqlen, dtype, with_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
     total, num_heads, head_dim = q.shape
     dtype = dtype or compute_dtype(q.dtype)
     groups = num_heads // k.shape[1]
     qr, kr, _ = _rotated_inputs(q, k, offsets, rope_theta, positions, rotary_dim, rotary_interleaved, dtype)
     vr = v.to(dtype)
     out = torch.zeros(total + 1, num_heads, head_dim, dtype=dtype, device=q.device)
+    lse = torch.zeros(total + 1, num_heads, dtype=torch.float32, device=q.device) if with_lse else None
     for starts, lengths, tile in iter_chunks(plan_blocks(offsets, total, block_size, cpu_offsets, max_seqlen), num_heads):
         c = _chunk(starts, lengths, tile, total)
-        p = _probs(_gather(qr, c, 1), _gather(kr, c, groups), c, scale, causal)
-        o = torch.matmul(p, _gather(vr, c, groups))  # [n, H, tile, D]
+        s = _scores(_gather(qr, c, 1), _gather(kr, c, groups), c, scale, causal)
+        o = torch.matmul(torch.softmax(s, dim=-1), _gather(vr, c, groups))  # [n, H, tile, D]
         out.index_copy_(0, c.dest, o.transpose(1, 2).reshape(c.n * tile, num_heads, head_dim))
-    return out[:total].to(q.dtype)
+        if lse is not None:
+            lse.index_copy_(0, c.dest, torch.logsumexp(s, -1).transpose(1, 2).reshape(c.n * tile, num_heads).float())
+    out = out[:total].to(q.dtype)
+    return out, None if lse is None else lse[:total].t().contiguous()
 
 
 def attention_backward(

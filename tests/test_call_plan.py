@@ -63,7 +63,7 @@ def test_remembered_call_uses_this_calls_tensors(monkeypatch):
     assert not torch.allclose(outs[0], outs[1])
 
     seen = []
-    _spy_registry(monkeypatch, lambda q, k, v, offsets, params: seen.append(params.cpu_offsets) or q.clone())
+    _spy_registry(monkeypatch, lambda q, k, v, offsets, *args: (seen.append(args[7]) or q.clone(), None))
     offsets = inputs()["offsets"]
     for cpu in (offsets.clone(), offsets.clone()):
         call(backend="spy", validate=False, cpu_offsets=cpu)
@@ -76,7 +76,7 @@ def test_registering_a_backend_forgets_remembered_choices(monkeypatch):
     call(backend="auto", validate=False)
     call(backend="auto", validate=False)
     seen = []
-    _spy_registry(monkeypatch, lambda q, k, v, offsets, params: seen.append(1) or q.clone(), priority=1000)
+    _spy_registry(monkeypatch, lambda q, k, v, offsets, *args: (seen.append(1) or q.clone(), None), priority=1000)
     call(backend="auto", validate=False)
     assert seen == [1]
 
@@ -86,6 +86,6 @@ def _spy_registry(monkeypatch, run, priority=-1):
     monkeypatch.setattr(dispatch, "_BY_PRIORITY", list(dispatch._BY_PRIORITY))
     monkeypatch.setattr(dispatch, "_SELECTED", {})
     dispatch.register_backend(bl.BackendSpec(
-        name="spy", run=run, priority=priority, devices=None, auto_devices=None,
+        name="spy", forward=run, backward=None, priority=priority, devices=None, auto_devices=None,
         dtypes=frozenset({torch.float64, torch.float32}),
     ))

@@ -35,18 +35,22 @@ def request(device_type="cpu", capability=None, dtype=torch.float32, head_dim=64
 
 
 class Recorder:
-    """A backend runner that records its calls and returns a recognisable output."""
+    """A backend forward that records its calls and returns a recognisable output."""
 
     def __init__(self, fill):
         self.fill, self.calls = fill, 0
 
-    def __call__(self, q, k, v, offsets, params):
+    def __call__(self, q, k, v, offsets, *op_args):
         self.calls += 1
-        return torch.full_like(q, self.fill)
+        return torch.full_like(q, self.fill), None
+
+
+def _no_backward(*args):  # pragma: no cover - the dispatch tests never differentiate
+    raise AssertionError("backward was not expected")
 
 
 def spec(name, run=None, priority=10, devices=None, auto_devices=None, dtypes=ALL_FLOATS, **kw):
-    return BackendSpec(name=name, run=run or Recorder(1.0), priority=priority,
+    return BackendSpec(name=name, forward=run or Recorder(1.0), backward=_no_backward, priority=priority,
                        devices=None if devices is None else (lambda: frozenset(devices)),
                        auto_devices=None if auto_devices is None else frozenset(auto_devices),
                        dtypes=frozenset(dtypes), **kw)

@@ -19,7 +19,7 @@ from blockattn_layers import JaggedTransformerEncoder, JaggedTransformerEncoderL
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only contend
 
 STEPS = 24
-TRITON_MISSING = importlib.util.find_spec("blockattn_layers._triton_op") is None
+TRITON_MISSING = importlib.util.find_spec("blockattn_layers.ops.backends.triton_block") is None
 
 
 def _batches(device, steps, generator):
@@ -64,7 +64,7 @@ def _check_curves(reference, triton, rtol):
         assert abs(r - t) <= rtol * abs(r), f"step {step}: reference {r:.6g} vs triton {t:.6g}"
 
 
-@pytest.mark.skipif(TRITON_MISSING, reason="blockattn_layers._triton_op (the Triton backend) is not in this tree")
+@pytest.mark.skipif(TRITON_MISSING, reason="blockattn_layers.ops.backends.triton_block (the Triton backend) is not in this tree")
 def test_loss_curves_match_reference_vs_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     result = subprocess.run(

@@ -6,40 +6,35 @@ import pytest
 import torch
 
 import blockattn_layers as bl
-from blockattn_layers import _op_registration
+from blockattn_layers._params import AttentionParams
+from blockattn_layers.ops import entry
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _pair(plan_result, calls):
-    """An entry point over a doubling 'attention' whose plan returns ``plan_result``."""
+    """An entry point over a doubling 'attention' backend whose plan returns ``plan_result``."""
 
     class Plan:
         def launch(self, grad_out, q, k, v):
             calls.append((grad_out, q, k, v))
             return plan_result
 
-    def fwd_impl(q, k, v, offsets, *rest):
-        return 2 * q
+    def forward(q, k, v, offsets, *rest):
+        return 2 * q, None
 
-    def fwd_planned(q, k, v, offsets, *rest):
-        return fwd_impl(q, k, v, offsets, *rest), Plan()
+    def forward_planned(q, k, v, offsets, *rest):
+        return forward(q, k, v, offsets, *rest)[0], Plan()
 
-    def bwd_impl(grad_out, q, k, v, offsets, *rest):
+    def backward(grad_out, q, k, v, out, lse, offsets, *rest):
         return 2 * grad_out, torch.zeros_like(k), torch.zeros_like(v)
 
-    lib = f"blockattn_test_plan_{len(_NAMES)}"
-    _NAMES.append(lib)
-    f = torch.library.custom_op(f"{lib}::fwd", fwd_impl, mutates_args=(), schema=f"({_ARGS}) -> Tensor")
-    b = torch.library.custom_op(f"{lib}::bwd", bwd_impl, mutates_args=(),
-                                schema=f"(Tensor grad_out, {_ARGS}) -> (Tensor, Tensor, Tensor)")
-    return _op_registration.register_attention_pair(f, b, fwd_impl, bwd_impl, fwd_planned)
+    spec = bl.BackendSpec(name="doubling", forward=forward, backward=backward, forward_planned=forward_planned,
+                          priority=0, devices=None, auto_devices=None, dtypes=frozenset({torch.float32}))
+    params = AttentionParams(*_REST)
+    return lambda q, k, v, offsets: entry.attention(q, k, v, offsets, params, spec, "doubling")
 
 
-_NAMES: list = []
-_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor offsets, int block_size, float scale, bool causal, "
-         "float? rope_theta, Tensor? positions, int rotary_dim, bool rotary_interleaved, Tensor? cpu_offsets, "
-         "int? max_seqlen")
 _REST = (64, 1.0, False, None, None, 0, False, None, None)
 
 
@@ -52,7 +47,7 @@ def test_backward_takes_the_plan_where_it_holds():
     planned = tuple(torch.full((5, 2, 4), float(i)) for i in (7, 8, 9))
     attention = _pair(planned, calls)
     q, k, v = _leaves()
-    grads = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5]), *_REST), (q, k, v), torch.ones(5, 2, 4))
+    grads = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5])), (q, k, v), torch.ones(5, 2, 4))
     assert len(calls) == 1 and calls[0][1] is q and calls[0][2] is k and calls[0][3] is v
     for g, want in zip(grads, planned):
         assert torch.equal(g, want)
@@ -63,7 +58,7 @@ def test_backward_falls_back_where_the_plan_does_not_hold():
     attention = _pair(None, calls)
     q, k, v = _leaves()
     grad_out = torch.randn(5, 2, 4)
-    dq, dk, dv = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5]), *_REST), (q, k, v), grad_out)
+    dq, dk, dv = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5])), (q, k, v), grad_out)
     assert len(calls) == 1
     assert torch.equal(dq, 2 * grad_out) and not dk.any() and not dv.any()
 

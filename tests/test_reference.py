@@ -510,20 +510,20 @@ def test_opcheck_reference_fwd(case):
         pos = torch.arange(q.shape[0], dtype=torch.float32) * 10
         offsets = offsets.int()
     cpu_offsets, max_seqlen = (offsets.clone(), max(lengths)) if host else (None, None)
-    args = (q, k, v, offsets, block, scale, causal, theta, pos, rd, inter, cpu_offsets, max_seqlen)
-    torch.library.opcheck(torch.ops.blockattn.reference_fwd.default, args)
+    args = (q, k, v, offsets, block, scale, causal, theta, pos, rd, inter, cpu_offsets, max_seqlen, "reference")
+    torch.library.opcheck(torch.ops.blockattn.attention_fwd.default, args)
 
 
 def test_opcheck_non_contiguous():
     """The fake (meta) implementation must report the real output's contiguous strides."""
     q, k, v, offsets = make_jagged([3, 0, 7, 20], 4, 2, 8, torch.float64, 15)
     qn, kn, vn = (_non_contiguous(x, "channel_major").requires_grad_() for x in (q, k, v))
-    args = (qn, kn, vn, offsets, 4, 0.3, True, 100.0, None, 4, True, None, None)
-    torch.library.opcheck(torch.ops.blockattn.reference_fwd.default, args)
+    args = (qn, kn, vn, offsets, 4, 0.3, True, 100.0, None, 4, True, None, None, "auto")
+    torch.library.opcheck(torch.ops.blockattn.attention_fwd.default, args)
     # the backward op has no autograd of its own (no double backward): check it on plain tensors
     g = _non_contiguous(torch.randn(30, 4, 8, dtype=torch.float64), "transposed")
     plain = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
-    torch.library.opcheck(torch.ops.blockattn.reference_bwd.default, (g, *plain))
+    torch.library.opcheck(torch.ops.blockattn.attention_bwd.default, (g, *plain[:3], None, None, *plain[3:]))
 
 
 # ----------------------------------------------------------------------------- the oracle itself

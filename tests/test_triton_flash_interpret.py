@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blockattn_layers as bl
-from blockattn_layers._triton_op import interpreter_active
+from blockattn_layers.ops.backends.triton_block import interpreter_active
 from blockattn_layers.kernels import _flash_common as flash_common
 from blockattn_layers.kernels._flash_common import FlashSchedule, tma_loads
 from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
@@ -267,8 +267,9 @@ def test_backward_bitwise_deterministic():
 def test_opcheck_forward_op():
     lengths = [5, 0, 33]
     q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 6))
-    args = (q, k, v, offsets_from_lengths(lengths), 0, 0.25, True, 1000.0, None, 16, False, None, None)
-    torch.library.opcheck(torch.ops.blockattn.triton_flash_fwd.default, args)
+    args = (q, k, v, offsets_from_lengths(lengths), 0, 0.25, True, 1000.0, None, 16, False, None, None,
+            "triton_flash")
+    torch.library.opcheck(torch.ops.blockattn.attention_fwd.default, args)
 
 
 @interpret_only

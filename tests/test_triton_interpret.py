@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import blockattn_layers as bl
-from blockattn_layers._triton_op import interpreter_active
+from blockattn_layers.ops.backends.triton_block import interpreter_active
 
 from tests.oracle import oracle_attention, rel_err, rotary_positions
 
@@ -131,8 +131,8 @@ def test_opcheck_triton_ops():
     lengths = [5, 0, 33]
     q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 6))
     offsets = _offsets(lengths)
-    args = (q, k, v, offsets, 16, 0.25, True, 1000.0, None, 16, False, None, None)
-    torch.library.opcheck(torch.ops.blockattn.triton_fwd.default, args)
+    args = (q, k, v, offsets, 16, 0.25, True, 1000.0, None, 16, False, None, None, "triton")
+    torch.library.opcheck(torch.ops.blockattn.attention_fwd.default, args)
 
 
 def test_auto_prefers_reference_on_cpu_even_with_interpreter():

@@ -275,10 +275,10 @@ def test_jagged_attention_rejects_block_size():
 
 # ----------------------------------------------------------------------------- explicit backends
 def _fake_spec(name, **kw):
-    def run(q, k, v, offsets, params):  # pragma: no cover - must never be reached here
+    def run(*args):  # pragma: no cover - must never be reached here
         raise AssertionError("an incapable backend was run")
 
-    fields = dict(name=name, run=run, priority=-5, devices=lambda: frozenset({"cuda"}),
+    fields = dict(name=name, forward=run, backward=run, priority=-5, devices=lambda: frozenset({"cuda"}),
                   auto_devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
                   head_dims=(16, 256), max_block_size=128, full_attention=False, causal=False, rotary=False)
     fields.update(kw)

@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 
 import blockattn_layers
-from blockattn_layers import _backends
+from blockattn_layers.ops import backends as _backends
 from blockattn_layers._validation import validate_attention_args
 
 from .common import Case, Inputs, Method, Prepared, RunConfig

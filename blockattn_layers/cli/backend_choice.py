@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from .. import _backends  # noqa: F401  (registers the backends)
+from ..ops import backends as _backends  # noqa: F401  (registers the backends)
 from ..dispatch import AttentionRequest, explain, registered_backends
 
 

@@ -1,9 +1,10 @@
-"""The Triton backend: kernels from ``blockattn_layers.kernels`` as registered ops.
+"""The ``triton`` backend: single-pass block kernels (``blockattn_layers.kernels``), one tile per block.
 
-Forward and backward are ``torch.library`` custom ops with fake implementations, joined by
-``register_autograd``; only q, k, v and offsets (plus positions / cpu_offsets when given)
-are saved for backward. Kernel sizes are runtime arguments, so batches of different T and B
-reuse the compiled kernels.
+For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
+backward that recomputes the probabilities from q, k, v. The block-kernel variant (simple,
+hopper, ...) is chosen inside the kernels' launchers. Kernel sizes are run-time arguments, so
+batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
+interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
 from __future__ import annotations
 
@@ -17,54 +18,45 @@ from blockattn_layers.kernels._common import MAX_TILE
 from blockattn_layers.kernels.block_bwd import block_attention_bwd
 from blockattn_layers.kernels.block_fwd import block_attention_fwd, block_attention_fwd_planned
 
-from ._op_registration import register_attention_pair
-from ._params import AttentionParams
-from .dispatch import AttentionRequest, BackendSpec, register_backend
+from ...dispatch import AttentionRequest, BackendSpec, register_backend
+from ..library import SINGLE_TILE_MAX
+
+assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
 
 
-def _triton_fwd(
+def _forward(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
-) -> Tensor:
-    """Triton block-attention forward (``block_size <= 128``)."""
+) -> Tuple[Tensor, None]:
     return block_attention_fwd(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,
-    )
+    ), None
 
 
-def _triton_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float,
-    causal: bool, rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int,
-    rotary_interleaved: bool, cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Triton block-attention backward: ``(dq, dk, dv)``."""
-    return block_attention_bwd(
-        grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets,
-    )
-
-
-def _triton_fwd_planned(
+def _forward_planned(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ):
-    """:func:`_triton_fwd` and its backward's launch, prepared on the caller's thread."""
+    """:func:`_forward` returning ``(out, plan)``: its backward's launch, prepared on this thread."""
     return block_attention_fwd_planned(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,
     )
 
 
-triton_fwd = torch.library.custom_op("blockattn::triton_fwd", _triton_fwd, mutates_args=())
-triton_bwd = torch.library.custom_op("blockattn::triton_bwd", _triton_bwd, mutates_args=())
-_attention = register_attention_pair(triton_fwd, triton_bwd, _triton_fwd, _triton_bwd, _triton_fwd_planned)
-
-
-def run_triton(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams) -> Tensor:
-    return _attention(q, k, v, offsets, *params.op_args())
+def _backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], lse: Optional[Tensor],
+    offsets: Tensor, block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
+    positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
+    max_seqlen: Optional[int],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return block_attention_bwd(
+        grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+        rotary_interleaved, cpu_offsets,
+    )
 
 
 def interpreter_active() -> bool:
@@ -72,11 +64,12 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _devices() -> frozenset:
+def triton_devices() -> frozenset:
+    """Where the Triton backends run when asked by name."""
     return frozenset({"cuda", "cpu"}) if interpreter_active() else frozenset({"cuda"})
 
 
-def _extra_reasons(req: AttentionRequest) -> list:
+def cuda_reasons(req: AttentionRequest) -> list:
     if req.device_type == "cuda" and not torch.cuda.is_available():
         return ["CUDA is not available"]
     return []
@@ -84,16 +77,18 @@ def _extra_reasons(req: AttentionRequest) -> list:
 
 register_backend(BackendSpec(
     name="triton",
-    run=run_triton,
+    forward=_forward,
+    backward=_backward,
+    forward_planned=_forward_planned,
     priority=10,
-    devices=_devices,
+    devices=triton_devices,
     auto_devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     min_capability=(8, 0),
     head_dims=(16, 256),
-    max_block_size=MAX_TILE,
+    max_block_size=SINGLE_TILE_MAX,
     full_attention=False,
-    extra_reasons=_extra_reasons,
+    extra_reasons=cuda_reasons,
     description="single-pass Triton kernels, one tile per block (block_size <= 128); CUDA sm_80+, "
     "or CPU tensors under TRITON_INTERPRET=1",
 ))

@@ -1,0 +1,127 @@
+"""The entry point of the public functions into the op layer.
+
+:func:`attention` takes a validated call and the backend the dispatcher chose for it. While
+``torch.compile`` / ``torch.export`` trace it, under ``torch.func`` transforms and under
+dispatch modes (``FlopCounterMode``, user fake modes) it calls the registered ops
+(:mod:`.library`), whose autograd and FLOP formulas then apply. For plain tensors in eager mode
+it calls the backend's implementation directly through a ``torch.autograd.Function``: the
+custom-op wrappers' host work is about half the host time of a call, which is what small
+batches pay for. A backend with ``forward_planned`` prepares its backward's launch in the
+forward, on the caller's thread; the autograd engine runs the backward on its device thread
+and launches that plan where it holds.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .._params import AttentionParams
+from ..dispatch import BackendSpec
+from . import library
+
+
+def _eager(x: Tensor) -> bool:
+    """A plain tensor with data, outside tracing and dispatch modes."""
+    return (type(x) is torch.Tensor and not x.is_meta and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def plain_eager(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Plain tensors outside tracing, dispatch modes and functorch transforms. (A tensor left
+    over from an exited ``torch.func`` transform is a functorch wrapper, though its type is
+    ``torch.Tensor``.)"""
+    if not _eager(q) or torch._C._are_functorch_transforms_active():
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not (is_wrapped(q) or is_wrapped(k) or is_wrapped(v))
+
+
+def raw_apply(function: type) -> Callable:
+    """``function.apply`` without its Python wrapper, for plain tensors outside functorch transforms.
+
+    ``torch.autograd.Function.apply`` binds default arguments when ``setup_context`` is defined
+    (not here), checks for functorch transforms and unwraps tensors of exited transforms (the
+    caller checks both: :func:`plain_eager`) before calling the C implementation: about a third of
+    the host time of the call. Where torch lacks the C ``apply``, ``function.apply``.
+    """
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    if raw is None or not hasattr(raw, "__get__"):
+        return function.apply
+    return raw.__get__(None, function)
+
+
+def _save(ctx, spec: BackendSpec, q, k, v, offsets, args: tuple, out, lse) -> None:
+    block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen = args
+    ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out, lse)
+    ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen)
+    ctx.spec = spec
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The chosen backend's implementations, for plain tensors. The op arguments after offsets
+    travel as one tuple: ``apply``'s host time grows with the number of arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, spec, args):
+        out, lse = spec.forward(q, k, v, offsets, *args)
+        _save(ctx, spec, q, k, v, offsets, args, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, offsets, positions, cpu_offsets, out, lse = ctx.saved_tensors
+        block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
+        rest = (offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+                cpu_offsets, max_seqlen)
+        if _eager(grad_out):
+            grads = ctx.spec.backward(grad_out, q, k, v, out, lse, *rest)
+        else:
+            grads = library.attention_bwd(grad_out, q, k, v, out, lse, *rest, ctx.spec.name)
+        return (*grads, None, None, None)
+
+
+class _PlannedAttention(_EagerAttention):
+    """:class:`_EagerAttention` with the backward's launch prepared by the forward (single-tile
+    kinds: nothing but q, k, v is saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, spec, args):
+        out, ctx.plan = spec.forward_planned(q, k, v, offsets, *args)
+        _save(ctx, spec, q, k, v, offsets, args, None, None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.plan is not None and type(grad_out) is torch.Tensor:
+            q, k, v = ctx.saved_tensors[:3]
+            grads = ctx.plan.launch(grad_out, q, k, v)
+            if grads is not None:
+                return (*grads, None, None, None)
+        return _EagerAttention.backward(ctx, grad_out)
+
+
+_eager_apply = raw_apply(_EagerAttention)
+_planned_apply = raw_apply(_PlannedAttention)
+
+
+def backend_name(backend) -> str:
+    """The ``backend`` argument as the string the ops take."""
+    return backend.value if isinstance(backend, enum.Enum) else backend
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: AttentionParams, spec: BackendSpec,
+              backend) -> Tensor:
+    """Attention ``[T, H, D]`` for a validated call; ``spec`` is what the dispatcher chose for
+    ``backend`` (the op, when it runs, chooses the same from the tensors)."""
+    args = params.op_args()
+    if not plain_eager(q, k, v):
+        return library.attention_fwd(q, k, v, offsets, *args, backend_name(backend))[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if spec.forward_planned is not None and not library.saves_lse(args[0]):
+            return _planned_apply(q, k, v, offsets, spec, args)
+        return _eager_apply(q, k, v, offsets, spec, args)
+    # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
+    return spec.forward(q, k, v, offsets, *args)[0]

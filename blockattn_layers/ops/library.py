@@ -1,0 +1,153 @@
+"""The registered op pair ``blockattn::attention_fwd`` / ``blockattn::attention_bwd``.
+
+One pair serves every kind of attention: ``block_size`` is the block length, 0 for full
+per-sequence attention. Both ops take the arguments of ``block_attention`` after validation
+(:meth:`~blockattn_layers._params.AttentionParams.op_args`) and the ``backend`` name
+(``"auto"`` or a registered backend). Their implementation asks the dispatcher which backend
+serves the tensors' device and runs it, so the kernel is a run-time choice, never part of a
+traced or exported graph.
+
+The forward returns ``(out, lse)``. Kernels that need more than one tile per block
+(:func:`saves_lse`: blocks over ``SINGLE_TILE_MAX`` tokens and full attention) return the
+logsumexp of each query row's scaled scores, ``lse [H, T]`` float32, which their backward
+reads; every backend returns the same quantity there. Single-tile kinds recompute everything
+from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only q, k, v, offsets
+(and positions / cpu_offsets when given).
+
+The FLOP formulas count in-block work only (``torch.utils.flop_counter``): forward
+``4 * sum(n_b^2) * H * D`` over the attention units ``n_b`` (blocks, or whole sequences),
+halved where causal; backward 2.5 times that.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .._params import AttentionParams
+from ..dispatch import BackendSpec, select_for_call
+
+# Blocks of up to this many tokens are computed in one tile, with no logsumexp to save.
+SINGLE_TILE_MAX = 128
+# The op arguments after q, k, v, offsets that autograd gets no gradient for.
+_NON_TENSOR_INPUTS = 10
+
+
+def saves_lse(block_size: int) -> bool:
+    """Whether the forward of this kind returns (and autograd saves) ``lse`` for its backward."""
+    return block_size == 0 or block_size > SINGLE_TILE_MAX
+
+
+def op_backend(backend: str, q: Tensor, k: Tensor, block_size: int, causal: bool,
+               rope_theta: Optional[float]) -> BackendSpec:
+    """The backend that serves an op call on these tensors (the same choice as the public entry's)."""
+    params = AttentionParams(block_size or None, 1.0, causal, rope_theta, None, 0, False, None, None)
+    return select_for_call(backend, q, k, params)
+
+
+@torch.library.custom_op("blockattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
+    rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[Tensor], max_seqlen: Optional[int], backend: str,
+) -> Tuple[Tensor, Tensor]:
+    """Attention forward: ``(out [T, H, D], lse)``; the backend chosen from the tensors' device."""
+    spec = op_backend(backend, q, k, block_size, causal, rope_theta)
+    out, lse = spec.forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                            rotary_interleaved, cpu_offsets, max_seqlen)
+    return out, (q.new_empty((q.shape[1], 0), dtype=torch.float32) if lse is None else lse)
+
+
+@torch.library.custom_op("blockattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], lse: Optional[Tensor],
+    offsets: Tensor, block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
+    positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
+    max_seqlen: Optional[int], backend: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Attention backward: ``(dq, dk, dv)``. ``out`` and ``lse`` are the forward's where
+    :func:`saves_lse`, else None."""
+    spec = op_backend(backend, q, k, block_size, causal, rope_theta)
+    return spec.backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                         rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen)
+
+
+@attention_fwd.register_fake
+def _fwd_fake(q, k, v, offsets, block_size, *args):
+    lse_rows = q.shape[0] if saves_lse(block_size) else 0
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], lse_rows), dtype=torch.float32)
+
+
+@attention_bwd.register_fake
+def _bwd_fake(grad_out, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+     cpu_offsets, max_seqlen, backend) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    keep = saves_lse(block_size)
+    ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out if keep else None, lse if keep else None)
+    ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, offsets, positions, cpu_offsets, out, lse = ctx.saved_tensors
+    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend = ctx.scalars
+    grads = attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                          rotary_dim, rotary_interleaved, cpu_offsets, max_seqlen, backend)
+    return (*grads, None) + (None,) * _NON_TENSOR_INPUTS
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- FLOP formulas
+def _host_offsets(offsets: Tensor, cpu_offsets: Optional[Tensor]) -> Optional[Tensor]:
+    """Offsets with values to read (the counter may read device values: it is no op), or None
+    under fake tensors, where only shapes exist."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    for candidate in (cpu_offsets, offsets):
+        if candidate is not None and not candidate.is_meta and not is_fake(candidate):
+            return candidate.detach().to("cpu", torch.int64)
+    return None
+
+
+def score_elements(offsets: Tensor, total: int, block_size: int, cpu_offsets: Optional[Tensor] = None) -> int:
+    """``sum(n_b^2)`` over the attention units (blocks of ``block_size``, or whole sequences for 0).
+
+    Without offset values (fake tensors) the bound ``T * min(block, T)`` stands in.
+    """
+    host = _host_offsets(offsets, cpu_offsets)
+    if host is None:
+        return total * (min(block_size, total) if block_size else total)
+    lengths = host[1:] - host[:-1]
+    if not block_size:
+        return int((lengths * lengths).sum())
+    full, rest = lengths // block_size, lengths % block_size
+    return int((full * block_size * block_size + rest * rest).sum())
+
+
+def forward_flops(q_shape, offsets: Tensor, block_size: int, causal: bool,
+                  cpu_offsets: Optional[Tensor] = None) -> int:
+    """FLOPs of the two products ``QK^T`` and ``PV`` of one forward, in-block work only."""
+    total, heads, head_dim = q_shape
+    flops = 4 * score_elements(offsets, total, block_size, cpu_offsets) * heads * head_dim
+    return flops // 2 if causal else flops
+
+
+@register_flop_formula(torch.ops.blockattn.attention_fwd, get_raw=True)
+def _fwd_flops(q, k, v, offsets, block_size, scale, causal, rope_theta=None, positions=None, rotary_dim=0,
+               rotary_interleaved=False, cpu_offsets=None, *rest, out_val=None, **kwargs) -> int:
+    return forward_flops(q.shape, offsets, block_size, causal, cpu_offsets)
+
+
+@register_flop_formula(torch.ops.blockattn.attention_bwd, get_raw=True)
+def _bwd_flops(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta=None, positions=None,
+               rotary_dim=0, rotary_interleaved=False, cpu_offsets=None, *rest, out_val=None, **kwargs) -> int:
+    return forward_flops(q.shape, offsets, block_size, causal, cpu_offsets) * 5 // 2

@@ -1,0 +1,107 @@
+"""The op layer: one registered op pair for every attention kind, the kernel chosen inside it.
+
+Exported graphs hold ``blockattn::attention_fwd`` whatever backend served the export, with the
+backend name as an argument; the op's ``lse`` output has the same meaning on every backend;
+``FlopCounterMode`` counts the in-block FLOP formula for forward and backward.
+"""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import blockattn_layers as bl
+from blockattn_layers.ops import library
+from blockattn_layers.ops.backends.triton_block import interpreter_active
+from tests.oracle import make_jagged, oracle_attention
+
+LENGTHS = [5, 0, 1, 37, 16]
+ATTENTION_OPS = {torch.ops.blockattn.attention_fwd.default, torch.ops.blockattn.attention_bwd.default}
+
+
+def _attention_nodes(program):
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+
+
+def _exported(backend):
+    torch.manual_seed(0)
+    model = bl.BlockSelfAttention(32, 2, block_size=16, backend=backend).eval()
+    values, offsets = torch.randn(sum(LENGTHS), 32), torch.tensor([0, 5, 5, 6, 43, 59])
+    return model, (values, offsets), torch.export.export(model, (values, offsets))
+
+
+def test_export_holds_the_one_op_with_the_backend_as_an_argument():
+    model, inputs, program = _exported("auto")
+    nodes = _attention_nodes(program)
+    assert [n.target for n in nodes] == [torch.ops.blockattn.attention_fwd.default]
+    assert nodes[0].args[-1] == "auto"
+    torch.testing.assert_close(program.module()(*inputs), model(*inputs))
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="the triton backend on CPU needs TRITON_INTERPRET=1")
+def test_export_with_triton_holds_the_same_op():
+    _, _, auto = _exported("auto")
+    model, inputs, triton = _exported("triton")
+    auto_ops, triton_ops = _attention_nodes(auto), _attention_nodes(triton)
+    assert [n.target for n in triton_ops] == [n.target for n in auto_ops]
+    assert triton_ops[0].args[-1] == "triton"
+    torch.testing.assert_close(triton.module()(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_op_runs_the_backend_named_by_its_argument():
+    q, k, v, offsets = make_jagged(LENGTHS, 2, 2, 16, torch.float32, 3)
+    args = (q, k, v, offsets, 16, 0.25, False, None, None, 0, False, None, None)
+    out, lse = torch.ops.blockattn.attention_fwd(*args, "reference")
+    assert lse.shape == (2, 0)
+    torch.testing.assert_close(out, oracle_attention(q, k, v, offsets, 16).float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        torch.ops.blockattn.attention_fwd(*args, "no_such_backend")
+
+
+@pytest.mark.parametrize("block_size", [0, 200])
+def test_reference_lse_is_the_rows_logsumexp(block_size):
+    q, k, v, offsets = make_jagged(LENGTHS, 2, 1, 8, torch.float64, 4)
+    out, lse = torch.ops.blockattn.attention_fwd(q, k, v, offsets, block_size, 0.5, True, None, None, 0, False,
+                                                 None, None, "reference")
+    assert lse.shape == (2, q.shape[0]) and lse.dtype == torch.float32
+    bounds = offsets.tolist()
+    for b in range(len(LENGTHS)):
+        lo, hi = bounds[b], bounds[b + 1]
+        for t in range(lo, hi):
+            keys = k[lo:t + 1, 0]
+            want = torch.logsumexp(q[t] @ keys.T * 0.5, -1)
+            torch.testing.assert_close(lse[:, t].double(), want, rtol=1e-6, atol=1e-6)
+
+
+def _pairs(lengths, block):
+    total = 0
+    for n in lengths:
+        if block:
+            total += (n // block) * block * block + (n % block) ** 2
+        else:
+            total += n * n
+    return total
+
+
+@pytest.mark.parametrize("block_size,causal", [(16, False), (16, True), (None, False), (None, True), (200, True)])
+def test_flop_counter_counts_in_block_work(block_size, causal):
+    heads, head_dim = 2, 8
+    q, k, v, offsets = make_jagged(LENGTHS, heads, 1, head_dim, torch.float32, 5, requires_grad=True)
+    want = 4 * _pairs(LENGTHS, block_size) * heads * head_dim
+    want = want // 2 if causal else want
+    with FlopCounterMode(display=False) as counter:
+        out = bl.block_attention(q, k, v, offsets, block_size, causal=causal)
+    forward = counter.get_flop_counts()["Global"]
+    assert forward == {torch.ops.blockattn.attention_fwd: want}
+    with FlopCounterMode(display=False) as counter:
+        out.backward(torch.ones_like(out))
+    assert counter.get_flop_counts()["Global"] == {torch.ops.blockattn.attention_bwd: want * 5 // 2}
+    assert q.grad is not None and k.grad is not None
+
+
+def test_flop_count_under_fake_tensors_is_the_bound():
+    assert library.score_elements(torch.empty(4, device="meta", dtype=torch.int64), 100, 16) == 100 * 16
+    assert library.score_elements(torch.tensor([0, 3, 10]), 10, 0) == 9 + 49
+
+
+def test_single_tile_kinds_save_no_lse():
+    assert not library.saves_lse(library.SINGLE_TILE_MAX)
+    assert library.saves_lse(library.SINGLE_TILE_MAX + 1) and library.saves_lse(0)
