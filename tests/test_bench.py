@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from blockattn_layers.bench import cli, report, runner, shapes
+from blockattn_layers.bench import cli, env, report, runner, shapes
 from blockattn_layers.bench.common import Case, Method, Prepared, RunConfig, make_inputs
 from blockattn_layers.bench.ours import our_methods
 
@@ -17,12 +17,23 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CPU = RunConfig(device=torch.device("cpu"), dtype=torch.float32)
 
 
-def test_tiny_run_on_cpu(tmp_path):
+def test_tiny_run_on_cpu(tmp_path, monkeypatch):
     # conftest turns on the Triton interpreter; timing interpreted kernels would make this test slow.
     backends = "reference,baselines,ours_layer"
     argv = ["--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--quick", "--backends", backends]
+    monkeypatch.setattr(env, "CPU_COPY_BYTES", 8 << 20)  # the floor's copy, kept short here
     assert cli.main(argv + ["--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    meta = results["meta"]
+    assert meta["gpu"] == "none" and meta["device_name"].startswith(env.cpu_name())
+    assert "1 thread of" in meta["device_name"] and meta["threads"] == 1
+    assert meta["bandwidth_source"] == "measured (8 MiB host copy, 1 thread, median of 5)"
+    bandwidth = meta["bandwidth_bytes_per_s"]
+    assert 1e8 < bandwidth < 1e13  # a host copy, not the H200's 4.27e12 by default
+    block = results["cases"]["tiny/block"]
+    assert block["fwd_floor_ms"] == pytest.approx(1e3 * 4 * block["T"] * block["H"] * block["D"] * 4 / bandwidth)
+    table = (tmp_path / "table.txt").read_text()
+    assert f"| {meta['device_name']} |" in table and "memory floor at " in table and "host copy" in table
     rows = {(r["case"], r["method"]): r for r in results["rows"]}
     assert set(results["cases"]) == {"tiny/block", "tiny/full", "tiny/rotary", "tiny/layer"}
     for case in ("tiny/block", "tiny/full", "tiny/rotary"):
@@ -39,7 +50,9 @@ def test_tiny_run_on_cpu(tmp_path):
     assert results["meta"]["commit"] and results["meta"]["torch"] == torch.__version__
 
     with open(tmp_path / "results.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(results["rows"])
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(results["rows"])
+    assert csv_rows[0]["device_name"] == meta["device_name"] and "host copy" in csv_rows[0]["bandwidth_source"]
     md = report.markdown(results)
     assert "### tiny/block" in md and "| reference |" in md
 
@@ -128,9 +141,53 @@ def test_host_bound_cases_are_timed_in_interleaved_rounds(monkeypatch):
 
 
 def test_commit_stamp_takes_blockattn_commit_first(monkeypatch):
-    from blockattn_layers.bench import env
-
     monkeypatch.setenv("BLOCKATTN_COMMIT", "abc123")
     assert env.git_commit() == ("abc123", "BLOCKATTN_COMMIT")
     monkeypatch.delenv("BLOCKATTN_COMMIT")
     assert env.git_commit()[1] in ("git", "none")
+
+
+def test_cpu_copy_bandwidth_is_measured():
+    bandwidth = env.measure_bandwidth(torch.device("cpu"), nbytes=4 << 20)
+    assert 1e8 < bandwidth < 1e13
+    assert env.cpu_name() and env.cpu_name() != "none"
+
+
+def test_floor_bandwidth_choice(monkeypatch):
+    """``--bandwidth`` wins; an H200 takes its measured 4.27 TB/s unless asked to measure; the CPU
+    and any other GPU are measured once."""
+    measured = []
+
+    def fake_measure(device, nbytes=None):
+        measured.append((device.type, nbytes))
+        return 1.5e12 if device.type == "cuda" else 3e10
+
+    monkeypatch.setattr(env, "measure_bandwidth", fake_measure)
+    cuda = torch.device("cuda", 0)
+    assert env.floor_bandwidth(cuda, requested=2e12) == (2e12, "--bandwidth")
+    assert env.floor_bandwidth(torch.device("cpu"), requested=1e9) == (1e9, "--bandwidth")
+    assert not measured
+
+    bandwidth, source = env.floor_bandwidth(torch.device("cpu"))
+    assert bandwidth == 3e10 and source.startswith("measured (256 MiB host copy")
+    assert measured == [("cpu", 256 << 20)]
+
+    monkeypatch.setattr(env, "copy_bytes", lambda device: 4 << 30 if device.type == "cuda" else 256 << 20)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert env.floor_bandwidth(cuda) == (4.27e12, "H200 device copy (PERFORMANCE.md)")
+    assert len(measured) == 1
+    assert env.floor_bandwidth(cuda, measure=True) == (1.5e12, "measured (4 GiB device copy, do_bench median)")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert env.floor_bandwidth(cuda) == (1.5e12, "measured (4 GiB device copy, do_bench median)")
+    assert measured[1:] == [("cuda", 4 << 30)] * 2
+
+
+def test_report_names_the_device_and_the_floor():
+    meta = dict(gpu="NVIDIA H200", bandwidth_bytes_per_s=4.27e12)  # a stamp from before device_name
+    assert "| NVIDIA H200 |" in report.format_table([], {}, meta)
+    assert "on NVIDIA H200," in report.markdown(dict(meta=meta, cases={}, rows=[]))
+    meta.update(device_name="AMD EPYC, 2 threads of 2 CPUs", gpu="none", bandwidth_bytes_per_s=4.1e10,
+                bandwidth_source="measured (256 MiB host copy, 2 threads, median of 5)")
+    table = report.format_table([], {}, meta)
+    assert "| AMD EPYC, 2 threads of 2 CPUs |" in table
+    assert "memory floor at 41.0 GB/s, measured (256 MiB host copy" in table

@@ -9,7 +9,7 @@ import torch
 
 from .baselines import BASELINES
 from .common import Method, RunConfig
-from .env import measure_bandwidth, metadata
+from .env import bandwidth_text, device_name, floor_bandwidth, metadata
 from .layer import LAYER_METHODS
 from .ours import our_methods
 from .report import format_table, plot, write_results
@@ -18,7 +18,6 @@ from .shapes import SHAPES, build_cases, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GROUPS = {"ours": "ours", "baselines": "baseline"}
-H200_COPY_BANDWIDTH = 4.27e12  # bytes/s, read + write (PERFORMANCE.md)
 
 
 def all_methods() -> List[Method]:
@@ -65,10 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rep", type=int, default=None, help="do_bench repetition time, ms (default 150; quick 50)")
     p.add_argument("--out", default="bench_out", help="directory for results.csv/json, table.txt, results.png")
     p.add_argument("--plot", action="store_true", help="also write results.png (needs matplotlib)")
-    p.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH,
-                   help="bytes/s (read + write) for the memory floor (default: H200 copy, 4.27e12)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="bytes/s (read + write) for the memory floor (default: 4.27e12, the H200's copy, on an "
+                        "H200; else measured on the device: a 4 GiB device copy on other GPUs, a 256 MiB host "
+                        "copy on the CPU)")
     p.add_argument("--measure-bandwidth", action="store_true",
-                   help="measure the floor's bandwidth with a 4 GiB device copy first")
+                   help="measure the floor's bandwidth on an H200 too, instead of taking 4.27e12")
     p.add_argument("--with-reference", action="store_true", help="time the reference backend at large sizes too")
     p.add_argument("--host-offsets", action="store_true", help="pass cpu_offsets and max_seqlen to our backends")
     p.add_argument("--seed", type=int, default=0)
@@ -105,10 +106,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         warmup_ms=args.warmup or (10 if args.quick else 25), rep_ms=args.rep or (50 if args.quick else 150),
         cpu_reps=1 if args.quick else 5,
     )
-    bandwidth, source = args.bandwidth, "--bandwidth"
-    if args.measure_bandwidth and device.type == "cuda":
-        bandwidth, source = measure_bandwidth(device), "measured (4 GiB device copy)"
-        print(f"measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    bandwidth, source = floor_bandwidth(device, args.bandwidth, args.measure_bandwidth)
+    print(f"device {device_name(device)} | memory floor at {bandwidth_text(bandwidth)}: {source}", flush=True)
     if device.type != "cuda":
         print("no CUDA device: GPU-only baselines are skipped; timings are host-clock medians", flush=True)
     cfg = RunConfig(device=device, dtype=dtype, with_reference=args.with_reference, host_offsets=args.host_offsets)

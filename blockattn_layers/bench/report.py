@@ -11,9 +11,12 @@ import json
 import os
 from typing import Dict, Iterable, List, Optional
 
+from .env import bandwidth_text
+
 MODES = ("fwd", "bwd", "fwd+bwd")
 _SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "f+b"}
-_META_IN_CSV = ("date", "commit", "gpu", "torch", "triton", "python", "cuda", "dtype", "bandwidth_bytes_per_s")
+_META_IN_CSV = ("date", "commit", "gpu", "torch", "triton", "python", "cuda", "dtype", "bandwidth_bytes_per_s",
+                "bandwidth_source", "device_name")
 _ROW_FIELDS = ("case", "shape", "method", "kind", "status", "err", "tol")
 _CASE_FIELDS = ("B", "T", "max_len", "H", "D", "block", "rope_theta")
 _PER_MODE = ("ms", "floor_ms", "x_floor", "speedup", "tflops", "peak_mib", "error", "rounds")
@@ -49,14 +52,29 @@ def _status(row: Dict[str, object], width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def _device(meta: Dict[str, object]) -> object:
+    """The device's name (stamps written before ``device_name`` existed name the GPU only)."""
+    return meta.get("device_name") or meta.get("gpu")
+
+
+def _floor_source(meta: Dict[str, object]) -> str:
+    """``floor at <bandwidth>, <where it came from>``."""
+    bandwidth = meta.get("bandwidth_bytes_per_s")
+    if not bandwidth:
+        return "floor: no bandwidth in the stamp"
+    source = meta.get("bandwidth_source")
+    return f"floor at {bandwidth_text(float(bandwidth))}" + (f", {source}" if source else "")
+
+
 def format_table(rows: List[Dict[str, object]], summaries: Dict[str, Dict[str, object]],
                  meta: Dict[str, object]) -> str:
     """The compact table printed at the end of a run (one block per case)."""
     lines = [
-        f"blockattn bench | {meta.get('gpu')} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
+        f"blockattn bench | {_device(meta)} | torch {meta.get('torch')} | triton {meta.get('triton')} | "
         f"{meta.get('dtype')} | commit {str(meta.get('commit'))[:12]} | {meta.get('date')}",
         "ms: median; x: time / memory floor; spd: best checked baseline / this; MiB: fwd+bwd peak; "
         "err: max rel error vs reference",
+        f"memory {_floor_source(meta)}",
     ]
     head = f"  {'method':<15}" + "".join(f"{_SHORT[m] + ' ms':>9}{'x':>6}{'spd':>6}" for m in MODES)
     head += f"{'MiB':>8} {'err':>8}  status"
@@ -141,7 +159,7 @@ def plot(out_dir: str, rows: List[Dict[str, object]], summaries: Dict[str, Dict[
         ax.set_title(f"{name}: {summaries[name]['describe']}", fontsize=9)
         ax.legend(fontsize=7)
     commit = str(meta.get("commit"))[:12]
-    fig.suptitle(f"{meta.get('gpu')} | torch {meta.get('torch')} | {meta.get('dtype')} | {commit}")
+    fig.suptitle(f"{_device(meta)} | torch {meta.get('torch')} | {meta.get('dtype')} | {commit}")
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     path = os.path.join(out_dir, "results.png")
     fig.savefig(path, dpi=110)
@@ -161,10 +179,10 @@ def markdown(results: Dict[str, object]) -> str:
     """Markdown tables (one per case) for BENCHMARKS.md from a ``results.json`` document."""
     meta, summaries, rows = results["meta"], results["cases"], results["rows"]
     out: List[str] = [
-        f"Measured {meta.get('date')} on {meta.get('gpu')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
-        f"Python {meta.get('python')}, {meta.get('dtype')}, commit `{meta.get('commit')}`. Median ms "
-        f"(time / memory floor at {float(meta.get('bandwidth_bytes_per_s', 0)) / 1e12:.2f} TB/s); speedup vs the best "
-        "checked baseline per mode; peak = extra memory of one fwd+bwd.",
+        f"Measured {meta.get('date')} on {_device(meta)}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
+        f"Python {meta.get('python')}, {meta.get('dtype')}, commit `{meta.get('commit')}`. Median ms; "
+        f"x = time / memory {_floor_source(meta)}; speedup vs the best checked baseline per mode; "
+        "peak = extra memory of one fwd+bwd.",
     ]
     for name, s in summaries.items():
         floors = ", ".join(f"{m} {s[f'{m}_floor_ms']:.3g} ms" for m in MODES if s.get(f"{m}_floor_ms"))
