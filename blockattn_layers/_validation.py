@@ -17,6 +17,10 @@ from ._params import AttentionParams
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# Scalars are range-checked with comparisons only, never math.isfinite(float(x)): under
+# torch.compile(dynamic=True) Dynamo traces a module's float attributes (a layer's rope_theta,
+# a scale) as symbolic floats, where a comparison is a guard but math.isfinite is untraceable.
+_INF = float("inf")
 
 
 def _is_int(x) -> bool:
@@ -109,7 +113,7 @@ def validate_attention_args(
 
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    elif not _is_real(scale) or not math.isfinite(float(scale)):
+    elif not _is_real(scale) or not -_INF < scale < _INF:
         raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -123,7 +127,7 @@ def validate_attention_args(
             raise ValueError("rotary_dim is only used with rotary embeddings: pass rope_theta too")
         rotary_dim = 0
     else:
-        if not _is_real(rope_theta) or not math.isfinite(float(rope_theta)) or rope_theta <= 0:
+        if not _is_real(rope_theta) or not 0 < rope_theta < _INF:
             raise ValueError(f"rope_theta must be a positive finite number or None, got {rope_theta!r}")
         rope_theta = float(rope_theta)
         if rotary_dim is None:
