@@ -1,19 +1,24 @@
-"""Argument checks for the public functions.
+"""Argument checks shared by ``block_attention``, the modules' constructors and the configs,
+and the checks of what a module's ``forward`` is given.
 
-Every check names the argument it rejects. Checks of tensor *values* (offsets that
-start at 0, never decrease and end at T) need the values on the host: they always
-run for CPU tensors, and for device tensors only when the caller passes
-``validate=True`` (that costs one device-to-host copy).
+Every check names the argument it rejects, in the caller's terms: a wrong type raises
+``TypeError``, a wrong value ``ValueError``. Checks of tensor *values* (offsets that start at
+0, never decrease and end at T) need the values on the host: they always run for CPU
+tensors, and for device tensors only when the caller passes ``validate=True`` (that costs one
+device-to-host copy). The other checks read only types, shapes, dtypes and devices, so they
+cost no device sync and trace under ``torch.compile(fullgraph=True)``.
 """
 from __future__ import annotations
 
+import enum
 import math
 import numbers
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from ._params import AttentionParams
+from .dispatch import registered_backends
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -21,16 +26,153 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # torch.compile(dynamic=True) Dynamo traces a module's float attributes (a layer's rope_theta,
 # a scale) as symbolic floats, where a comparison is a guard but math.isfinite is untraceable.
 _INF = float("inf")
+ACTIVATIONS = ("relu", "gelu")
 
 
-def _is_int(x) -> bool:
+# ----------------------------------------------------------------------------- scalar arguments
+def is_int(x) -> bool:
+    """An integer that is not a bool (numpy integers count)."""
     return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
+    """A real number that is not a bool (ints and numpy floats count)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_int(name: str, value: Any, low: int = 1, *, optional: bool = False) -> Optional[int]:
+    """``value`` as an int, if it is one (not a bool) and ``>= low``; ``None`` passes if ``optional``."""
+    if value is None and optional:
+        return None
+    alternative = " or None" if optional else ""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int >= {low}{alternative}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}{alternative}, got {value}")
+    return int(value)
+
+
+def check_real(
+    name: str, value: Any, expected: str, low: float = -_INF, high: float = _INF, *,
+    low_open: bool = False, optional: bool = False,
+) -> Optional[float]:
+    """``value`` as a float, if it is a finite real number in ``[low, high]`` (``(low, high]`` if
+    ``low_open``); ``None`` passes if ``optional``. ``expected`` completes "``name`` must be ..."."""
+    if value is None and optional:
+        return None
+    if not is_real(value):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    above_low = low < value if low_open else low <= value
+    if not (above_low and value <= high and -_INF < value < _INF):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def check_block_size(block_size: Any) -> Optional[int]:
+    """Tokens per attention block: an int >= 1, or ``None`` for whole sequences."""
+    return check_int("block_size", block_size, optional=True)
+
+
+def check_rope_theta(rope_theta: Any, *, optional: bool = True) -> Optional[float]:
+    """The rotary base: a positive finite number (or ``None`` for no rotary, if ``optional``)."""
+    expected = "a positive finite number or None" if optional else "a positive finite number"
+    return check_real("rope_theta", rope_theta, expected, 0.0, low_open=True, optional=optional)
+
+
+def check_rotary_dim(rotary_dim: Any, head_dim: int) -> int:
+    """Rotated channels per head: even, in ``[2, head_dim]``."""
+    if not is_int(rotary_dim):
+        raise TypeError(f"rotary_dim must be an int, got {rotary_dim!r}")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+    return int(rotary_dim)
+
+
+def check_backend(backend: Any) -> Any:
+    """A backend name the dispatcher knows (``"auto"`` or a registered backend), or its Enum."""
+    name = backend.value if isinstance(backend, enum.Enum) else backend
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string or Backend enum, got {backend!r}")
+    known = ["auto"] + [spec.name for spec in registered_backends()]
+    if name not in known:
+        raise ValueError(f"backend must be one of {', '.join(known)}; got {name!r}")
+    return backend
+
+
+def check_activation(activation: Any, *, allow_callable: bool = True) -> Any:
+    """One of :data:`ACTIVATIONS` by name, or (if ``allow_callable``) a callable."""
+    alternative = " or a callable" if allow_callable else ""
+    if isinstance(activation, str):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}{alternative}, got {activation!r}")
+    elif not (allow_callable and callable(activation)):
+        raise TypeError(f"activation must be one of {list(ACTIVATIONS)}{alternative}, got {activation!r}")
+    return activation
+
+
+def check_heads(
+    embed_dim: Any, num_heads: Any, num_kv_heads: Any, names: Tuple[str, str, str] = ("embed_dim", "num_heads", "num_kv_heads"),
+) -> int:
+    """Model width and head counts (``names`` as the caller calls them); returns ``num_kv_heads``
+    with its default, ``num_heads``."""
+    width, heads, kv_heads = names
+    check_int(width, embed_dim)
+    check_int(heads, num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else check_int(kv_heads, num_kv_heads)
+    if embed_dim % num_heads:
+        raise ValueError(f"{width} ({embed_dim}) must be a multiple of {heads} ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{heads} ({num_heads}) must be a multiple of {kv_heads} ({num_kv_heads})")
+    return int(num_kv_heads)
+
+
+def check_attention_args(
+    embed_dim: Any, num_heads: Any, block_size: Any, num_kv_heads: Any, bias: Any, causal: Any, backend: Any,
+    names: Tuple[str, str, str] = ("embed_dim", "num_heads", "num_kv_heads"),
+) -> Tuple[Optional[int], int]:
+    """The arguments of an attention layer; returns ``(block_size, num_kv_heads)`` normalized."""
+    num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads, names)
+    block_size = check_block_size(block_size)
+    check_bool("bias", bias)
+    check_bool("causal", causal)
+    check_backend(backend)
+    return block_size, num_kv_heads
+
+
+def check_rotary_args(
+    rope_theta: Any, rotary_dim: Any, rotary_interleaved: Any, head_dim: int,
+) -> Tuple[float, Optional[int]]:
+    """The rotary arguments of a layer; returns ``(rope_theta, rotary_dim)`` normalized
+    (``rotary_dim`` ``None``: the whole head)."""
+    rope_theta = check_rope_theta(rope_theta, optional=False)
+    rotary_dim = None if rotary_dim is None else check_rotary_dim(rotary_dim, head_dim)
+    check_bool("rotary_interleaved", rotary_interleaved)
+    return rope_theta, rotary_dim
+
+
+def check_encoder_layer_args(
+    d_model: Any, nhead: Any, dim_feedforward: Any, dropout: Any, activation: Any, *, block_size: Any,
+    norm_first: Any, rope_theta: Any, num_kv_heads: Any, causal: Any, layer_norm_eps: Any, bias: Any,
+    backend: Any, allow_callable: bool = True,
+) -> None:
+    """The arguments of an encoder layer (``JaggedTransformerEncoderLayer``, ``EncoderLayerConfig``)."""
+    check_attention_args(d_model, nhead, block_size, num_kv_heads, bias, causal, backend,
+                         names=("d_model", "nhead", "num_kv_heads"))
+    check_int("dim_feedforward", dim_feedforward)
+    check_real("dropout", dropout, "a number in [0, 1]", 0.0, 1.0)
+    check_activation(activation, allow_callable=allow_callable)
+    check_bool("norm_first", norm_first)
+    check_rope_theta(rope_theta)
+    check_real("layer_norm_eps", layer_norm_eps, "a finite number >= 0", 0.0)
+
+
+# ----------------------------------------------------------------------------- block_attention
 def _check_tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -104,21 +246,10 @@ def validate_attention_args(
     if offsets.dtype == torch.int32 and T >= 2**31:
         raise ValueError(f"offsets must be int64 when T ({T}) >= 2**31")
 
-    if block_size is not None:
-        if not _is_int(block_size):
-            raise TypeError(f"block_size must be an int >= 1 or None, got {block_size!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1 or None, got {block_size}")
-        block_size = int(block_size)
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif not _is_real(scale) or not -_INF < scale < _INF:
-        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if not isinstance(rotary_interleaved, bool):
-        raise TypeError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+    block_size = check_block_size(block_size)
+    scale = 1.0 / math.sqrt(D) if scale is None else check_real("scale", scale, "a finite real number or None")
+    check_bool("causal", causal)
+    check_bool("rotary_interleaved", rotary_interleaved)
 
     if rope_theta is None:
         if positions is not None:
@@ -127,16 +258,8 @@ def validate_attention_args(
             raise ValueError("rotary_dim is only used with rotary embeddings: pass rope_theta too")
         rotary_dim = 0
     else:
-        if not _is_real(rope_theta) or not 0 < rope_theta < _INF:
-            raise ValueError(f"rope_theta must be a positive finite number or None, got {rope_theta!r}")
-        rope_theta = float(rope_theta)
-        if rotary_dim is None:
-            rotary_dim = D
-        if not _is_int(rotary_dim):
-            raise TypeError(f"rotary_dim must be an int, got {rotary_dim!r}")
-        if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={D}], got {rotary_dim}")
-        rotary_dim = int(rotary_dim)
+        rope_theta = check_rope_theta(rope_theta)
+        rotary_dim = D if rotary_dim is None else check_rotary_dim(rotary_dim, D)
         if positions is not None:
             positions = _check_tensor("positions", positions)
             if positions.shape != (T,):
@@ -156,8 +279,7 @@ def validate_attention_args(
             raise ValueError(
                 f"cpu_offsets must have the shape of offsets {tuple(offsets.shape)}, got {tuple(cpu_offsets.shape)}"
             )
-    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
-        raise ValueError(f"max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
+    max_seqlen = check_int("max_seqlen", max_seqlen, 0, optional=True)
 
     if validate is not None and not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool or None, got {validate!r}")
@@ -167,14 +289,19 @@ def validate_attention_args(
         host = check_offsets_values("offsets", offsets, T)
     if not compiling and cpu_offsets is not None and validate is not False:
         host_cpu = check_offsets_values("cpu_offsets", cpu_offsets, T)
-        if validate and not torch.equal(host_cpu, offsets.detach().cpu().to(torch.int64)):
-            raise ValueError("cpu_offsets must hold the same values as offsets")
+        # ``host`` holds offsets' values wherever reading them cost no sync (CPU) or was asked for.
+        if host is not None and not torch.equal(host_cpu, host):
+            i = int(torch.nonzero(host_cpu != host)[0, 0])
+            raise ValueError(
+                f"cpu_offsets must hold the same values as offsets, but cpu_offsets[{i}] = {int(host_cpu[i])} "
+                f"and offsets[{i}] = {int(host[i])}"
+            )
         host = host_cpu if host is None else host
     if max_seqlen is not None and host is not None:
         _check_max_seqlen(max_seqlen, host)
 
     return AttentionParams(
-        block_size=block_size, scale=float(scale), causal=causal, rope_theta=rope_theta,
-        positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
-        cpu_offsets=cpu_offsets, max_seqlen=None if max_seqlen is None else int(max_seqlen),
+        block_size=block_size, scale=scale, causal=causal, rope_theta=rope_theta, positions=positions,
+        rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved, cpu_offsets=cpu_offsets,
+        max_seqlen=max_seqlen,
     )

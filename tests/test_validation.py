@@ -147,8 +147,8 @@ SCALAR_CASES = {
     "block_size_bool": (TypeError, r"^block_size must be an int", dict(block_size=True)),
     "block_size_str": (TypeError, r"^block_size must be an int", dict(block_size="16")),
     "block_size_tensor": (TypeError, r"^block_size must be an int", dict(block_size=torch.tensor(16))),
-    "scale_nan": (TypeError, r"^scale must be a finite real number or None, got nan", dict(scale=float("nan"))),
-    "scale_inf": (TypeError, r"^scale must be a finite real", dict(scale=float("inf"))),
+    "scale_nan": (ValueError, r"^scale must be a finite real number or None, got nan", dict(scale=float("nan"))),
+    "scale_inf": (ValueError, r"^scale must be a finite real", dict(scale=float("inf"))),
     "scale_str": (TypeError, r"^scale must be a finite real", dict(scale="0.5")),
     "scale_bool": (TypeError, r"^scale must be a finite real", dict(scale=True)),
     "scale_complex": (TypeError, r"^scale must be a finite real", dict(scale=1j)),
@@ -161,8 +161,8 @@ SCALAR_CASES = {
     "rope_theta_neg": (ValueError, r"^rope_theta must be a positive", dict(rope_theta=-10000.0)),
     "rope_theta_nan": (ValueError, r"^rope_theta must be a positive", dict(rope_theta=float("nan"))),
     "rope_theta_inf": (ValueError, r"^rope_theta must be a positive", dict(rope_theta=float("inf"))),
-    "rope_theta_str": (ValueError, r"^rope_theta must be a positive", dict(rope_theta="10000")),
-    "rope_theta_bool": (ValueError, r"^rope_theta must be a positive", dict(rope_theta=True)),
+    "rope_theta_str": (TypeError, r"^rope_theta must be a positive", dict(rope_theta="10000")),
+    "rope_theta_bool": (TypeError, r"^rope_theta must be a positive", dict(rope_theta=True)),
     "rotary_dim_odd": (ValueError, r"^rotary_dim must be even and in \[2, head_dim=8\], got 3",
                        dict(rope_theta=1e4, rotary_dim=3)),
     "rotary_dim_too_big": (ValueError, r"^rotary_dim must be even and in \[2, head_dim=8\], got 10",
@@ -200,10 +200,10 @@ SCALAR_CASES = {
     "cpu_offsets_first": (ValueError, r"^cpu_offsets\[0\] must be 0", dict(cpu_offsets=torch.tensor([2, 5, 5, 12]))),
     "cpu_offsets_mismatch_validate": (ValueError, r"^cpu_offsets must hold the same values as offsets",
                                       dict(cpu_offsets=torch.tensor([0, 6, 6, 12]), validate=True)),
-    "max_seqlen_neg": (ValueError, r"^max_seqlen must be an int >= 0 or None, got -1", dict(max_seqlen=-1)),
-    "max_seqlen_float": (ValueError, r"^max_seqlen must be an int", dict(max_seqlen=7.0)),
-    "max_seqlen_str": (ValueError, r"^max_seqlen must be an int", dict(max_seqlen="7")),
-    "max_seqlen_bool": (ValueError, r"^max_seqlen must be an int", dict(max_seqlen=True)),
+    "max_seqlen_neg": (ValueError, r"^max_seqlen must be >= 0 or None, got -1", dict(max_seqlen=-1)),
+    "max_seqlen_float": (TypeError, r"^max_seqlen must be an int", dict(max_seqlen=7.0)),
+    "max_seqlen_str": (TypeError, r"^max_seqlen must be an int", dict(max_seqlen="7")),
+    "max_seqlen_bool": (TypeError, r"^max_seqlen must be an int", dict(max_seqlen=True)),
     "max_seqlen_short": (ValueError, r"^max_seqlen \(6\) is below the longest sequence \(7\)", dict(max_seqlen=6)),
     "max_seqlen_short_cpu_offsets": (ValueError, r"^max_seqlen \(6\) is below the longest sequence \(7\)",
                                      dict(max_seqlen=6, cpu_offsets=_o.int())),
@@ -235,6 +235,21 @@ def test_bad_scalars(case):
 ])
 def test_accepted_edge_values(over):
     assert call(**over).shape == (T, H, D)
+
+
+@pytest.mark.parametrize("validate", [None, True])
+def test_cpu_offsets_that_disagree_with_cpu_offsets_raise(validate):
+    """Both on the CPU, comparing them costs no sync: a wrong host copy is never used silently."""
+    expect(ValueError, r"^cpu_offsets must hold the same values as offsets, but cpu_offsets\[1\] = 6 and "
+           r"offsets\[1\] = 5", cpu_offsets=torch.tensor([0, 6, 6, 12]), validate=validate)
+    assert call(cpu_offsets=_o.int(), validate=validate).shape == (T, H, D)
+
+
+def test_cpu_offsets_of_device_offsets_not_compared_by_default():
+    """Comparing with offsets on a device would cost a sync: only validate=True does it."""
+    q, k = torch.empty(T, H, D, device=META), torch.empty(T, H_KV, D, device=META)
+    offsets = torch.empty(4, dtype=torch.int64, device=META)
+    assert block_attention(q, k, k, offsets, 4, cpu_offsets=_o).shape == (T, H, D)
 
 
 def test_cpu_offsets_value_checks_can_be_skipped():
