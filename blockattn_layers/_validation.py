@@ -26,7 +26,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # torch.compile(dynamic=True) Dynamo traces a module's float attributes (a layer's rope_theta,
 # a scale) as symbolic floats, where a comparison is a guard but math.isfinite is untraceable.
 _INF = float("inf")
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu")  # functions of torch.nn.functional, by name
 
 
 # ----------------------------------------------------------------------------- scalar arguments
@@ -305,3 +305,67 @@ def validate_attention_args(
         rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved, cpu_offsets=cpu_offsets,
         max_seqlen=max_seqlen,
     )
+
+
+# ----------------------------------------------------------------------------- a module's input
+_SOURCES = {
+    "jagged_tensor": "the JaggedTensor's values", "keyed_jagged_tensor": "the KeyedJaggedTensor's values",
+    "dict": "the JaggedTensors' values",
+}
+
+
+def check_module_input(
+    values: torch.Tensor, offsets: Any, kind: str, width: Optional[int] = None,
+    weight_dtype: Optional[torch.dtype] = None, width_name: str = "embed_dim",
+) -> None:
+    """Check what a module's ``forward`` got, as ``to_values_offsets`` flattened it (``kind`` is
+    the layout's): floating ``values [T, width]`` of ``weight_dtype`` (unless autocast is on), and
+    for packed tensors ``offsets`` a 1-D int32/int64 tensor on their device. ``width`` /
+    ``weight_dtype`` ``None`` skip those checks. Reads only dtypes, shapes and devices.
+    """
+    # Written for host time: every layer's forward runs this.
+    dtype, shape = values.dtype, values.shape
+    if not dtype.is_floating_point:
+        what = _SOURCES.get(kind, "values")
+        if dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{what} must be floating point, got {dtype}")
+        raise TypeError(
+            f"{what} are {dtype}: integer ids must be embedded first, e.g. by a torchrec EmbeddingCollection "
+            "(blockattn_layers.JaggedSequenceEncoder(embedding_collection, encoder) embeds a KeyedJaggedTensor "
+            "of ids and encodes the embeddings)"
+        )
+    expected = "[T, E]" if width is None else f"[T, {width_name}={width}]"
+    if len(shape) == 3:
+        raise ValueError(
+            f"{_SOURCES.get(kind, 'values')} must be packed {expected} with offsets [B+1], got a padded "
+            f"[B, N, E] tensor of shape {tuple(shape)}: convert it with "
+            "blockattn_layers.padded_to_jagged(x, lengths) (or key_padding_mask=...)"
+        )
+    if len(shape) != 2 or (width is not None and shape[1] != width):
+        raise ValueError(f"{_SOURCES.get(kind, 'values')} must have shape {expected}, got {tuple(shape)}")
+    if weight_dtype is not None and dtype != weight_dtype and not _autocast_enabled(values.device.type):
+        raise TypeError(
+            f"{_SOURCES.get(kind, 'values')} are {dtype} but the module's parameters are {weight_dtype}: "
+            "cast one to the other "
+            f"(values.to({weight_dtype}) or module.to({dtype})), or run under torch.autocast"
+        )
+    if kind == "tensor":
+        if not isinstance(offsets, torch.Tensor):
+            raise TypeError(f"offsets must be a torch.Tensor [B+1] of int32 or int64, got {type(offsets).__name__}")
+        if offsets.dim() != 1 or offsets.numel() < 1:
+            raise ValueError(f"offsets must be a 1-D tensor [B+1], got shape {tuple(offsets.shape)}")
+        if offsets.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+        if offsets.device != values.device:
+            raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
+
+
+# Device types with autocast (``torch.amp.is_autocast_available`` does not trace in torch 2.11).
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone"})
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    # (``_is_any_autocast_enabled`` first: torch.compile constant-folds it, and it is cheap.)
+    if not torch._C._is_any_autocast_enabled() or device_type not in _AUTOCAST_DEVICES:
+        return False
+    return torch.is_autocast_enabled(device_type)

@@ -9,37 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Union
 
 from torch import nn
 
+from ._validation import check_bool, check_encoder_layer_args, check_int
 from .modules import JaggedTransformerEncoder, JaggedTransformerEncoderLayer
 
 PRESETS_PACKAGE = "blockattn_layers.presets"
-_ACTIVATIONS = ("relu", "gelu")
 _FLOAT_FIELDS = ("dropout", "rope_theta", "layer_norm_eps")
-
-
-def _positive_int(name: str, value: Any, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
-
-
-def _real(name: str, value: Any, low: float, high: float, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not low <= value < high:
-        raise ValueError(f"{name} must be a number in [{low}, {high}), got {value!r}")
-
-
-def _flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _fields_from(cls: type, data: Mapping[str, Any], where: str) -> dict:
@@ -48,7 +28,17 @@ def _fields_from(cls: type, data: Mapping[str, Any], where: str) -> dict:
     if unknown:
         raise ValueError(f"unknown {where} settings {unknown}; expected some of {sorted(names)}")
     # YAML 1.1 reads 1e-5 (no dot) as a string: accept it for float fields.
-    return {k: float(v) if k in _FLOAT_FIELDS and isinstance(v, str) else v for k, v in data.items()}
+    return {k: _yaml_float(v) if k in _FLOAT_FIELDS else v for k, v in data.items()}
+
+
+def _yaml_float(value: Any) -> Any:
+    """``value`` as a float if it is a string that spells one; anything else is left to the checks."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 @dataclass(frozen=True)
@@ -70,23 +60,12 @@ class EncoderLayerConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "nhead", "dim_feedforward"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("block_size", self.block_size, optional=True)
-        _positive_int("num_kv_heads", self.num_kv_heads, optional=True)
-        if self.d_model % self.nhead:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of nhead ({self.nhead})")
-        if self.num_kv_heads is not None and self.nhead % self.num_kv_heads:
-            raise ValueError(f"nhead ({self.nhead}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        _real("dropout", self.dropout, 0.0, 1.0)
-        _real("rope_theta", self.rope_theta, 1e-30, float("inf"), optional=True)
-        _real("layer_norm_eps", self.layer_norm_eps, 0.0, float("inf"))
-        for name in ("norm_first", "causal", "bias"):
-            _flag(name, getattr(self, name))
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, got {self.activation!r}")
-        if not isinstance(self.backend, str):
-            raise ValueError(f"backend must be a string, got {self.backend!r}")
+        check_encoder_layer_args(
+            self.d_model, self.nhead, self.dim_feedforward, self.dropout, self.activation,
+            block_size=self.block_size, norm_first=self.norm_first, rope_theta=self.rope_theta,
+            num_kv_heads=self.num_kv_heads, causal=self.causal, layer_norm_eps=self.layer_norm_eps,
+            bias=self.bias, backend=self.backend, allow_callable=False,
+        )
 
     def build(self) -> JaggedTransformerEncoderLayer:
         """A new layer with these settings (fresh weights)."""
@@ -106,9 +85,9 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer, EncoderLayerConfig):
-            raise ValueError(f"layer must be an EncoderLayerConfig, got {type(self.layer).__name__}")
-        _positive_int("num_layers", self.num_layers)
-        _flag("final_norm", self.final_norm)
+            raise TypeError(f"layer must be an EncoderLayerConfig, got {type(self.layer).__name__}")
+        check_int("num_layers", self.num_layers)
+        check_bool("final_norm", self.final_norm)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EncoderConfig":

@@ -44,17 +44,48 @@ def test_configs_are_frozen_and_round_trip():
     assert bigger.num_layers == 6 and config.num_layers == 3
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(d_model=30, nhead=4), "multiple of nhead"),
-    (dict(d_model=32, nhead=4, num_kv_heads=3), "multiple of num_kv_heads"),
-    (dict(d_model=32, nhead=4, dropout=1.0), "dropout"),
-    (dict(d_model=32, nhead=4, block_size=0), "block_size"),
-    (dict(d_model=32, nhead=4, activation="swish"), "activation"),
-    (dict(d_model=32, nhead=4, norm_first="yes"), "norm_first"),
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(d_model=30, nhead=4), ValueError, r"^d_model \(30\) must be a multiple of nhead \(4\)"),
+    (dict(d_model=0, nhead=4), ValueError, r"^d_model must be >= 1, got 0"),
+    (dict(d_model=32.0, nhead=4), TypeError, r"^d_model must be an int >= 1"),
+    (dict(d_model=32, nhead=0), ValueError, r"^nhead must be >= 1, got 0"),
+    (dict(d_model=32, nhead=4, num_kv_heads=3), ValueError, r"^nhead \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(d_model=32, nhead=4, num_kv_heads=0), ValueError, r"^num_kv_heads must be >= 1"),
+    (dict(d_model=32, nhead=4, dim_feedforward=0), ValueError, r"^dim_feedforward must be >= 1"),
+    (dict(d_model=32, nhead=4, dropout=1.5), ValueError, r"^dropout must be a number in \[0, 1\], got 1\.5"),
+    (dict(d_model=32, nhead=4, dropout=-0.1), ValueError, r"^dropout must be a number in \[0, 1\]"),
+    (dict(d_model=32, nhead=4, dropout=float("nan")), ValueError, r"^dropout must be a number in \[0, 1\]"),
+    (dict(d_model=32, nhead=4, block_size=0), ValueError, r"^block_size must be >= 1 or None, got 0"),
+    (dict(d_model=32, nhead=4, block_size=-1), ValueError, r"^block_size must be >= 1 or None, got -1"),
+    (dict(d_model=32, nhead=4, block_size=True), TypeError, r"^block_size must be an int >= 1 or None"),
+    (dict(d_model=32, nhead=4, rope_theta=-1.0), ValueError, r"^rope_theta must be a positive finite number or None"),
+    (dict(d_model=32, nhead=4, rope_theta=float("inf")), ValueError, r"^rope_theta must be a positive finite"),
+    (dict(d_model=32, nhead=4, rope_theta=float("nan")), ValueError, r"^rope_theta must be a positive finite"),
+    (dict(d_model=32, nhead=4, layer_norm_eps=-1e-5), ValueError, r"^layer_norm_eps must be a finite number >= 0"),
+    (dict(d_model=32, nhead=4, activation="swish"), ValueError, r"^activation must be one of \['relu', 'gelu'\], got"),
+    (dict(d_model=32, nhead=4, activation=torch.tanh), TypeError, r"^activation must be one of \['relu', 'gelu'\], got"),
+    (dict(d_model=32, nhead=4, norm_first="yes"), TypeError, r"^norm_first must be a bool, got 'yes'"),
+    (dict(d_model=32, nhead=4, causal=1), TypeError, r"^causal must be a bool"),
+    (dict(d_model=32, nhead=4, bias=None), TypeError, r"^bias must be a bool"),
+    (dict(d_model=32, nhead=4, backend="nope"), ValueError, r"^backend must be one of auto, .*reference.*; got 'nope'"),
+    (dict(d_model=32, nhead=4, backend=None), TypeError, r"^backend must be a string or Backend enum"),
 ])
-def test_layer_config_validation(bad, match):
-    with pytest.raises(ValueError, match=match):
+def test_layer_config_validation(bad, exc, match):
+    with pytest.raises(exc, match=match):
         EncoderLayerConfig(**bad)
+
+
+def test_config_checks_are_the_layers():
+    """A config accepts what the layer accepts (one set of checks), and builds it."""
+    config = EncoderLayerConfig(32, 4, dropout=1, layer_norm_eps=0, rope_theta=10, block_size=None)
+    assert config.build().self_attn.rope_theta == 10.0
+
+
+def test_yaml_strings_that_are_not_numbers(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("layer:\n  d_model: 32\n  nhead: 4\n  dropout: lots\n")
+    with pytest.raises(TypeError, match=r"^dropout must be a number in \[0, 1\], got 'lots'"):
+        load_config(path)
 
 
 def test_bad_files_and_names(tmp_path):
@@ -67,5 +98,11 @@ def test_bad_files_and_names(tmp_path):
     path.write_text("num_layers: 1\n")
     with pytest.raises(ValueError, match="needs a 'layer' mapping"):
         load_config(path)
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ValueError, match=r"^num_layers must be >= 1, got 0"):
         EncoderConfig(EncoderLayerConfig(32, 4), num_layers=0)
+    with pytest.raises(TypeError, match=r"^num_layers must be an int >= 1"):
+        EncoderConfig(EncoderLayerConfig(32, 4), num_layers=2.0)
+    with pytest.raises(TypeError, match=r"^final_norm must be a bool"):
+        EncoderConfig(EncoderLayerConfig(32, 4), final_norm="no")
+    with pytest.raises(TypeError, match=r"^layer must be an EncoderLayerConfig, got dict"):
+        EncoderConfig({"d_model": 32, "nhead": 4})

@@ -6,18 +6,10 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_attention_args, check_module_input, check_rotary_args
 from ..dispatch import Backend
 from ..functional import block_attention
 from ..jagged import to_values_offsets
-
-
-def _check_heads(embed_dim: int, num_heads: int, num_kv_heads: Optional[int]) -> int:
-    if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
-        raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    return num_kv_heads
 
 
 class BlockSelfAttention(nn.Module):
@@ -59,14 +51,15 @@ class BlockSelfAttention(nn.Module):
         device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        self.num_kv_heads = _check_heads(embed_dim, num_heads, num_kv_heads)
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.head_dim = embed_dim // num_heads
+        block_size, self.num_kv_heads = check_attention_args(
+            embed_dim, num_heads, block_size, num_kv_heads, bias, causal, backend)
+        self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
+        self.head_dim = self.embed_dim // self.num_heads
         self.block_size, self.causal, self.backend = block_size, causal, backend
         factory = {"device": device, "dtype": dtype}
-        qkv_dim = (num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.in_proj = nn.Linear(embed_dim, qkv_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        qkv_dim = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.in_proj = nn.Linear(self.embed_dim, qkv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=bias, **factory)
 
     def extra_repr(self) -> str:
         return (
@@ -87,9 +80,10 @@ class BlockSelfAttention(nn.Module):
         return {}
 
     def _attend(
-        self, values: Tensor, offsets: Tensor, positions: Optional[Tensor],
+        self, values: Tensor, offsets: Tensor, kind: str, positions: Optional[Tensor],
         cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
     ) -> Tensor:
+        check_module_input(values, offsets, kind, self.embed_dim, self.in_proj.weight.dtype)
         q, k, v = self._qkv(values)
         kwargs = dict(causal=self.causal, cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=self.backend,
                       **self._attention_kwargs(positions))
@@ -101,7 +95,7 @@ class BlockSelfAttention(nn.Module):
         max_seqlen: Optional[int] = None,
     ) -> Any:
         values, offsets, layout = to_values_offsets(x, offsets)
-        return layout.wrap(self._attend(values, offsets, None, cpu_offsets, max_seqlen))
+        return layout.wrap(self._attend(values, offsets, layout.kind, None, cpu_offsets, max_seqlen))
 
 
 class RotaryBlockAttention(BlockSelfAttention):
@@ -144,10 +138,8 @@ class RotaryBlockAttention(BlockSelfAttention):
             embed_dim, num_heads, block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
             backend=backend, device=device, dtype=dtype,
         )
-        head_dim = embed_dim // num_heads
-        if rotary_dim is not None and (rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim):
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
-        self.rope_theta, self.rotary_dim, self.rotary_interleaved = rope_theta, rotary_dim, rotary_interleaved
+        self.rope_theta, self.rotary_dim = check_rotary_args(rope_theta, rotary_dim, rotary_interleaved, self.head_dim)
+        self.rotary_interleaved = rotary_interleaved
 
     def extra_repr(self) -> str:
         return (
@@ -168,4 +160,4 @@ class RotaryBlockAttention(BlockSelfAttention):
         values, offsets, layout = to_values_offsets(x, offsets)
         if positions is not None:
             positions = layout.flatten(positions)
-        return layout.wrap(self._attend(values, offsets, positions, cpu_offsets, max_seqlen))
+        return layout.wrap(self._attend(values, offsets, layout.kind, positions, cpu_offsets, max_seqlen))

@@ -25,6 +25,7 @@ from typing import Optional, Union
 
 from torch import nn
 
+from .._validation import check_backend, check_block_size
 from ..dispatch import Backend
 from .encoder import JaggedTransformerEncoder, JaggedTransformerEncoderLayer
 
@@ -75,12 +76,14 @@ def from_torch_encoder(
         >>> torch.allclose(jagged_encoder(values, offsets), expected, atol=1e-5)
         True
     """
-    if isinstance(module, nn.TransformerEncoderLayer):
-        return _convert_layer(module, block_size, backend)
-    if not isinstance(module, nn.TransformerEncoder):
+    if not isinstance(module, (nn.TransformerEncoder, nn.TransformerEncoderLayer)):
         raise TypeError(
             f"module must be nn.TransformerEncoder or nn.TransformerEncoderLayer, got {type(module).__name__}"
         )
+    block_size = check_block_size(block_size)
+    check_backend(backend)
+    if isinstance(module, nn.TransformerEncoderLayer):
+        return _convert_layer(module, block_size, backend)
     layers = [_convert_layer(layer, block_size, backend) for layer in module.layers]
     encoder = JaggedTransformerEncoder(layers[0], len(layers), norm=None)
     encoder.layers = nn.ModuleList(layers)

@@ -8,22 +8,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .._validation import check_encoder_layer_args, check_int, check_module_input
 from ..dispatch import Backend
 from ..jagged import to_values_offsets
 from .attention import BlockSelfAttention, RotaryBlockAttention
-
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
-
-
-def _activation(activation: Union[str, Callable[[Tensor], Tensor]]) -> Callable[[Tensor], Tensor]:
-    if isinstance(activation, str):
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)} or a callable, got {activation!r}")
-        return _ACTIVATIONS[activation]
-    if not callable(activation):
-        raise TypeError(f"activation must be a string or a callable, got {activation!r}")
-    return activation
-
 
 class JaggedTransformerEncoderLayer(nn.Module):
     """Self-attention (block or full) plus feed-forward, pre- or post-norm, over a jagged batch.
@@ -69,6 +57,11 @@ class JaggedTransformerEncoderLayer(nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
+        check_encoder_layer_args(
+            d_model, nhead, dim_feedforward, dropout, activation, block_size=block_size, norm_first=norm_first,
+            rope_theta=rope_theta, num_kv_heads=num_kv_heads, causal=causal, layer_norm_eps=layer_norm_eps,
+            bias=bias, backend=backend,
+        )
         factory = {"device": device, "dtype": dtype}
         attn_kwargs = dict(block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
                            backend=backend, **factory)
@@ -84,7 +77,8 @@ class JaggedTransformerEncoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
-        self.activation = _activation(activation)
+        # (A name is one of _validation.ACTIVATIONS, each a function of torch.nn.functional.)
+        self.activation = getattr(F, activation) if isinstance(activation, str) else activation
 
     def _sa_block(self, x: Tensor, offsets: Tensor, positions: Optional[Tensor], hints: dict) -> Tensor:
         if positions is None:
@@ -99,6 +93,7 @@ class JaggedTransformerEncoderLayer(nn.Module):
         cpu_offsets: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
     ) -> Any:
         values, offsets, layout = to_values_offsets(x, offsets)
+        _check_input(self, values, offsets, layout.kind)
         if positions is not None:
             if not isinstance(self.self_attn, RotaryBlockAttention):
                 raise ValueError("positions are used by rotary attention only: build the layer with rope_theta")
@@ -138,8 +133,11 @@ class JaggedTransformerEncoder(nn.Module):
 
     def __init__(self, encoder_layer: nn.Module, num_layers: int, norm: Optional[nn.Module] = None) -> None:
         super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if not isinstance(encoder_layer, nn.Module):
+            raise TypeError(f"encoder_layer must be an nn.Module, got {type(encoder_layer).__name__}")
+        num_layers = check_int("num_layers", num_layers)
+        if norm is not None and not isinstance(norm, nn.Module):
+            raise TypeError(f"norm must be an nn.Module or None, got {type(norm).__name__}")
         self.layers = nn.ModuleList([copy.deepcopy(encoder_layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
@@ -149,6 +147,8 @@ class JaggedTransformerEncoder(nn.Module):
         cpu_offsets: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
     ) -> Any:
         values, offsets, layout = to_values_offsets(x, offsets)
+        # (Not the dtype: a layer's parameters may take theirs only in its own forward, e.g. FSDP2's param_dtype.)
+        _check_input(self.layers[0], values, offsets, layout.kind, with_dtype=False)
         extra = {"cpu_offsets": cpu_offsets, "max_seqlen": max_seqlen}
         if positions is not None:
             extra["positions"] = layout.flatten(positions)
@@ -157,3 +157,14 @@ class JaggedTransformerEncoder(nn.Module):
         if self.norm is not None:
             values = self.norm(values)
         return layout.wrap(values)
+
+
+def _check_input(layer: nn.Module, values: Tensor, offsets: Any, kind: str, with_dtype: bool = True) -> None:
+    """The input checks of ``layer``'s forward, for the input as the caller gave it (``kind``):
+    where it is a :class:`JaggedTransformerEncoderLayer`, its width and (``with_dtype``) its
+    parameters' dtype too."""
+    if not isinstance(layer, JaggedTransformerEncoderLayer):
+        check_module_input(values, offsets, kind)
+        return
+    dtype = layer.linear1.weight.dtype if with_dtype else None
+    check_module_input(values, offsets, kind, layer.self_attn.embed_dim, dtype, "d_model")
