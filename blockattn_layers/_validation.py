@@ -116,9 +116,10 @@ def check_activation(activation: Any, *, allow_callable: bool = True) -> Any:
     return activation
 
 
-def check_heads(
-    embed_dim: Any, num_heads: Any, num_kv_heads: Any, names: Tuple[str, str, str] = ("embed_dim", "num_heads", "num_kv_heads"),
-) -> int:
+_HEAD_NAMES = ("embed_dim", "num_heads", "num_kv_heads")
+
+
+def check_heads(embed_dim: Any, num_heads: Any, num_kv_heads: Any, names: Tuple[str, str, str] = _HEAD_NAMES) -> int:
     """Model width and head counts (``names`` as the caller calls them); returns ``num_kv_heads``
     with its default, ``num_heads``."""
     width, heads, kv_heads = names
@@ -134,7 +135,7 @@ def check_heads(
 
 def check_attention_args(
     embed_dim: Any, num_heads: Any, block_size: Any, num_kv_heads: Any, bias: Any, causal: Any, backend: Any,
-    names: Tuple[str, str, str] = ("embed_dim", "num_heads", "num_kv_heads"),
+    names: Tuple[str, str, str] = _HEAD_NAMES,
 ) -> Tuple[Optional[int], int]:
     """The arguments of an attention layer; returns ``(block_size, num_kv_heads)`` normalized."""
     num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads, names)

@@ -1,8 +1,6 @@
 """Every bad argument of ``block_attention`` raises ValueError/TypeError naming the argument."""
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
