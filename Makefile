@@ -41,8 +41,6 @@ GPU_OUT ?= bench_out
 gpu-check:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider tests
-	BLOCKATTN_KERNELS=persistent python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
-		tests/test_triton_gpu.py
 	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py
 	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \

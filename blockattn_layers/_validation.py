@@ -19,6 +19,7 @@ import torch
 
 from ._params import AttentionParams
 from .dispatch import registered_backends
+from .runtime import private_api
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -344,7 +345,7 @@ def check_module_input(
         )
     if len(shape) != 2 or (width is not None and shape[1] != width):
         raise ValueError(f"{_SOURCES.get(kind, 'values')} must have shape {expected}, got {tuple(shape)}")
-    if weight_dtype is not None and dtype != weight_dtype and not _autocast_enabled(values.device.type):
+    if weight_dtype is not None and dtype != weight_dtype and not autocast_enabled(values.device.type):
         raise TypeError(
             f"{_SOURCES.get(kind, 'values')} are {dtype} but the module's parameters are {weight_dtype}: "
             "cast one to the other "
@@ -365,8 +366,9 @@ def check_module_input(
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone"})
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    # (``_is_any_autocast_enabled`` first: torch.compile constant-folds it, and it is cheap.)
-    if not torch._C._is_any_autocast_enabled() or device_type not in _AUTOCAST_DEVICES:
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``. (The test of any autocast first: torch.compile
+    constant-folds it, and it is cheap; most calls stop there.)"""
+    if not private_api.any_autocast_enabled() or device_type not in _AUTOCAST_DEVICES:
         return False
     return torch.is_autocast_enabled(device_type)

@@ -15,6 +15,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 import torch
 
 from ._params import AttentionParams
+from .runtime import caches
 
 
 class Backend(str, enum.Enum):
@@ -39,6 +40,8 @@ class AttentionRequest:
     block_size: Optional[int]
     causal: bool
     rotary: bool
+    rotary_dim: Optional[int] = None
+    rotary_interleaved: bool = False
 
     @classmethod
     def from_call(cls, q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> "AttentionRequest":
@@ -46,12 +49,12 @@ class AttentionRequest:
 
     @classmethod
     def _from_key(cls, key: tuple) -> "AttentionRequest":
-        device, dtype, head_dim, num_heads, num_kv_heads, block_size, causal, rotary = key
+        device, dtype, head_dim, num_heads, num_kv_heads, block_size, causal, rotary, rotary_dim, interleaved = key
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(
             device_type=device.type, capability=capability, dtype=dtype, head_dim=head_dim,
             num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, causal=causal,
-            rotary=rotary,
+            rotary=rotary, rotary_dim=rotary_dim if rotary else None, rotary_interleaved=interleaved,
         )
 
 
@@ -59,7 +62,7 @@ def _call_key(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tupl
     """Everything about a call that backends decide on (the fields of its request, by device)."""
     _, num_heads, head_dim = q.shape
     return (q.device, q.dtype, head_dim, num_heads, k.shape[1], params.block_size, params.causal,
-            params.rope_theta is not None)
+            params.rope_theta is not None, params.rotary_dim, params.rotary_interleaved)
 
 
 # forward(q, k, v, offsets, *op_args) -> (out, lse or None); backward(grad_out, q, k, v, out, lse,
@@ -78,7 +81,9 @@ class BackendSpec:
     ``backward`` gets ``out`` and ``lse`` back (None where not saved). ``forward_planned``, if
     set, is ``forward`` for single-tile kinds that also returns the backward's launch prepared
     on the caller's thread (``(out, plan)``, plan None or with ``plan.launch(grad_out, q, k, v)``
-    returning the gradients or None). ``devices()`` lists the device types it can run on when asked by name;
+    returning the gradients or None). ``variant_reasons``, for a backend whose kernels come in
+    variants, gives each variant's reasons not to run a request (empty: it runs; see
+    :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
     ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
     adds checks that do not fit the declared fields (it returns reasons to refuse).
     """
@@ -99,6 +104,7 @@ class BackendSpec:
     extra_reasons: Optional[Callable[[AttentionRequest], List[str]]] = field(default=None)
     description: str = ""
     forward_planned: Optional[Callable] = None
+    variant_reasons: Optional[Callable[[AttentionRequest], Dict[str, List[str]]]] = None
 
     def not_supported_reasons(self, req: AttentionRequest) -> List[str]:
         """Why this backend cannot serve ``req``; empty when it can."""
@@ -132,14 +138,14 @@ class BackendSpec:
 _REGISTRY: Dict[str, BackendSpec] = {}
 _BY_PRIORITY: List[BackendSpec] = []
 # (backend argument, call key) -> spec: a call's answer depends only on what the key holds.
-_SELECTED: Dict[tuple, BackendSpec] = {}
+_SELECTED = caches.HostCache("backend_choices")
 
 
 def register_backend(spec: BackendSpec) -> None:
     """Add or replace a backend in the registry."""
     _REGISTRY[spec.name] = spec
     _BY_PRIORITY[:] = sorted(_REGISTRY.values(), key=lambda s: -s.priority)
-    _SELECTED.clear()
+    caches.clear_all()  # every cached choice may change (runtime.caches: the one invalidation rule)
 
 
 def registered_backends() -> List[BackendSpec]:
@@ -150,6 +156,26 @@ def registered_backends() -> List[BackendSpec]:
 def explain(req: AttentionRequest) -> Dict[str, List[str]]:
     """Every registered backend's reasons to refuse ``req`` (empty list: it can serve it)."""
     return {spec.name: spec.not_supported_reasons(req) for spec in registered_backends()}
+
+
+def explain_variants(req: AttentionRequest) -> Dict[str, Dict[str, List[str]]]:
+    """For each backend whose kernels come in variants: every variant's reasons not to run
+    ``req`` (empty list: that variant runs), in the order they are considered."""
+    return {spec.name: spec.variant_reasons(req) for spec in registered_backends() if spec.variant_reasons is not None}
+
+
+def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> str:
+    """One line: the backend (and kernel variant) that serves ``req``, or why none does."""
+    try:
+        spec = select_backend(backend, req)
+    except ValueError as err:
+        return str(err)
+    line = f"{spec.name}"
+    if spec.variant_reasons is not None:
+        variants = spec.variant_reasons(req)
+        running = [name for name, why in variants.items() if not why]
+        line += f", {running[0]} kernels" if running else ", kernel variant chosen per call from the tensors' layout"
+    return line
 
 
 def _format(reasons: Dict[str, List[str]]) -> str:

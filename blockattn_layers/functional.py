@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ._call_plan import plan_call
+from ._validation import autocast_enabled
 from .dispatch import Backend
 from .ops import attention
 from .ops import backends as _backends  # noqa: F401  (registers the backends)
@@ -74,26 +75,15 @@ def block_attention(
     return attention(q, k, v, offsets, params, spec, backend)
 
 
-_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone"})
-
-
 def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
     """Under autocast, attention runs in the autocast dtype, as ``scaled_dot_product_attention`` does.
 
     The registered ops then compute in their inputs' dtype (autocast is off inside them).
     float64 inputs are left alone, as autocast leaves them.
     """
-    # Constant-folded by torch.compile (``torch.amp.is_autocast_available`` is not traceable in
-    # torch 2.11); checked first, as autocast is off in most calls and this is the cheapest test.
-    if not torch._C._is_any_autocast_enabled() or not isinstance(q, Tensor):
+    if not isinstance(q, Tensor) or not autocast_enabled(q.device.type):
         return q, k, v
-    device_type = q.device.type
-    # The device types without autocast never get past this test.
-    if device_type not in _AUTOCAST_DEVICES:
-        return q, k, v
-    if not torch.is_autocast_enabled(device_type):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = torch.get_autocast_dtype(q.device.type)
     cast = (torch.float32, torch.float16, torch.bfloat16)
     return tuple(x.to(dtype) if isinstance(x, Tensor) and x.dtype in cast else x for x in (q, k, v))
 

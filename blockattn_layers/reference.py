@@ -80,10 +80,12 @@ class BlockGroup:
 
 
 def _host_offsets(offsets: Tensor, cpu_offsets: Optional[Tensor]) -> Optional[Tensor]:
-    if cpu_offsets is not None:
-        return cpu_offsets.to(torch.int64)
+    """The offsets to plan from on the host: ``offsets`` themselves on the CPU (a ``cpu_offsets``
+    hint is only ever a copy of them), else the hint."""
     if offsets.device.type == "cpu":
         return offsets.to(torch.int64)
+    if cpu_offsets is not None:
+        return cpu_offsets.to(torch.int64)
     return None
 
 

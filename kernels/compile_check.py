@@ -1,14 +1,14 @@
-"""Compile every kernel variant (block kernels simple and persistent, and for sm_90 the Gluon
-hopper and warp-specialized hopper_ws kernels; the flash forward, dK/dV and dQ kernels with
-pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
+"""Compile every kernel variant (the simple block kernels, and for sm_90 the Gluon hopper kernels
+and the experimental warp-specialized hopper_ws ones; the flash forward, dK/dV and dQ kernels
+with pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
 ``DIR/<variant>.ptx`` for each variant and fails unless the matrix instructions of that
 generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
-and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``), and the pipelined
-persistent tile loops prefetch with asynchronous copies (``cp.async``), and the warp-specialized
-kernels reallocate registers between partitions (``setmaxnreg``). Tiles and launch options
-are the ones the launchers use on that generation.
+and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``), the hopper kernels
+copy their tiles with asynchronous copies (``cp.async``), and the warp-specialized kernels
+reallocate registers between partitions (``setmaxnreg``). Tiles and launch options are the ones
+the launchers use on that generation.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ try:
 except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``)
     GluonASTSource = GluonJITFunction = None
 
-from ._common import head_loop, hopper_kernel, max_registers, tile_loop_stages
-from ._flash_common import flash_tiles
-from .block_bwd import _block_bwd_kernel
-from .block_fwd import _block_fwd_kernel
-from .flash_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
-from .flash_fwd import _flash_fwd_kernel, fwd_launch_options
+from .block.bwd import _block_bwd_kernel
+from .block.fwd import _block_fwd_kernel
+from .block.plan import head_loop, max_registers
+from .block.variants import HOPPER, HOPPER_WS, SIMPLE, gluon_import_error
+from .flash.bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
+from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
+from .flash.schedule import flash_tiles
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
@@ -44,7 +45,9 @@ _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 _DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
 
 
-class Variant(NamedTuple):
+class Build(NamedTuple):
+    """One kernel compiled with one set of constexprs and launch options."""
+
     name: str
     kernel: object
     dtype: str
@@ -84,85 +87,83 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
     return sig, attrs
 
 
-def _unit_strides(kernel, constexprs: Dict[str, object]) -> Dict[str, object]:
-    return dict(constexprs, **{n: 1 for n in kernel.arg_names if n.startswith("stride_") and n.endswith("d")})
+def _kernel_constexprs(kernel, constexprs: Dict[str, object]) -> Dict[str, object]:
+    """The kernel's own constexprs out of ``constexprs``, unit channel strides specialized to 1."""
+    names = set(kernel.arg_names)
+    out = {name: value for name, value in constexprs.items() if name in names}
+    out.update({n: 1 for n in kernel.arg_names if n.startswith("stride_") and n.endswith("d")})
+    return out
 
 
-def _block_variants(capability: int) -> Iterator[Variant]:
+def _block_constexprs(dim: int, groups: int, block: int, rot: int, has_pos: bool, causal: bool,
+                      inline_seqs: int) -> Dict[str, object]:
+    return dict(
+        HEAD_DIM=dim, GROUPS=groups, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
+        ROT_DIM=rot, INTERLEAVED=False, HAS_POS=has_pos, IS_CAUSAL=causal, FAST_TRIG=True, INT64=False,
+        PRECISION="tf32", INLINE_SEQS=inline_seqs,
+    )
+
+
+def _block_builds(capability: int) -> Iterator[Build]:
     kernels = (("fwd", _block_fwd_kernel), ("bwd", _block_bwd_kernel))
-    kinds = ("simple", "persistent")
-    for (kind, kernel), dtype, (block, dim), rotary, causal, variant in itertools.product(
-        kernels, ("bf16", "fp16", "fp32"), ((64, 128), (64, 64), (128, 128)), (False, True), (False, True), kinds,
+    for (kind, kernel), dtype, (block, dim), rotary, causal in itertools.product(
+        kernels, ("bf16", "fp16", "fp32"), ((64, 128), (64, 64), (128, 128)), (False, True), (False, True),
     ):
-        name = (f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
-                f"{'' if variant == 'simple' else '_' + variant}")
-        rot = dim if rotary else 0
+        name = f"{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
         backward = kernel is not _block_fwd_kernel
-        constexprs = dict(
-            HEAD_DIM=dim, GROUPS=1, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
-            BLOCK_P=max(16, dim - rot), ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=causal,
-            FAST_TRIG=True, INT64=False, PRECISION="tf32", INLINE_SEQS=0, PERSISTENT=variant != "simple",
-        )
-        if not backward:
-            constexprs["HEAD_LOOP"] = head_loop(constexprs, variant)
+        constexprs = _block_constexprs(dim, 1, block, dim if rotary else 0, False, causal, 0)
+        constexprs["HEAD_LOOP"] = not backward and head_loop(constexprs, SIMPLE.name)
         size = 4 if dtype == "fp32" else 2
-        options = dict(num_warps=4, num_stages=tile_loop_stages(variant, capability // 10, size, block, dim, backward))
-        constexprs["PREFETCH"] = options["num_stages"] > 1
-        regs = max_registers(constexprs, variant, backward, capability // 10, size)
+        options = dict(num_warps=4, num_stages=1)
+        regs = max_registers(constexprs, SIMPLE, backward, capability // 10, size)
         if regs:
             options["maxnreg"] = regs
-        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+        yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
-def _hopper_variants(capability: int) -> Iterator[Variant]:
+def _hopper_builds(capability: int) -> Iterator[Build]:
     """The Gluon kernels of the hopper variant (sm_90 only): 16-bit dtypes, D 64 / 128, rotary,
     causal, one or two query heads per kv head, the block table or the in-kernel schedule."""
-    fwd, bwd = hopper_kernel("_hopper_fwd_kernel"), hopper_kernel("_hopper_bwd_kernel")
-    if capability // 10 != 9 or fwd is None:
+    if capability // 10 != 9 or gluon_import_error() is not None:
         return
+    from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel
+
     for (kind, kernel), dtype, dim, rotary, causal, groups in itertools.product(
-        (("fwd", fwd), ("bwd", bwd)), ("bf16", "fp16"), (64, 128), (False, True), (False, True), (1, 2),
+        (("fwd", _hopper_fwd_kernel), ("bwd", _hopper_bwd_kernel)), ("bf16", "fp16"), (64, 128), (False, True),
+        (False, True), (1, 2),
     ):
-        rot = dim if rotary else 0
-        constexprs = dict(
-            HEAD_DIM=dim, GROUPS=groups, BLOCK_M=64, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
-            ROT_DIM=rot, INTERLEAVED=False, HAS_POS=rotary and causal, IS_CAUSAL=causal, FAST_TRIG=True,
-            INT64=False, PRECISION="tf32", INLINE_SEQS=512 if groups == 2 else 0, PERSISTENT=False, PREFETCH=False,
-        )
-        if kind == "fwd":
-            constexprs["HEAD_LOOP"] = head_loop(constexprs, "hopper")
+        constexprs = _block_constexprs(dim, groups, 64, dim if rotary else 0, rotary and causal, causal,
+                                       512 if groups == 2 else 0)
+        constexprs["HEAD_LOOP"] = kind == "fwd" and head_loop(constexprs, HOPPER.name)
         options = dict(num_warps=4, num_stages=1)
-        regs = max_registers(constexprs, "hopper", kind == "bwd", 9, 2)
+        regs = max_registers(constexprs, HOPPER, kind == "bwd", 9, 2)
         if regs:
             options["maxnreg"] = regs
         name = (f"{kind}_{dtype}_b64_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
                 f"{'_gqa' if groups > 1 else ''}_hopper")
-        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+        yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
-def _hopper_ws_variants(capability: int) -> Iterator[Variant]:
-    """The persistent, warp-specialized Gluon kernels (sm_90 only): 16-bit dtypes, D 64 / 128,
-    rotary with given or implicit positions, causal, the block table or the in-kernel schedule."""
-    fwd, bwd = hopper_kernel("_hopper_ws_fwd_kernel"), hopper_kernel("_hopper_ws_bwd_kernel")
-    if capability // 10 != 9 or fwd is None:
+def _hopper_ws_builds(capability: int) -> Iterator[Build]:
+    """The experimental persistent, warp-specialized Gluon kernels (sm_90 only): 16-bit dtypes,
+    D 64 / 128, rotary with given or implicit positions, causal, the block table or the in-kernel
+    schedule."""
+    if capability // 10 != 9 or gluon_import_error() is not None:
         return
+    from .experimental.sm90_ws import _hopper_ws_bwd_kernel, _hopper_ws_fwd_kernel
+
     for (kind, kernel), dtype, dim, rotary, causal in itertools.product(
-        (("fwd", fwd), ("bwd", bwd)), ("bf16", "fp16"), (64, 128), (False, True), (False, True),
+        (("fwd", _hopper_ws_fwd_kernel), ("bwd", _hopper_ws_bwd_kernel)), ("bf16", "fp16"), (64, 128),
+        (False, True), (False, True),
     ):
-        rot = dim if rotary else 0
-        constexprs = dict(
-            HEAD_DIM=dim, GROUPS=1, BLOCK_M=64, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
-            ROT_DIM=rot, INTERLEAVED=False, HAS_POS=rotary and causal, IS_CAUSAL=causal, FAST_TRIG=True,
-            INT64=False, PRECISION="tf32", INLINE_SEQS=512 if causal else 0, PERSISTENT=True, PREFETCH=False,
-        )
-        if kind == "fwd":
-            constexprs["HEAD_LOOP"] = False
-        options = dict(num_warps=4, num_stages=1, maxnreg=max_registers(constexprs, "hopper_ws", kind == "bwd", 9, 2))
+        constexprs = _block_constexprs(dim, 1, 64, dim if rotary else 0, rotary and causal, causal,
+                                       512 if causal else 0)
+        options = dict(num_warps=4, num_stages=1, maxnreg=max_registers(constexprs, HOPPER_WS, kind == "bwd", 9, 2))
         name = f"ws_{kind}_{dtype}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
-        yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+        yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
-def _flash_variants(capability: int) -> Iterator[Variant]:
+def _flash_builds(capability: int) -> Iterator[Build]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
     on) and half rotary (pointer loads), with the tiles and options of full attention."""
     major, dim = capability // 10, 128
@@ -183,38 +184,36 @@ def _flash_variants(capability: int) -> Iterator[Variant]:
             else:
                 options = bwd_launch_options(outer, dim, "cuda", inner if kind == "dkv" else 64)
             name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
-            yield Variant(name, kernel, dtype, _unit_strides(kernel, constexprs), options)
+            yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
-def required_copies(variant: Variant) -> Tuple[str, ...]:
-    """Copy instructions a variant's PTX must hold: TMA copies for tensor-map loads, asynchronous
-    copies for the hopper kernels (every tile) and a persistent tile loop with more than one stage
-    (else the loads wait in line); for the warp-specialized kernels TMA copies (full blocks),
-    asynchronous copies (ragged ones) and the partitions' register reallocation."""
-    if variant.name.startswith("ws_"):
+def required_copies(build: Build) -> Tuple[str, ...]:
+    """Copy instructions a build's PTX must hold: TMA copies for tensor-map loads, asynchronous
+    copies for the hopper kernels (every tile); for the warp-specialized kernels TMA copies (full
+    blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
+    if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
-    if variant.constexprs.get("TMA"):
+    if build.constexprs.get("TMA"):
         return (TMA_COPY,)
-    if variant.name.endswith("_hopper") or (variant.constexprs.get("PERSISTENT")
-                                            and variant.options.get("num_stages", 1) > 1):
+    if build.name.endswith("_hopper"):
         return (ASYNC_COPY,)
     return ()
 
 
-def variants(capability: int) -> Iterator[Variant]:
-    """Every shipped kernel variant, with the launch options used on GPUs of ``capability``."""
-    yield from _block_variants(capability)
-    yield from _hopper_variants(capability)
-    yield from _hopper_ws_variants(capability)
-    yield from _flash_variants(capability)
+def builds(capability: int) -> Iterator[Build]:
+    """Every shipped kernel build, with the launch options used on GPUs of ``capability``."""
+    yield from _block_builds(capability)
+    yield from _hopper_builds(capability)
+    yield from _hopper_ws_builds(capability)
+    yield from _flash_builds(capability)
 
 
-def compile_variant(variant: Variant, capability: int) -> str:
-    """PTX of one variant."""
-    signature, attrs = _signature(variant.kernel, variant.dtype, variant.constexprs)
-    source = GluonASTSource if GluonJITFunction is not None and isinstance(variant.kernel, GluonJITFunction) else ASTSource
-    src = source(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=variant.options)
+def compile_build(build: Build, capability: int) -> str:
+    """PTX of one build."""
+    signature, attrs = _signature(build.kernel, build.dtype, build.constexprs)
+    source = GluonASTSource if GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction) else ASTSource
+    src = source(fn=build.kernel, signature=signature, constexprs=build.constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=build.options)
     return compiled.asm["ptx"]
 
 
@@ -227,20 +226,20 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
     count = 0
-    for variant in variants(ARCHS[args.arch]):
-        if args.only not in variant.name:
+    for build in builds(ARCHS[args.arch]):
+        if args.only not in build.name:
             continue
         count += 1
         try:
-            ptx = compile_variant(variant, ARCHS[args.arch])
-        except Exception as err:  # report every variant that does not build, not just the first
-            failures.append(f"{variant.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
+            ptx = compile_build(build, ARCHS[args.arch])
+        except Exception as err:  # report every build that fails, not just the first
+            failures.append(f"{build.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
-        (args.out / f"{variant.name}.ptx").write_text(ptx)
-        wanted = EXPECTED[args.arch] + required_copies(variant)
+        (args.out / f"{build.name}.ptx").write_text(ptx)
+        wanted = EXPECTED[args.arch] + required_copies(build)
         missing = [ins for ins in wanted if ins not in ptx]
         if missing:
-            failures.append(f"{variant.name}: no {', '.join(missing)}")
+            failures.append(f"{build.name}: no {', '.join(missing)}")
     print(f"{args.arch}: {count} variants, {count - len(failures)} without failures, PTX in {args.out}")
     for line in failures:
         print("FAIL", line)

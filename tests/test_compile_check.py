@@ -22,21 +22,17 @@ def _compile_check(arch: str, only: str, out) -> dict:
 @pytest.mark.parametrize("arch,instruction", ARCHS)
 def test_compile_check(arch, instruction, tmp_path):
     ptx = _compile_check(arch, "bf16_b64_d128", tmp_path)
-    # fwd/bwd x rotary x causal x simple/persistent, and on sm_90 the hopper kernels (x 1 or 2
-    # query heads per kv head)
-    assert len(ptx) == (32 if arch == "sm_90" else 16)
+    # fwd/bwd x rotary x causal, and on sm_90 the hopper kernels (x 1 or 2 query heads per kv head)
+    assert len(ptx) == (24 if arch == "sm_90" else 8)
     assert sum(name.endswith("_hopper") for name in ptx) == (16 if arch == "sm_90" else 0)
     assert all(instruction in text for text in ptx.values())
     # 16-byte tile loads: vector loads into registers, or cp.async.cg copies into shared memory
     # (16 bytes each).
     vector = ("ld.global.v4", "cp.async.cg.shared.global")
     assert all(any(op in text for op in vector) for text in ptx.values()), "tile loads should be 16-byte vectors"
-    # The persistent forward's tile loop prefetches the next tile with asynchronous copies from
-    # sm_90 on (one stage on sm_80; the D128 backward keeps one stage); the simple kernels have
-    # no loop to pipeline; the hopper kernels copy every tile so.
+    # The simple kernels have no loop to pipeline; the hopper kernels copy every tile asynchronously.
     for name, text in ptx.items():
-        prefetch = "persistent" in name and arch != "sm_80" and name.startswith("fwd")
-        assert ("cp.async.cg.shared.global" in text) == (prefetch or name.endswith("_hopper")), name
+        assert ("cp.async.cg.shared.global" in text) == name.endswith("_hopper"), name
 
 
 def test_hopper_kernels_compile(tmp_path):
@@ -58,7 +54,7 @@ def test_hopper_kernels_compile(tmp_path):
 
 
 def test_hopper_ws_kernels_compile(tmp_path):
-    """The persistent, warp-specialized Gluon kernels for sm_90 (forward and backward, fp16 / bf16,
+    """The experimental persistent, warp-specialized Gluon kernels for sm_90 (forward and backward, fp16 / bf16,
     D 64 / 128, rotary, causal, block table or in-kernel schedule): wgmma products, TMA copies in
     and out for full blocks (``cp.async.bulk.tensor`` both ways), 16-byte asynchronous copies for
     ragged ones, tensor maps made in the kernel, and the partitions' register reallocation.
@@ -94,14 +90,18 @@ def test_register_caps():
     backward at D128 with one query head per kv head; on sm_90 with
     16-bit inputs, 64-row simple tiles and one query head per kv head, the rotary forward at D128,
     the rotary backward at D64, the plain backward at D128 and the plain forward at D64."""
-    from blockattn_layers.kernels._common import HEAD_LOOP_MAXNREG, max_registers
+    from blockattn_layers.kernels.block.plan import HEAD_LOOP_MAXNREG, max_registers as caps
+    from blockattn_layers.kernels.block.variants import VARIANTS
+
+    def max_registers(meta, variant, *args):
+        return caps(meta, VARIANTS[variant], *args)
 
     def meta(rot, d, m=64, groups=1):
         return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m, GROUPS=groups)
 
     assert max_registers(meta(64, 64), "simple", False, 8, 4) == HEAD_LOOP_MAXNREG
     assert max_registers(meta(64, 64, groups=2), "simple", False, 9, 2) == HEAD_LOOP_MAXNREG
-    assert max_registers(meta(64, 64), "persistent", False, 9, 2) is None
+    assert max_registers(meta(64, 64), "hopper_ws", False, 9, 2) == 128
     assert max_registers(meta(128, 128), "simple", False, 9, 2) == 104
     assert max_registers(meta(64, 64), "simple", True, 9, 2) == 128
     assert max_registers(meta(32, 64), "simple", True, 9, 2) == 128
@@ -114,9 +114,9 @@ def test_register_caps():
     for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),
                  (meta(128, 128), "simple", False, 9, 4), (meta(128, 128, 128), "simple", False, 9, 2),
                  (meta(0, 128), "simple", False, 9, 2), (meta(0, 128, groups=2), "simple", True, 9, 2),
-                 (meta(0, 128), "simple", True, 10, 2), (meta(0, 128), "persistent", True, 9, 2),
+                 (meta(0, 128), "simple", True, 10, 2),
                  (meta(0, 128), "simple", True, 9, 4), (meta(0, 64), "simple", True, 9, 2),
                  (meta(0, 64, groups=2), "simple", False, 9, 2), (meta(0, 64, 128), "simple", False, 9, 2),
-                 (meta(128, 128), "simple", True, 9, 2), (meta(64, 64), "persistent", True, 9, 2),
+                 (meta(128, 128), "simple", True, 9, 2),
                  (meta(64, 64, groups=4), "simple", True, 9, 2)]:
         assert max_registers(*args) is None, args

@@ -25,9 +25,16 @@ def test_attention_kernel_names_cover_every_launcher():
     """The check counts a profiler event as attention by its kernel name: every attention kernel
     the package launches (any variant; the schedule kernels excepted) is named there."""
     from blockattn_layers.distributed_check import ATTENTION_KERNELS
-    from blockattn_layers.kernels import _launch, block_bwd, block_fwd, flash_bwd, flash_fwd
+    from blockattn_layers.kernels.block import bwd as block_bwd
+    from blockattn_layers.kernels.block import fwd as block_fwd
+    from blockattn_layers.kernels.common import launch as _launch
+    from blockattn_layers.kernels.experimental import sm90_ws
+    from blockattn_layers.kernels.flash import bwd as flash_bwd
+    from blockattn_layers.kernels.flash import fwd as flash_fwd
+    from blockattn_layers.kernels.sm90 import block as sm90_block
 
-    launched = {launcher.kernel.__name__ for module in (block_fwd, block_bwd, flash_fwd, flash_bwd)
+    modules = (block_fwd, block_bwd, flash_fwd, flash_bwd, sm90_block, sm90_ws)
+    launched = {launcher.kernel.__name__ for module in modules
                 for launcher in vars(module).values()
                 if isinstance(launcher, _launch.Launcher) and launcher.kernel is not None}
     assert {"_block_fwd_kernel", "_block_bwd_kernel", "_flash_fwd_kernel"} <= launched

@@ -1,6 +1,7 @@
 """The backend registry: declared capabilities, reasons, selection, explicit overrides."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import pytest
@@ -84,8 +85,9 @@ def test_request_from_call():
                                      positions=None, rotary_dim=None, rotary_interleaved=False,
                                      cpu_offsets=None, max_seqlen=None, validate=None)
     req = AttentionRequest.from_call(q, k, params)
-    assert req == request(dtype=torch.float16, head_dim=8, num_heads=6, num_kv_heads=3, block_size=None,
-                          causal=True, rotary=True)
+    assert req == dataclasses.replace(
+        request(dtype=torch.float16, head_dim=8, num_heads=6, num_kv_heads=3, block_size=None, causal=True,
+                rotary=True), rotary_dim=8)
 
 
 @pytest.mark.parametrize("name", ["reference", Backend.REFERENCE])

@@ -13,7 +13,7 @@ PACKAGE = "blockattn_layers"
 
 # Lowest first. A module may import its own layer and those below it.
 LAYERS = [
-    ("kernels", "reference", "_params"),
+    ("kernels", "reference", "_params", "runtime"),
     ("dispatch",),
     ("ops", "_validation"),
     ("_call_plan",),

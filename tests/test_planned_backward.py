@@ -1,4 +1,4 @@
-"""The backward launch prepared by the forward (``block_bwd.PlannedBackward``): the eager
+"""The backward launch prepared by the forward (``block.bwd.PlannedBackward``): the eager
 backward takes it where it holds and gives the same bits as the ordinary path; where it does
 not hold (strided dO, saved-tensor hooks, first call of a signature) the ordinary path runs.
 The autograd plumbing is checked on the CPU with a stand-in plan; the launches on the GPU."""
@@ -8,6 +8,7 @@ import torch
 import blockattn_layers as bl
 from blockattn_layers._params import AttentionParams
 from blockattn_layers.ops import entry
+from blockattn_layers.runtime import caches
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -66,18 +67,20 @@ def test_backward_falls_back_where_the_plan_does_not_hold():
 # ------------------------------------------------------- CPU: the plan's launch arguments
 def _ordinary_launch(monkeypatch, do, q, k, v, offsets, **kw):
     """What the ordinary backward passes to its launcher: ``(grid, args, meta, key)``."""
-    from blockattn_layers.kernels import block_bwd
+    from blockattn_layers.kernels.block import bwd as block_bwd
 
     seen = []
     with monkeypatch.context() as m:
-        m.setattr(block_bwd, "_launch_bwd", _Recorder(seen))
+        m.setattr(block_bwd, "launch_bwd", _Recorder(seen, block_bwd.launch_bwd))
         block_bwd.block_attention_bwd(do, q, k, v, offsets, **kw)
     return seen[0]
 
 
 class _Recorder:
-    def __init__(self, seen):
-        self.seen = seen
+    """Records the launches in place of ``launcher``."""
+
+    def __init__(self, seen, launcher):
+        self.seen, self.constexpr_names = seen, launcher.constexpr_names
 
     def __call__(self, grid, args, meta, q, key=None):
         self.seen.append((grid, args, meta, key))
@@ -91,18 +94,17 @@ def _tensors(args):
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["simple", "persistent"])
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
-def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table, persistent):
+def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table):
     """On the CPU, with the launches recorded: the plan's launch gets the ordinary backward's
     grid and arguments (tensors as their addresses, the fresh gradient buffers aside), and the
     compiled kernel it asks for is looked up under the ordinary launch's specialization (the
     stand-ins for dO and the gradients have their dtypes and strides)."""
-    from blockattn_layers.kernels import _common, _schedule, block_bwd
+    from blockattn_layers.kernels.block import bwd as block_bwd
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
-    monkeypatch.setattr(_common, "KERNELS", "persistent" if persistent else "simple")
     g = torch.Generator().manual_seed(0)
     lengths = [0, 1, 63, 64, 65, 130, 7]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -123,10 +125,10 @@ def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table, persis
         looked_up.append((args_, key_, aligned))
         return entry
 
-    monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", entry_for)
-    monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
-    monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 99)
-    block_bwd.forget_templates()
+    monkeypatch.setattr(block_bwd.launch_bwd, "entry_for", entry_for)
+    monkeypatch.setattr(block_bwd.launch_bwd, "goes_direct", lambda device: True)
+    monkeypatch.setattr(block_bwd.launch_bwd, "stream", lambda device: 99)
+    caches.clear_all()
     plan = block_bwd.plan_backward(q, k, v, sched, ("a forward key",), 48, 0.3, True, 500.0, positions, 16, False)
     # the schedule's table is the ordinary call's own (the table variant allocates a new one)
     args = (*args[:7], sched.table, args[8] if kw["positions"] is not None else sched.table, *args[9:])
@@ -148,13 +150,14 @@ def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table, persis
 
 
 def test_plan_does_not_hold_for_other_tensors_or_a_strided_grad(monkeypatch):
-    from blockattn_layers.kernels import _schedule, block_bwd
+    from blockattn_layers.kernels.block import bwd as block_bwd
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     launched = []
-    monkeypatch.setattr(block_bwd._launch_bwd, "entry_for", lambda *a: (lambda *b: launched.append(b), (), ()))
-    monkeypatch.setattr(block_bwd._launch_bwd, "goes_direct", lambda device: True)
-    monkeypatch.setattr(block_bwd._launch_bwd, "stream", lambda device: 0)
-    block_bwd.forget_templates()
+    monkeypatch.setattr(block_bwd.launch_bwd, "entry_for", lambda *a: (lambda *b: launched.append(b), (), ()))
+    monkeypatch.setattr(block_bwd.launch_bwd, "goes_direct", lambda device: True)
+    monkeypatch.setattr(block_bwd.launch_bwd, "stream", lambda device: 0)
+    caches.clear_all()
     offsets = torch.tensor([0, 5, 70])
     q, k, v = (torch.randn(70, 2, 16) for _ in range(3))
     plan = block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), ("key",), 64, 0.25, False,
@@ -181,7 +184,7 @@ def _inputs(lengths, heads, kv_heads, dim, dtype=torch.float16, seed=0):
 
 def _spy(monkeypatch):
     """Count the planned launches that gave gradients."""
-    from blockattn_layers.kernels.block_bwd import PlannedBackward
+    from blockattn_layers.kernels.block.bwd import PlannedBackward
 
     used = []
     launch = PlannedBackward.launch
@@ -215,7 +218,8 @@ PLANNED_CASES = [
 def test_planned_backward_gives_the_ordinary_bits(monkeypatch, case, table):
     """GQA, edge lengths; the in-kernel schedule and the block table (kept alive by the plan:
     memory is reused and scribbled on between forward and backward)."""
-    from blockattn_layers.kernels import _schedule, block_fwd
+    from blockattn_layers.kernels.block import fwd as block_fwd
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
@@ -268,7 +272,7 @@ def test_planned_backward_follows_the_input_strides(monkeypatch):
     """Inputs of the same shapes, first contiguous, then views into one packed ``[T, 3H, D]``
     tensor (other strides, so another forward key and backward plan): each planned backward
     gives the ordinary path's bits."""
-    from blockattn_layers.kernels import block_fwd
+    from blockattn_layers.kernels.block import fwd as block_fwd
 
     lengths = [3, 64, 0, 130, 1, 77]
     (q, k, v), offsets = _inputs(lengths, 2, 2, 64)

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 import blockattn_layers as bl
 from blockattn_layers.ops.backends.triton_block import interpreter_active
-from blockattn_layers.kernels import _flash_common as flash_common
-from blockattn_layers.kernels._flash_common import FlashSchedule, tma_loads
-from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
-from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
+from blockattn_layers.kernels.flash import schedule as flash_common
+from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
+from blockattn_layers.kernels.flash.schedule import FlashSchedule, tma_loads
 
 from tests.oracle import offsets_from_lengths, oracle_attention, rel_err, rotary_positions
 
@@ -103,7 +103,7 @@ def test_tile_table_covers_every_row_once(lengths, block_size, tile, exact, late
 def test_full_attention_visits_longest_first(lengths, chunk):
     """Full attention's table lists sequences longest first, ties in batch order: sorted inside
     the prefix kernel up to one chunk of sequences, by a device argsort past it."""
-    from blockattn_layers.kernels import _flash_common
+    from blockattn_layers.kernels.flash import schedule as _flash_common
 
     offsets = offsets_from_lengths(lengths)
     old = _flash_common._PREFIX_CHUNK
@@ -227,7 +227,7 @@ def test_tensor_map_and_pointer_loads_agree(monkeypatch, block_size, causal):
 
 def test_tensor_maps_off_by_environment():
     """``BLOCKATTN_TENSOR_MAPS=0`` turns the tensor-map loads off at import; by default they are on."""
-    code = ("import torch; from blockattn_layers.kernels._flash_common import tma_loads; "
+    code = ("import torch; from blockattn_layers.kernels.flash.schedule import tma_loads; "
             "x = torch.zeros(8, 2, 32); print(tma_loads(x, x, x, rope_theta=None))")
     for value, want in (("0", "False"), ("1", "True")):
         env = dict(os.environ, BLOCKATTN_TENSOR_MAPS=value)

@@ -14,6 +14,7 @@ import torch
 
 import blockattn_layers as bl
 from blockattn_layers import reference
+from blockattn_layers.kernels.block import variants
 
 pytestmark = pytest.mark.gpu
 
@@ -214,7 +215,8 @@ def test_more_than_2_pow_31_elements():
 def test_small_calls_launch_path(monkeypatch, path):
     """Calls launch the compiled kernel directly from the second call on; both paths, with the
     block table or the in-kernel schedule, match the oracle on changing batches."""
-    from blockattn_layers.kernels import _launch, _schedule
+    from blockattn_layers.kernels.common import launch as _launch
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     if path == "specialized":
         monkeypatch.setattr(_launch, "DIRECT", False)
@@ -226,10 +228,11 @@ def test_small_calls_launch_path(monkeypatch, path):
 
 def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
     """From the second forward of a signature on, the launch remembered for it runs
-    (``block_fwd._REMEMBERED``: no variant choice, launch plan or launcher key); across batches,
-    input strides, alignments, positions' dtypes and a variant switch it gives the bits of the
-    ordinary launch through ``kernel[grid]``."""
-    from blockattn_layers.kernels import _common, _launch, block_fwd
+    (``block.fwd._REMEMBERED``: no variant choice, launch plan or launcher key); across batches,
+    input strides, alignments, positions' dtypes and a variant switch (which forgets the
+    remembered launches) it gives the bits of the ordinary launch through ``kernel[grid]``."""
+    from blockattn_layers.kernels.block import fwd as block_fwd
+    from blockattn_layers.kernels.common import launch as _launch
 
     ordinary_calls = []
     ordinary = block_fwd._launch_ordinary
@@ -239,8 +242,7 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
         return ordinary(*args)
 
     monkeypatch.setattr(block_fwd, "_launch_ordinary", spy)
-    monkeypatch.setattr(_common, "KERNELS", "auto")  # (persistent launches are not remembered)
-    block_fwd._REMEMBERED.clear()
+    variants.force_variant("auto")
 
     def inputs(lengths, seed, layout):
         q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)
@@ -260,7 +262,7 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
              ("contiguous", "float"), ("contiguous", None)]
     for i, (layout, positions) in enumerate(cases):
         if i == len(cases) - 1:
-            monkeypatch.setattr(_common, "KERNELS", "simple")
+            variants.force_variant("simple")
         for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0, 200], [1, 1, 65])):
             q, k, v, offsets = inputs(lengths, seed, layout)
             kw = {}
@@ -274,6 +276,7 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
             want = forward(q, k, v, offsets, **kw)
             monkeypatch.setattr(_launch, "DIRECT", True)
             assert torch.isfinite(got).all() and torch.equal(got, want), (layout, positions, seed)
+    variants.force_variant("auto")
 
 
 def test_compile_fullgraph_no_recompile_across_batches():
@@ -298,11 +301,7 @@ def test_compile_fullgraph_no_recompile_across_batches():
 
 
 def test_kernels_compile_once_across_batches():
-    from blockattn_layers.kernels.block_bwd import _launch_bwd, _launch_hopper_bwd, _launch_hopper_ws_bwd
-    from blockattn_layers.kernels.block_fwd import _launch_fwd, _launch_hopper_fwd, _launch_hopper_ws_fwd
-
-    launchers = (_launch_fwd, _launch_bwd, _launch_hopper_fwd, _launch_hopper_bwd, _launch_hopper_ws_fwd,
-                 _launch_hopper_ws_bwd)
+    launchers = [launcher for variant in variants.VARIANTS.values() for launcher in variant.kernels()]
 
     def count():
         return tuple(sum(len(c[0]) for c in x.kernel.device_caches.values()) if x.kernel else 0 for x in launchers)
@@ -344,22 +343,27 @@ def test_hopper_kernels_forced(monkeypatch, case, table):
 def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
     """``variant`` forced takes the call (checked) and matches the float64 oracle, bf16 and fp16;
     ``positions="int"`` / ``"float"`` in ``case`` draws random positions."""
-    from blockattn_layers.kernels import _common, _schedule
+    from blockattn_layers.kernels.common import schedule as _schedule
 
-    monkeypatch.setattr(_common, "KERNELS", variant)
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
-    for dtype in (torch.bfloat16, torch.float16):
-        q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, dtype, seed=heads + dim)
-        if isinstance(case.get("positions"), str):
-            total = q.shape[0]
-            case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
-                                 else torch.rand(total, device=DEV) * 4000)
-        rot = dim if case.get("rope_theta") else 0
-        assert _common.block_variant(q, (q, k, v), case["block_size"], rot, False, False) == variant
-        check_against_oracle(q, k, v, offsets, **dict(case))
+    with variants.forced_variant(variant):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, dtype, seed=heads + dim)
+            if isinstance(case.get("positions"), str):
+                total = q.shape[0]
+                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                                     else torch.rand(total, device=DEV) * 4000)
+            rot = dim if case.get("rope_theta") else 0
+            assert _variant(q, k, (q, k, v), case["block_size"], rot) == variant
+            check_against_oracle(q, k, v, offsets, **dict(case))
+
+
+def _variant(q, k, tensors, block_size, rot, interleaved=False, int64=False) -> str:
+    """The variant that computes this call."""
+    return variants.choose(variants.call_facts(q, k, block_size, rot, interleaved, int64), q, tensors).name
 
 
 HOPPER_WS_CASES = [
@@ -374,7 +378,7 @@ HOPPER_WS_CASES = [
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", HOPPER_WS_CASES, ids=_case_id)
 def test_hopper_ws_kernels_forced(monkeypatch, case, table):
-    """The persistent, warp-specialized kernels take these calls on sm_90 (checked), forward and
+    """The experimental persistent, warp-specialized kernels, forced, take these calls on sm_90 (checked), forward and
     backward, and match the float64 oracle, fp16 and bf16: full blocks through TMA, ragged and
     empty ones (the edge lengths) through masked copies, with the in-kernel schedule or the table."""
     _forced_variant_matches_oracle(monkeypatch, "hopper_ws", case, table, EDGE_LENGTHS * 2 + [64] * 5)
@@ -384,28 +388,24 @@ def test_hopper_ws_kernels_forced(monkeypatch, case, table):
 def test_hopper_ws_cuda_graph_replay(monkeypatch):
     """The hopper_ws kernels (tensor maps made in the kernel, their scratch from PyTorch's
     allocator during capture) replay captured forward and backward with new data."""
-    from blockattn_layers.kernels import _common
-
-    monkeypatch.setattr(_common, "KERNELS", "hopper_ws")
     q = torch.empty(1, 4, 64, device=DEV, dtype=torch.bfloat16)
-    assert _common.block_variant(q, (q, q, q), 64, 0, False, False) == "hopper_ws"
-    _graph_replay_matches_eager(64, "triton", kv_heads=4)
+    with variants.forced_variant("hopper_ws"):
+        assert _variant(q, q, (q, q, q), 64, 0) == "hopper_ws"
+        _graph_replay_matches_eager(64, "triton", kv_heads=4)
 
 
 @SM90
 def test_hopper_falls_back_to_simple(monkeypatch):
-    """Calls the hopper kernels do not take run the simple ones: fp32, 128-row blocks, partial or
-    interleaved rotary, rows not 16-byte aligned, 64-bit offsets."""
-    from blockattn_layers.kernels import _common
-
-    monkeypatch.setattr(_common, "KERNELS", "hopper")
+    """Calls the hopper kernels do not take run the simple ones under auto: fp32, 128-row blocks,
+    partial or interleaved rotary, rows not 16-byte aligned, 64-bit offsets."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
-    assert _common.block_variant(q, (q, k, v), 64, 0, False, False) == _common.kernel_variant(q) == "hopper"
-    for args in [(q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
-                 (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
-                 (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
-        assert _common.block_variant(*args) == "simple"
+    assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
+    for q_, tensors, block, rot, interleaved, int64 in [
+            (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
+            (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
+            (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
+        assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
     check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
     check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)
 

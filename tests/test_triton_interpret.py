@@ -159,7 +159,7 @@ def test_explicit_triton_refuses_unsupported_with_reasons():
 @pytest.mark.parametrize("mode", ["inline", "table"])
 def test_block_table_and_inline_schedule(monkeypatch, mode):
     """Small batches find their blocks from offsets inside the kernel; large ones use the table."""
-    from blockattn_layers.kernels import _schedule
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     if mode == "table":
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
@@ -170,7 +170,7 @@ def test_block_table_and_inline_schedule(monkeypatch, mode):
 
 
 def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
-    from blockattn_layers.kernels import _schedule
+    from blockattn_layers.kernels.common import schedule as _schedule
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 4, (_schedule.INLINE_MAX_SEQS,), generator=g).tolist()
@@ -183,33 +183,12 @@ def test_inline_schedule_at_its_limit_matches_table(monkeypatch):
     assert rel_err(inline, oracle_attention(q.double(), k.double(), v.double(), offsets, 2)) < 2e-5
 
 
-@pytest.mark.parametrize("mode", ["inline", "table"])
-def test_persistent_kernels_match_oracle(monkeypatch, mode):
-    """The persistent variant (4 resident programs on CPU) loops over uneven tile ranges."""
-    from blockattn_layers.kernels import _common, _schedule
-
-    monkeypatch.setattr(_common, "KERNELS", "persistent")
-    if mode == "table":
-        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
-    positions, tol = rotary_positions("int", sum(EDGE_LENGTHS))
-    _check(EDGE_LENGTHS, 4, 2, 16, torch.float32, block_size=32, causal=True, rope_theta=1e4,
-           positions=positions, tol=tol)
-    _check(EDGE_LENGTHS, 2, 1, 32, torch.float16, block_size=64, rope_theta=1e4, causal=True)
-    _check(EDGE_LENGTHS, 3, 3, 24, torch.float16, block_size=48)
-
-
-# fp16 with 64-row blocks: the persistent kernels' prefetching tile loop, which runs empty slots
-# masked instead of branching around them.
 LEAK_CASES = [(torch.float32, 32, 2e-5, 4e-5), (torch.float16, 64, 2e-3, 5e-3)]
 
 
 @pytest.mark.parametrize("dtype,block_size,fwd_tol,grad_tol", LEAK_CASES, ids=["fp32", "fp16"])
-@pytest.mark.parametrize("variant", ["simple", "persistent"])
-def test_other_sequences_never_leak_in(monkeypatch, variant, dtype, block_size, fwd_tol, grad_tol):
+def test_other_sequences_never_leak_in(dtype, block_size, fwd_tol, grad_tol):
     """NaN in one sequence's q, k, v leaves every other sequence's outputs and gradients exact."""
-    from blockattn_layers.kernels import _common
-
-    monkeypatch.setattr(_common, "KERNELS", variant)
     lengths = [20, 37, 64, 9]
     offsets = _offsets(lengths)
     q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 2, 16, dtype, 9))
@@ -227,38 +206,3 @@ def test_other_sequences_never_leak_in(monkeypatch, variant, dtype, block_size, 
     assert rel_err(out[keep], want) < fwd_tol
     for got, ref in zip(grads, want_grads):
         assert rel_err(got[keep], ref) < grad_tol
-
-
-def test_persistent_matches_simple_bitwise(monkeypatch):
-    from blockattn_layers.kernels import _common
-
-    q, k, v = (x.requires_grad_() for x in _inputs([7, 0, 90, 33], 2, 1, 16, torch.float32, 5))
-    offsets = _offsets([7, 0, 90, 33])
-
-    def run():
-        out = bl.block_attention(q, k, v, offsets, block_size=16, backend="triton", rope_theta=100.0)
-        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
-
-    simple = run()
-    monkeypatch.setattr(_common, "KERNELS", "persistent")
-    assert all(torch.equal(a, b) for a, b in zip(simple, run()))
-
-
-def test_kernel_variant_knob(monkeypatch):
-    from blockattn_layers.kernels import _common
-
-    x = torch.empty(1)
-    assert _common.kernel_variant(x) == "simple"
-    monkeypatch.setattr(_common, "KERNELS", "fast")
-    wanted = "BLOCKATTN_KERNELS must be auto or one of simple, persistent, hopper, hopper_ws, got 'fast'"
-    with pytest.raises(ValueError, match=wanted):
-        _common.kernel_variant(x)
-    simple = dict(PERSISTENT=False, num_stages=1, BLOCK_D=64)
-    assert _common.block_grid(simple, 10, 3, x.device, False) == (10, 3)
-    # 4 SMs off the GPU; resident programs per SM by stages, direction and head dim
-    one, two = dict(simple, PERSISTENT=True), dict(simple, PERSISTENT=True, num_stages=2)
-    assert _common.block_grid(one, 10, 3, x.device, False) == (16,)
-    assert _common.block_grid(one, 10, 3, x.device, True) == (8,)
-    assert _common.block_grid(one, 2, 1, x.device, False) == (2,)
-    assert _common.block_grid(two, 10, 3, x.device, False) == (12,)
-    assert _common.block_grid(dict(two, BLOCK_D=128), 10, 3, x.device, True) == (4,)

@@ -1,7 +1,6 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional
 
 import torch
@@ -66,41 +65,33 @@ def _import_failed(err: BaseException):
     return skip
 
 
-@contextlib.contextmanager
-def _kernel_variant(variant: str):
-    """Run the block kernels as ``variant`` (``blockattn_layers.kernels._common.KERNELS``)."""
-    from blockattn_layers.kernels import _common
-
-    saved, _common.KERNELS = _common.KERNELS, variant
-    try:
-        yield
-    finally:
-        _common.KERNELS = saved
-
-
 def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
     backend_skip = _skip(spec)
 
     def skip(case: Case, cfg: RunConfig) -> Optional[str]:
-        from blockattn_layers.kernels._common import kernel_variant
+        from blockattn_layers.kernels.block import variants
 
-        if kernel_variant(torch.empty(0, device=cfg.device)) == variant:
-            return "the 'triton' row runs this variant on this GPU"
+        reasons = spec.variant_reasons(_request(case, cfg))
+        if reasons.get(variant) == [] and variants.forced() is None:
+            return "the 'triton' row runs this variant here"
+        why = [r for r in reasons.get(variant, []) if not r.startswith(("a variant before", "auto takes", "experimental"))]
+        if why:
+            return "; ".join(why)
         return backend_skip(case, cfg)
 
     return skip
 
 
 def _variant_methods(spec: blockattn_layers.BackendSpec) -> List[Method]:
-    """``triton`` with the block-kernel variants that it does not pick itself, side by side."""
-    if spec.name != "triton":
+    """``triton`` with each block-kernel variant forced, side by side (those that can compute the case)."""
+    if spec.variant_reasons is None:
         return []
-    from blockattn_layers.kernels._common import VARIANTS
+    from blockattn_layers.kernels.block.variants import VARIANTS, forced_variant
 
     return [
-        Method(f"triton[{variant}]", "ours", _setup(spec.name), _attention, skip=_variant_skip(spec, variant),
-               gpu_only=True, description=f"triton backend, {variant} block kernels forced",
-               context=lambda variant=variant: _kernel_variant(variant))
+        Method(f"{spec.name}[{variant}]", "ours", _setup(spec.name), _attention, skip=_variant_skip(spec, variant),
+               gpu_only=True, description=f"{spec.name} backend, {variant} block kernels forced",
+               context=lambda variant=variant: forced_variant(variant))
         for variant in VARIANTS
     ]
 

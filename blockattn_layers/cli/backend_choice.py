@@ -5,7 +5,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..ops import backends as _backends  # noqa: F401  (registers the backends)
-from ..dispatch import AttentionRequest, explain, registered_backends
+from ..dispatch import AttentionRequest, explain, explain_variants, registered_backends
 
 
 def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Optional[str], Dict[str, List[str]]]:
@@ -33,11 +33,18 @@ def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Opti
 
 
 def format_choice(req: AttentionRequest, hypothetical: bool = False) -> List[str]:
-    """Lines saying what ``auto`` picks for ``req``, then each backend's reasons to refuse it (or ok)."""
+    """Lines saying what ``auto`` picks for ``req``, then each backend's reasons to refuse it (or ok),
+    and for the chosen backend's kernel variants which one runs and why the others do not."""
     choice, reasons = auto_choice(req, hypothetical)
     lines = [f"auto -> {choice or 'no backend'}"]
     for name, why in reasons.items():
         lines.append(f"  {name}: {'; '.join(why) if why else 'ok'}")
+    variants = explain_variants(req).get(choice)
+    if variants:
+        running = next((name for name, why in variants.items() if not why), "chosen per call")
+        lines.append(f"  {choice} kernels -> {running}")
+        for name, why in variants.items():
+            lines.append(f"    {name}: {'; '.join(why) if why else 'runs'}")
     return lines
 
 

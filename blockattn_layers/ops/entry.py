@@ -20,22 +20,23 @@ from torch import Tensor
 
 from .._params import AttentionParams
 from ..dispatch import BackendSpec
+from ..runtime import private_api
 from . import library
 
 
 def _eager(x: Tensor) -> bool:
     """A plain tensor with data, outside tracing and dispatch modes."""
     return (type(x) is torch.Tensor and not x.is_meta and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
+            and private_api.dispatch_stack_depth() == 0)
 
 
 def plain_eager(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Plain tensors outside tracing, dispatch modes and functorch transforms. (A tensor left
     over from an exited ``torch.func`` transform is a functorch wrapper, though its type is
     ``torch.Tensor``.)"""
-    if not _eager(q) or torch._C._are_functorch_transforms_active():
+    if not _eager(q) or private_api.functorch_transforms_active():
         return False
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    is_wrapped = private_api.is_functorch_wrapped
     return not (is_wrapped(q) or is_wrapped(k) or is_wrapped(v))
 
 
@@ -47,7 +48,7 @@ def raw_apply(function: type) -> Callable:
     caller checks both: :func:`plain_eager`) before calling the C implementation: about a third of
     the host time of the call. Where torch lacks the C ``apply``, ``function.apply``.
     """
-    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    raw = private_api.FUNCTION_APPLY
     if raw is None or not hasattr(raw, "__get__"):
         return function.apply
     return raw.__get__(None, function)

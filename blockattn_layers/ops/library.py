@@ -28,6 +28,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._params import AttentionParams
 from ..dispatch import BackendSpec, select_for_call
+from ..runtime.private_api import is_fake
 
 # Blocks of up to this many tokens are computed in one tile, with no logsumexp to save.
 SINGLE_TILE_MAX = 128
@@ -110,8 +111,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _host_offsets(offsets: Tensor, cpu_offsets: Optional[Tensor]) -> Optional[Tensor]:
     """Offsets with values to read (the counter may read device values: it is no op), or None
     under fake tensors, where only shapes exist."""
-    from torch._subclasses.fake_tensor import is_fake
-
     for candidate in (cpu_offsets, offsets):
         if candidate is not None and not candidate.is_meta and not is_fake(candidate):
             return candidate.detach().to("cpu", torch.int64)

@@ -1,22 +1,24 @@
 """The ``triton`` backend: single-pass block kernels (``blockattn_layers.kernels``), one tile per block.
 
 For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
-backward that recomputes the probabilities from q, k, v. The block-kernel variant (simple,
-hopper, ...) is chosen inside the kernels' launchers. Kernel sizes are run-time arguments, so
+backward that recomputes the probabilities from q, k, v. The block-kernel variants (simple,
+hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
+choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Kernel sizes are run-time arguments, so
 batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
 interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from blockattn_layers.kernels._common import MAX_TILE
-from blockattn_layers.kernels.block_bwd import block_attention_bwd
-from blockattn_layers.kernels.block_fwd import block_attention_fwd, block_attention_fwd_planned
+from blockattn_layers.kernels.block import variants
+from blockattn_layers.kernels.block.bwd import block_attention_bwd
+from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_planned
+from blockattn_layers.kernels.common.meta import MAX_TILE
 
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from ..library import SINGLE_TILE_MAX
@@ -69,6 +71,16 @@ def triton_devices() -> frozenset:
     return frozenset({"cuda", "cpu"}) if interpreter_active() else frozenset({"cuda"})
 
 
+def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
+    """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs)."""
+    rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
+    groups = req.num_heads // req.num_kv_heads
+    major = req.capability[0] if req.capability is not None else None
+    facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
+                               req.rotary_interleaved, False)
+    return variants.explain(facts)
+
+
 def cuda_reasons(req: AttentionRequest) -> list:
     if req.device_type == "cuda" and not torch.cuda.is_available():
         return ["CUDA is not available"]
@@ -89,6 +101,7 @@ register_backend(BackendSpec(
     max_block_size=SINGLE_TILE_MAX,
     full_attention=False,
     extra_reasons=cuda_reasons,
+    variant_reasons=_variant_reasons,
     description="single-pass Triton kernels, one tile per block (block_size <= 128); CUDA sm_80+, "
     "or CPU tensors under TRITON_INTERPRET=1",
 ))

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from blockattn_layers.kernels.flash_bwd import flash_attention_bwd
-from blockattn_layers.kernels.flash_fwd import flash_attention_fwd
+from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from ..library import SINGLE_TILE_MAX

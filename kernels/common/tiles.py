@@ -1,6 +1,6 @@
 """Tile loads and stores shared by the block-attention kernels (``@triton.jit`` only).
 
-A row tile of q or k is read as up to three column tiles (see ``_rotary``): ``a`` and ``b``
+A row tile of q or k is read as up to three column tiles (see ``common.rotary``): ``a`` and ``b``
 hold the two channels of each rotary pair, ``p`` the channels that pass through (all of
 them without rotary). Column tiles are padded to powers of two and masked.
 """

@@ -19,11 +19,11 @@ exactly one program in a fixed order, so the backward is bitwise deterministic. 
 gradients are rotated back by the transpose rotation before dq and dk are stored
 (``rotate_pair(..., INVERSE=True)``).
 
-Loads: as in ``flash_fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
+Loads: as in ``flash.fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
 tiles in the dQ pass) through tensor maps where ``tma_loads`` allows; then the dK/dV pass leaves
 the partial last query tile to its masked loop (seed3 backward on the H200: 4.18 -> 3.72 ms).
 
-Requirements: as ``flash_fwd``; ``o`` and ``lse`` from ``flash_attention_fwd`` of the same call.
+Requirements: as ``flash.fwd``; ``o`` and ``lse`` from ``flash_attention_fwd`` of the same call.
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta, major_of
-from ._flash_common import (
+from ..common.meta import LOG2E, kernel_meta, major_of
+from .schedule import (
     FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_acc, split_scores,
     store_split, tile_of_program, tile_sin_cos, tma_loads,
 )
-from ._launch import Launcher
-from ._tiles import load_cols, store_cols
+from ..common.launch import Launcher
+from ..common.tiles import load_cols, store_cols
 
 _LOG2E = tl.constexpr(LOG2E)
 

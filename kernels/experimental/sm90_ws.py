@@ -1,8 +1,10 @@
-"""Persistent, warp-specialized block attention for Hopper (sm_90) in Gluon: the ``hopper_ws`` variant.
+"""Persistent, warp-specialized block attention for Hopper (sm_90) in Gluon: the experimental
+``hopper_ws`` variant (``block.variants.HOPPER_WS``: never taken by ``auto``, run only when
+forced; the design to start the Blackwell kernels from).
 
-Same arguments and constexprs as the other block kernels. ``min(#SMs x k, #tiles)`` programs each
-take a balanced contiguous range of (block, kv head) tiles (``_tile_range``, as
-``_schedule.persistent_range``). In each program a one-warp loader partition fills a ring of
+Same positional arguments as the other block kernels (the constexprs are the subset these use).
+``min(#SMs x k, #tiles)`` programs each take a balanced contiguous range of (block, kv head)
+tiles (``_tile_range``). In each program a one-warp loader partition fills a ring of
 ``STAGES`` shared-memory slots while the four-warp compute partition (one warpgroup) works on the
 slot before: the loads of tile i+1 overlap the math of tile i.
 
@@ -12,12 +14,12 @@ slot before: the loads of tile i+1 overlap the math of tile i.
 - Ragged and empty blocks: the loader only signals the slot; the compute partition copies the
   rows it needs with masked ``cp.async`` (rows past the block zero-filled) and stores with masks,
   so no other block's data is read: a TMA box past the block would hold the next sequence's rows.
-- The math per tile is the hopper kernels' (``hopper_block``): wgmma from the shared tiles, the
+- The math per tile is the hopper kernels' (``sm90.block``): wgmma from the shared tiles, the
   rotary halves rotated in place, the exact softmax, results staged through a dead tile.
 
 Slots are handed over with two mbarriers each: ``ready`` (the loader's TMA bytes, or its bare
 arrival for a ragged block) and ``empty`` (the compute partition is done with the slot).
-Admitted calls (``_common.hopper_ws_admits``): the hopper variant's, one query head per kv head
+Admitted calls (``block.variants.HOPPER_WS``): the hopper variant's, one query head per kv head
 and heads contiguous within a row (head stride ``D``), so one 2-D tensor map covers every head.
 
 On the H200 (BENCHMARKS.md, session 11) these are slower than the hopper kernels on every prod
@@ -32,10 +34,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from .hopper_block import (
-    _acc_layout, _block_of, _copy_halves, _copy_rows, _probs, _rotate_in_place, _row_layout, _sin_cos,
+from ..common.launch import Launcher
+from ..sm90.block import (
+    _acc_layout, _block_of, _copy_halves, _copy_rows, _probs, _row_layout,
     _smem_layout, _store_halves_via, _store_via,
 )
+from ..sm90.rotary import rotate_in_place, sin_cos
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(48)
@@ -45,8 +49,8 @@ _ROWS = gl.constexpr(2**31 - 1)
 
 @gluon.jit
 def _tile_range(slots, kv_heads):
-    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles:
-    ``_schedule.persistent_range`` written again in Gluon (which cannot call Triton JIT functions)."""
+    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
+    (tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
     tiles = slots.to(gl.int64) * kv_heads
     lo = gl.program_id(0) * tiles // gl.num_programs(0)
     hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
@@ -155,8 +159,8 @@ def _tile_scores(qa, qb, ka, kb, vt, dot, Q, K, V, DO, h, start, n, sin, cos, of
         async_copy.wait_group(0)
     if ROTARY:
         gl.thread_barrier()
-        _rotate_in_place(qa, qb, sin, cos, rot_l)
-        _rotate_in_place(ka, kb, sin, cos, rot_l)
+        rotate_in_place(qa, qb, sin, cos, rot_l)
+        rotate_in_place(ka, kb, sin, cos, rot_l)
     fence_async_shared()
     gl.thread_barrier()
     acc = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
@@ -191,7 +195,7 @@ def _fwd_compute(o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sch
         qa, qb, ka, kb, vt = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s), v_s.index(s)
         if ROTARY:
             # Angles while the loads are in flight.
-            sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
         else:
             sin = 0.0  # (unused without rotary)
             cos = 0.0
@@ -215,11 +219,8 @@ def _hopper_ws_fwd_kernel(
     slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
-    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, HEAD_LOOP: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
 ):
     ROTARY: gl.constexpr = ROT_DIM > 0
     WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
@@ -282,7 +283,7 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
         qa, qb, ka, kb = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s)
         vt, dot = v_s.index(s), do_s.index(s)
         if ROTARY:
-            sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
         else:
             sin = 0.0  # (unused without rotary)
             cos = 0.0
@@ -306,7 +307,7 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
-                sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
                 dqa = warpgroup_mma(pds_s, ka, zero_h)
                 dqb = warpgroup_mma(pds_s, kb, zero_h)
                 _store_tile(dot, dq_map, DQ + h * stride_dqh, (dqa * cos_h + dqb * sin_h) * scale,
@@ -336,10 +337,8 @@ def _hopper_ws_bwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
-    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
 ):
     ROTARY: gl.constexpr = ROT_DIM > 0
     WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
@@ -376,3 +375,7 @@ def _hopper_ws_bwd_kernel(
                    num_seqs, block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS, True)),
     ], [1], [LOADER_REGS])
     _drop_slots(ready, empty)
+
+
+launch_fwd = Launcher(_hopper_ws_fwd_kernel, scratch=True)
+launch_bwd = Launcher(_hopper_ws_bwd_kernel, scratch=True)

@@ -6,7 +6,7 @@ its block (causal: only up to the tile's diagonal) with an online softmax: a run
 and running sum in float32, the accumulator rescaled when the max grows. It writes ``O``
 and the natural-log logsumexp ``lse [H, T]`` (float32, of the scaled scores) that the
 backward needs. Rotary is applied to the q and k tiles right after loading (see
-``_rotary``); positions are the index in the sequence or the given ones.
+``common.rotary``); positions are the index in the sequence or the given ones.
 
 Requirements: ``q [T, H, D]``, ``k, v [T, H_kv, D]`` with ``H % H_kv == 0``, any strides;
 ``offsets [B+1]`` int32/int64; ``block_size`` >= 1, or 0 for full per-sequence attention.
@@ -23,13 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, kernel_meta, major_of
-from ._flash_common import (
+from ..common.meta import LOG2E, kernel_meta, major_of
+from .schedule import (
     FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_scores, tile_of_program,
     tile_sin_cos, tma_loads,
 )
-from ._launch import Launcher
-from ._tiles import store_cols
+from ..common.launch import Launcher
+from ..common.tiles import store_cols
 
 _LN2 = tl.constexpr(0.6931471805599453)
 

@@ -1,8 +1,8 @@
 """Block-attention forward and backward for Hopper (sm_90), written in Gluon: the ``hopper`` variant.
 
-Same contract, arguments and constexprs as ``block_fwd`` / ``block_bwd`` (so the launchers,
-launch plans and the planned backward serve both), for the inputs ``_common.hopper_fits``
-admits: fp16 / bf16, head dim 64 or 128, blocks of at most 64 rows, no rotary or rotary on all
+Same contract and positional arguments as ``block.fwd`` / ``block.bwd`` (so the launchers,
+launch plans and the planned backward serve both; the constexprs are the subset these kernels
+use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dim 64 or 128, blocks of at most 64 rows, no rotary or rotary on all
 channels in split halves (positions given or implicit), 16-byte aligned rows with unit channel
 stride, 32-bit offsets. One program per (block, kv head) and its ``GROUPS`` query heads.
 
@@ -25,8 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-_TWO_PI = gl.constexpr(6.283185307179586)
-_INV_TWO_PI = gl.constexpr(0.15915494309189535)
+from ..common.launch import Launcher
+from .rotary import rotate_in_place, sin_cos, sin_cos_rows
 
 
 @gluon.jit
@@ -37,7 +37,7 @@ def _add(a, b):
 @gluon.jit
 def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr, WARPS: gl.constexpr):
     """``(start, length, first_row)`` of block ``pid`` (in a region of ``WARPS`` warps):
-    ``_schedule.block_of_program`` written again in Gluon (which cannot call Triton JIT functions:
+    ``common.schedule.block_of_program`` written again in Gluon (which cannot call Triton JIT functions:
     its tensors carry layouts)."""
     if INLINE_SEQS > 0:
         layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // (32 * WARPS), 1)], [32], [WARPS], [0])
@@ -74,48 +74,6 @@ def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HALF: gl.constexpr
     """``_copy_rows`` of a row tile's rotary halves: columns ``[0, HALF)`` and ``[HALF, 2 HALF)``."""
     _copy_rows(a_s, src, rows, offs_h, mask, stride_t)
     _copy_rows(b_s, src, rows, offs_h + HALF, mask, stride_t)
-
-
-@gluon.jit
-def _reduced(angle):
-    """``angle`` moved into [-pi, pi], where sin/cos.approx are accurate (~1e-6)."""
-    return angle - _TWO_PI * gl.floor(angle * _INV_TWO_PI + 0.5)
-
-
-@gluon.jit
-def _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
-             HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
-    """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
-    positions, or at ``first_row + m`` with the angles reduced once per column (the Gluon form of
-    ``_rotary.block_sin_cos`` with ``PER_COLUMN``)."""
-    return _sin_cos_rows(Pos, start, n, first_row, log2_theta, 0, BLOCK_M, HALF, HAS_POS, LAYOUT)
-
-
-@gluon.jit
-def _sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                  HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
-    """``_sin_cos`` of the block's rows ``ROW0 .. ROW0 + ROWS`` (the same values)."""
-    offs_m = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
-    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
-    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
-    if HAS_POS:
-        pos = gl.load(Pos + start + offs_m, mask=offs_m < n, other=0).to(gl.float32)
-        angle = _reduced(gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0))
-    else:
-        base = _reduced(first_row.to(gl.float32) * inv_freq)
-        angle = gl.expand_dims(base, 0) + gl.expand_dims(offs_m.to(gl.float32), 1) * gl.expand_dims(inv_freq, 0)
-    sin = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
-    cos = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
-    return sin, cos
-
-
-@gluon.jit
-def _rotate_in_place(a_s, b_s, sin, cos, LAYOUT: gl.constexpr):
-    """Rotate the shared halves ``(a, b) -> (a cos - b sin, a sin + b cos)`` (float32 math)."""
-    a = a_s.load(LAYOUT).to(gl.float32)
-    b = b_s.load(LAYOUT).to(gl.float32)
-    a_s.store((a * cos - b * sin).to(a_s.dtype))
-    b_s.store((a * sin + b * cos).to(b_s.dtype))
 
 
 @gluon.jit
@@ -199,7 +157,7 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
     for c in gl.static_range(BLOCK_M // ROWS):
         x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
-        sin, cos = _sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, HAS_POS, layout)
+        sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, HAS_POS, layout)
         offs_m = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         mask = gl.expand_dims(offs_m < n, 1)
         gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
@@ -256,7 +214,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
     v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], smem_d)
     _copy_head(qa_s.index(0), qb_s.index(0), ka_s.index(0), kb_s.index(0), v_s.index(0), Q, K, V, 0, rows, offs_h,
                offs_d, mask, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HALF)
-    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
     zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
     zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
     for h in range(kv_heads):
@@ -272,8 +230,8 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
             async_copy.wait_group(0)
         gl.thread_barrier()
         qa, qb, ka, kb = qa_s.index(stage), qb_s.index(stage), ka_s.index(stage), kb_s.index(stage)
-        _rotate_in_place(qa, qb, sin, cos, rot_l)
-        _rotate_in_place(ka, kb, sin, cos, rot_l)
+        rotate_in_place(qa, qb, sin, cos, rot_l)
+        rotate_in_place(ka, kb, sin, cos, rot_l)
         fence_async_shared()
         gl.thread_barrier()
         s = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
@@ -290,11 +248,8 @@ def _hopper_fwd_kernel(
     slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
-    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, HEAD_LOOP: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, HEAD_LOOP: gl.constexpr,
 ):
     hk = gl.program_id(1)
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
@@ -349,13 +304,13 @@ def _hopper_fwd_kernel(
             if ROTARY:
                 if g == 0:
                     # Angles while the copies are in flight.
-                    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
             async_copy.wait_group(0)
             if ROTARY:
                 gl.thread_barrier()
-                _rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
                 if g == 0:
-                    _rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
@@ -383,10 +338,8 @@ def _hopper_bwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, FAST_TRIG: gl.constexpr, INT64: gl.constexpr,
-    PRECISION: gl.constexpr, INLINE_SEQS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH: gl.constexpr,
+    GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
 ):
     hk = gl.program_id(1)
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
@@ -443,15 +396,15 @@ def _hopper_bwd_kernel(
             async_copy.commit_group()
             if ROTARY:
                 if g == 0:
-                    sin, cos = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
 
             # S once q and k have landed (dO and v may still be in flight).
             async_copy.wait_group(1)
             if ROTARY:
                 gl.thread_barrier()
-                _rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
                 if g == 0:
-                    _rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
@@ -495,7 +448,7 @@ def _hopper_bwd_kernel(
             elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 # (Angles again in the accumulators' layout: cheaper than keeping them live.)
-                sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                 _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
@@ -515,10 +468,14 @@ def _hopper_bwd_kernel(
                     dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
         dk_ptr = DK + hk * stride_dkh
         if ROTARY and not UNROTATE_IN_SMEM:
-            sin_h, cos_h = _sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+            sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
             _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
                               start, n, stride_dkt, BLOCK_M, BLOCK_D)
         elif not ROTARY:
             _store_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D)
         if GROUPS > 1:
             _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)
+
+
+launch_fwd = Launcher(_hopper_fwd_kernel)
+launch_bwd = Launcher(_hopper_bwd_kernel)

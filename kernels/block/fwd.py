@@ -3,13 +3,12 @@
 Per program: one block of one kv head, and the ``GROUPS`` query heads that share it (GQA).
 Each query head does ``S = QK^T`` once, an exact softmax over the whole block (no running
 max, no correction factors) and ``O = PV``; only ``O`` is written, no logsumexp. Rotary is
-applied to the q and k tiles right after loading (see ``_rotary``). Rows past the block are
-masked, so no other block's data is used.
+applied to the q and k tiles right after loading (see ``common.rotary``). Rows past the block
+are masked, so no other block's data is used.
 
-Variants (``_common.KERNELS``): one program per (block, kv head), or a persistent grid whose
-programs loop over a balanced contiguous range of those tiles; on sm_90 the Gluon kernels of
-``hopper_block`` (and, where forced, the warp-specialized ones of ``hopper_ws``) take the calls
-they admit.
+These are the ``simple`` variant's kernels; the launch runs the variant ``block.variants``
+chooses (on sm_90 the Gluon kernels of ``sm90.block`` for the calls they admit), all with the
+same arguments.
 """
 from __future__ import annotations
 
@@ -20,20 +19,21 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import (
-    LOG2E, block_grid, block_plan, block_variant, empty_contiguous, hopper_kernel, input_precision, needs_int64,
-)
-from ._launch import Launcher
-from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
-from ._schedule import Schedule, block_of_program, persistent_range
-from ._tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
-from .block_bwd import PlannedBackward, plan_backward
+from blockattn_layers.runtime.caches import HostCache
+
+from ..common.launch import Launcher
+from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
+from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
+from ..common.schedule import Schedule, block_of_program
+from ..common.tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
+from .bwd import PlannedBackward, plan_backward
+from .plan import block_grid, block_plan
+from .variants import call_facts, choose
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
 # (ptxas: 137 unbounded, no spills at 128; about 250 at D=128), launched with ``maxnreg=128``
-# (``_common.max_registers``): 4 programs of 4 warps per SM. ``_common.head_loop`` decides it for
+# (``block.plan.max_registers``): 4 programs of 4 warps per SM. ``block.plan.head_loop`` decides it for
 # the launch (the kernel's ``HEAD_LOOP``, and a grid of one kv head).
 
 
@@ -132,16 +132,12 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
-    """One block (table slot ``pid``) of kv head ``hk`` and its query heads (see ``_fwd_block``).
-
-    ``SKIP_EMPTY``: branch around empty slots; the prefetching persistent loop runs them masked
-    instead (why: ``_common.tile_loop_stages``).
-    """
+    """One block (table slot ``pid``) of kv head ``hk`` and its query heads (see ``_fwd_block``);
+    empty slots are skipped."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    # (A constexpr ``not SKIP_EMPTY`` makes the condition static: no branch at all.)
-    if not SKIP_EMPTY or n > 0:
+    if n > 0:
         _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
@@ -158,23 +154,13 @@ def _block_fwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, HEAD_LOOP: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
-    if PERSISTENT:
-        lo, hi = persistent_range(slots, kv_heads)
-        for t in tl.range(lo, hi):
-            _fwd_tile(Q, K, V, O, Sched, Pos, t // kv_heads, t % kv_heads, slots, num_seqs, block_size,
-                      qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                      HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, False, not PREFETCH)
-    else:
-        _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
-                  qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                  stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                  HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, True)
+    _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
+              qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+              stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+              HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP)
 
 
 def block_attention_fwd(
@@ -193,7 +179,7 @@ def block_attention_fwd_planned(
     rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, Optional[PlannedBackward]]:
     """:func:`block_attention_fwd`, and the launch of its backward prepared on this thread
-    (:class:`~blockattn_layers.kernels.block_bwd.PlannedBackward`, or None)."""
+    (:class:`~blockattn_layers.kernels.block.bwd.PlannedBackward`, or None)."""
     return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
                     rotary_interleaved, cpu_offsets, True)
 
@@ -209,21 +195,19 @@ class _Remembered:
         self.entry, self.strides, self.grid_heads, self.launcher, self.key = entry, strides, grid_heads, launcher, key
 
 
-# signature -> _Remembered; emptied when it reaches _MAX_REMEMBERED entries (a handful per model).
-# ``_common``'s tables (AUTO_VARIANT, the register caps) are read when an entry is made: clear it
-# after changing them.
-_REMEMBERED: dict = {}
-_MAX_REMEMBERED = 256
+# signature -> _Remembered (a handful per model).
+_REMEMBERED = HostCache("block_forwards")
 
 
 def _signature(q, k, v, pos, sched: Schedule, block_size, rot, interleaved, has_pos, causal, aligned) -> tuple:
     """Everything a forward launch's kernel and its non-address arguments depend on, besides the
-    sizes the kernels take at run time (T, B, the grid): what ``block_variant``, ``block_plan`` and
-    the launcher's key are computed from, so equal signatures launch the same compiled kernel with
-    the same stride arguments (o's follow from q's shape)."""
+    sizes the kernels take at run time (T, B, the grid): what the variant choice, ``block_plan``
+    and the launcher's key are computed from, so equal signatures launch the same compiled kernel
+    with the same stride arguments (o's follow from q's shape). (A forced variant is process
+    state: forcing one forgets the remembered launches.)"""
     return (q.device, q.dtype, k.dtype, v.dtype, pos.dtype, sched.table.dtype, q.shape[1:], k.shape[1:],
             q.stride(), k.stride(), v.stride(), block_size, rot, interleaved, has_pos, causal, sched.inline_seqs,
-            input_precision(q.dtype), _common.KERNELS, aligned)
+            input_precision(q.dtype), aligned)
 
 
 def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
@@ -274,23 +258,18 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
     """The forward launch through the variant choice, the launch plan and the launcher; remembers
     it under ``sig`` (if given) where it went direct. Returns the launcher's key (or None)."""
     kv_heads = k.shape[1]
-    variant = block_variant(q, (q, k, v), block_size, rot, interleaved, int64)
+    variant = choose(call_facts(q, k, block_size, rot, interleaved, int64), q, (q, k, v))
+    launcher = variant.kernels()[0]
     meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, sched.inline_seqs,
-                                 int64, variant)
+                                 int64, variant, launcher)
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
     args = (q, k, v, o, sched.table, pos, sched.programs, sched.num_seqs, block_size, qk_scale, log2_theta, kv_heads,
             *strides)
-    grid = block_grid(meta, sched.programs, 1 if loop else kv_heads, q.device, False, variant)
-    launcher = _LAUNCHERS.get(variant, _launch_fwd)
+    grid = block_grid(sched.programs, 1 if loop else kv_heads, q.device, False, variant, meta["BLOCK_D"])
     launched = launcher(grid, args, meta, q, key)
-    if sig is not None and launched is not None and not meta["PERSISTENT"]:
-        if len(_REMEMBERED) >= _MAX_REMEMBERED:
-            _REMEMBERED.clear()
-        _REMEMBERED[sig] = _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched)
+    if sig is not None and launched is not None and not variant.persistent:
+        _REMEMBERED.put(sig, _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched))
     return launched
 
 
-_launch_fwd = Launcher(_block_fwd_kernel)
-_launch_hopper_fwd = Launcher(hopper_kernel("_hopper_fwd_kernel"))
-_launch_hopper_ws_fwd = Launcher(hopper_kernel("_hopper_ws_fwd_kernel"), scratch=True)
-_LAUNCHERS = {"hopper": _launch_hopper_fwd, "hopper_ws": _launch_hopper_ws_fwd}
+launch_fwd = Launcher(_block_fwd_kernel)

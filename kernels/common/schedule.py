@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
+from .launch import Launcher
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
@@ -111,16 +111,6 @@ def block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: tl.co
         length = tl.load(Sched + slots + pid)
         first_row = tl.load(Sched + 2 * slots + pid)
         return start, length, first_row
-
-
-@triton.jit
-def persistent_range(slots, kv_heads):
-    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
-    (persistent kernels; tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
-    tiles = slots.to(tl.int64) * kv_heads
-    lo = tl.program_id(0) * tiles // tl.num_programs(0)
-    hi = (tl.program_id(0) + 1) * tiles // tl.num_programs(0)
-    return lo.to(tl.int32), hi.to(tl.int32)
 
 
 class Schedule:

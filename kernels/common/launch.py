@@ -7,7 +7,9 @@ waits through whenever the host has nothing queued ahead (the flash paths launch
 kernels per call). :class:`Launcher` keys its own cache by what Triton
 specializes on, or finer: each tensor's dtype and 16-byte alignment, the value of each int
 that Triton specializes (strides: a handful of values per layout, whatever T and B are), the
-constexprs and launch options; it launches the compiled kernel directly on a hit. A miss goes
+constexprs and launch options; it launches the compiled kernel directly on a hit (its entries
+are a ``runtime.caches.HostCache``; the Triton internals it calls are listed in
+``runtime.private_api``). A miss goes
 through ``kernel[grid]``, which compiles or finds the kernel and returns it. As the key is at
 least as fine as Triton's, a hit always runs the kernel Triton itself would have chosen.
 Arguments Triton does not specialize (``do_not_specialize`` ints, floats) stay out of the key;
@@ -17,25 +19,28 @@ Triton's C launcher otherwise calls ``data_ptr()`` and asks the driver whether t
 a device pointer, a few microseconds per launch; these tensors are on the call's device. Where
 the kernel needs no scratch memory, a hit calls the C launch function under Triton's launcher
 object directly (its Python ``__call__`` only adds scratch allocations). Callers that build their
-launch options once per signature (``_common.block_plan``) pass that signature as ``meta_key``,
+launch options once per signature (``block.plan.block_plan``) pass that signature as ``meta_key``,
 so the key need not hash every option on each call.
 
 Launch hooks (profilers) force the ordinary path. Triton launches on the current device; a call
 whose tensors are on another GPU switches to theirs for the launch.
 
-Kernels that need global scratch memory (``scratch=True``: the tensor maps the hopper_ws kernels
-make) get it from Triton's allocator; where the caller has set none, their launches set one over
+Kernels that need global scratch memory (``scratch=True``: the tensor maps the experimental
+hopper_ws kernels make) get it from Triton's allocator; where the caller has set none, their launches set one over
 PyTorch's caching allocator for the duration of the launch (CUDA-graph capture included).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from operator import itemgetter
 from typing import Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 from triton import knobs
 from triton.runtime import _allocation, driver
+
+from blockattn_layers.runtime.caches import HostCache
 
 # False sends every launch through ``kernel[grid]`` (the tests run both paths).
 DIRECT = True
@@ -91,13 +96,19 @@ class Launcher:
         self._const_names = None
         self._tensors = self._ints = None
         self._tensor_positions: Tuple[int, ...] = ()
-        self._compiled: Dict[Tuple, Tuple[object, tuple, tuple]] = {}
+        self._compiled: Dict[Tuple, Tuple[object, tuple, tuple]] = HostCache(
+            f"launcher:{getattr(kernel, '__name__', kernel)}")
         self._device = self._stream = None
 
-    def _constexpr_names(self) -> list:
+    def constexpr_names(self) -> list:
+        """Names of the kernel's constexpr parameters, in order."""
         if self._const_names is None:
-            const = set(self.kernel.constexprs)
-            self._const_names = [n for i, n in enumerate(self.kernel.arg_names) if i in const]
+            params = getattr(self.kernel, "params", None)
+            if params is not None:
+                self._const_names = [p.name for p in params if p.is_constexpr]
+            else:  # the interpreter's function: read the annotations
+                annotations = inspect.signature(self.kernel.fn).parameters
+                self._const_names = [n for n in self.kernel.arg_names if "constexpr" in str(annotations[n].annotation)]
         return self._const_names
 
     def _key_getters(self, args: Sequence[object]):
@@ -117,7 +128,7 @@ class Launcher:
         live on another GPU switches to theirs for the launch.
 
         ``meta_key``, when given, stands for ``meta`` in the cache key: the caller promises that
-        equal keys come with equal ``meta`` (``_common.block_plan`` builds both), which spares
+        equal keys come with equal ``meta`` (``block.plan.block_plan`` builds both), which spares
         hashing every item of ``meta`` on each call.
 
         Returns the cache key of a direct launch on the current device (equal keys: the same
@@ -188,7 +199,7 @@ class Launcher:
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
-            self._compiled[key] = _entry(compiled, tuple(meta[n] for n in self._constexpr_names()))
+            self._compiled.put(key, _entry(compiled, tuple(meta[n] for n in self.constexpr_names())))
             return key
         launch, head, consts = entry
         args = list(args)

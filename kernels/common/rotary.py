@@ -10,7 +10,7 @@ per tile. Angles are computed in float32 from the positions and ``log2(rope_thet
 import triton
 import triton.language as tl
 
-from ._tiles import load_cols
+from .tiles import load_cols
 
 _TWO_PI = tl.constexpr(6.283185307179586)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)

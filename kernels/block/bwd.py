@@ -6,8 +6,8 @@ are summed over the query heads in registers and written once, ``dQ`` once per h
 no atomics, so gradients are bitwise deterministic. ``Di = rowsum(dO * O)`` is computed
 inline as ``rowsum(P * dP)`` (equal, since ``dP = dO V^T`` and ``O = P V``): no
 preprocessing kernel and no extra ``PV`` product. Rotary gradients are rotated back by
-the transpose rotation before dq and dk are stored. Variants as in ``block_fwd`` (the Gluon
-kernels: ``hopper_block``, ``hopper_ws``).
+the transpose rotation before dq and dk are stored. These are the ``simple`` variant's
+kernels; the launch runs the variant ``block.variants`` chooses, as in ``block.fwd``.
 """
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, block_grid, block_plan, block_variant, empty_grads, hopper_kernel, needs_int64
-from ._launch import Launcher, scratch_allocator
-from ._rotary import block_sin_cos, load_rotated_pair, rotate_pair
-from ._schedule import Schedule, block_of_program, persistent_range
-from ._tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
+from blockattn_layers.runtime.caches import HostCache
+
+from ..common.launch import Launcher, scratch_allocator
+from ..common.meta import LOG2E, empty_grads, needs_int64
+from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
+from ..common.schedule import Schedule, block_of_program
+from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
+from .plan import block_grid, block_plan
+from .variants import call_facts, choose
 
 
 @triton.jit
@@ -121,16 +125,12 @@ def _bwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
 ):
-    """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads.
-
-    ``SKIP_EMPTY``: branch around empty slots; the prefetching persistent loop runs them masked
-    instead (why: ``_common.tile_loop_stages``).
-    """
+    """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads; empty
+    slots are skipped."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    # (A constexpr ``not SKIP_EMPTY`` makes the condition static: no branch at all.)
-    if not SKIP_EMPTY or n > 0:
+    if n > 0:
         _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
                    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
@@ -151,28 +151,16 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
 ):
-    if PERSISTENT:
-        lo, hi = persistent_range(slots, kv_heads)
-        for t in tl.range(lo, hi):
-            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, t // kv_heads, t % kv_heads, slots,
-                      num_seqs, block_size, scale, qk_scale, log2_theta,
-                      stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                      stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                      stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                      stride_dvt, stride_dvh, stride_dvd,
-                      HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, not PREFETCH)
-    else:
-        _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
-                  num_seqs, block_size, scale, qk_scale, log2_theta,
-                  stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                  stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                  stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                  stride_dvt, stride_dvh, stride_dvd,
-                  HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, True)
+    _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
+              num_seqs, block_size, scale, qk_scale, log2_theta,
+              stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+              stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+              stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+              stride_dvt, stride_dvh, stride_dvd,
+              HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
 
 
 def block_attention_bwd(
@@ -193,9 +181,10 @@ def block_attention_bwd(
     # (dk, dv: contiguous, no more elements than dq.)
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, do, dq)
-    variant = block_variant(q, (q, k, v, do), block_size, rot, rotary_interleaved, int64)
+    variant = choose(call_facts(q, k, block_size, rot, rotary_interleaved, int64), q, (q, k, v, do))
+    launcher = variant.kernels()[1]
     meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
-                              sched.inline_seqs, int64, variant)
+                              sched.inline_seqs, int64, variant, launcher)
     args = (
         q, k, v, do, dq, dk, dv, sched.table,
         positions if positions is not None else sched.table,
@@ -203,18 +192,11 @@ def block_attention_bwd(
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    _launcher(variant)(block_grid(meta, sched.programs, kv_heads, q.device, True, variant), args, meta, q, key)
+    launcher(block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"]), args, meta, q, key)
     return dq, dk, dv
 
 
-_launch_bwd = Launcher(_block_bwd_kernel)
-_launch_hopper_bwd = Launcher(hopper_kernel("_hopper_bwd_kernel"))
-_launch_hopper_ws_bwd = Launcher(hopper_kernel("_hopper_ws_bwd_kernel"), scratch=True)
-_LAUNCHERS = {"hopper": _launch_hopper_bwd, "hopper_ws": _launch_hopper_ws_bwd}
-
-
-def _launcher(variant: str) -> Launcher:
-    return _LAUNCHERS.get(variant, _launch_bwd)
+launch_bwd = Launcher(_block_bwd_kernel)
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -270,18 +252,11 @@ class PlannedBackward:
 
 
 # forward launch key -> (compiled backward, its launcher, launch options, stride arguments, variant) of
-# its backward; the forward's key fixes them all (see ``plan_backward``). Emptied when it reaches 256 entries.
-_TEMPLATES: dict = {}
-_MAX_TEMPLATES = 256
-# The last (forward key, template) planned: a forward remembered by its signature passes the same
-# key object on every call, found by identity without hashing the key (``block_fwd._forward``).
-_LAST: list = [None, None]
-
-
-def forget_templates() -> None:
-    """Empty the templates (tests)."""
-    _TEMPLATES.clear()
-    _LAST[:] = None, None
+# its backward; the forward's key fixes them all (see ``plan_backward``). Key None: the last
+# (forward key, template) planned. A forward remembered by its signature passes the same key object
+# on every call, found there by identity without hashing the key (``block.fwd._forward``).
+_TEMPLATES = HostCache("block_backwards")
+_NO_LAST = (None, None)
 
 
 def plan_backward(
@@ -302,7 +277,7 @@ def plan_backward(
     """
     if fwd_key is None or sched.programs == 0:
         return None
-    last_key, template = _LAST
+    last_key, template = _TEMPLATES.get(None, _NO_LAST)
     if fwd_key is not last_key:
         template = _TEMPLATES.get(fwd_key)
         if template is None:
@@ -310,10 +285,8 @@ def plan_backward(
                                  rotary_interleaved)
             if template is None:
                 return None
-            if len(_TEMPLATES) >= _MAX_TEMPLATES:
-                _TEMPLATES.clear()
-            _TEMPLATES[fwd_key] = template
-        _LAST[:] = fwd_key, template
+            _TEMPLATES.put(fwd_key, template)
+        _TEMPLATES[None] = (fwd_key, template)
     entry, launcher, meta, strides, variant = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
@@ -321,7 +294,7 @@ def plan_backward(
         sched.table.data_ptr(), pos.data_ptr(), sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads, *strides,
     )
-    grid = block_grid(meta, sched.programs, kv_heads, q.device, True, variant)
+    grid = block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"])
     grid = (grid[0], grid[1] if len(grid) > 1 else 1)
     return PlannedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
                            strides[9:12])
@@ -334,10 +307,10 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     yet."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
-    variant = block_variant(q, (q, k, v), block_size, rot, rotary_interleaved, False)
+    variant = choose(call_facts(q, k, block_size, rot, rotary_interleaved, False), q, (q, k, v))
+    launcher = variant.kernels()[1]
     meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
-                              sched.inline_seqs, False, variant)
-    launcher = _launcher(variant)
+                              sched.inline_seqs, False, variant, launcher)
     pos = positions if positions is not None else sched.table
     q_strides, kv_strides = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
     strides = (*q.stride(), *k.stride(), *v.stride(), *q_strides, *q_strides, *kv_strides, *kv_strides)

@@ -15,7 +15,7 @@ the lengths on the device, no sync); inside a sequence the tiles are visited las
 key tiles near the start see the most queries), so the heaviest programs start earliest.
 
 q and k tiles are held as rotary pair tiles ``a``, ``b`` and pass-through tile ``p`` (see
-``_rotary`` and ``_tiles``); helpers return dummy zero tiles for the parts a call does not
+``common.rotary`` and ``common.tiles``); helpers return dummy zero tiles for the parts a call does not
 have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches never use.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import major_of
-from ._launch import Launcher
-from ._rotary import rotary_sin_cos, rotate_pair
-from ._schedule import search_prefix
-from ._tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
+from ..common.meta import major_of
+from ..common.launch import Launcher
+from ..common.rotary import rotary_sin_cos, rotate_pair
+from ..common.schedule import search_prefix
+from ..common.tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256

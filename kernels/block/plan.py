@@ -1,0 +1,113 @@
+"""Launch plans of the block kernels: constexprs, tile rows, grid and register caps per variant
+(no ``@triton.jit`` code)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from blockattn_layers.runtime.caches import HostCache
+
+from ..common.meta import device_major, input_precision, sm_count, static_meta
+from .variants import Variant
+
+# Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
+# (D <= 64, see ``block.fwd``) needs 128 to fit 4 programs per SM on every generation. The others
+# were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes, one query head per kv head)
+# and apply there, keyed (backward, BLOCK_D, rotary):
+# - rotary forward, D = 128: 104 (110 without; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms);
+# - rotary backward, D = 64: 128 (140 without at the time, 128 since dV is stored early; 3 -> 4
+#   programs per SM): 2.774 -> 2.673 ms;
+# - plain backward, D = 128: 168 (180 without; 4 bytes spilled; 2 -> 3 programs per SM, which
+#   shared memory allows): 2.582 -> 2.397 ms;
+# - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
+#   1.184 ms (64: 1.519 ms).
+HEAD_LOOP_MAXNREG = 128
+# The hopper kernels' caps, keyed as ``_SM90_MAXNREG`` (one query head per kv head); none
+# measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
+# 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
+# D64 2.450 -> 2.463 / 2.571). Their rotary kv-head loop takes ``HEAD_LOOP_MAXNREG`` (168 without,
+# no spills at 128: rotary D64 forward 1.186 -> 1.164 ms). The rotary D128 backward, its gradients
+# rotated back 32 rows at a time from shared memory (``sm90.block._unrotate_store``), needs 178
+# registers uncapped and 168 with 16 bytes spilled: 3 programs per SM instead of 2.
+HOPPER_MAXNREG: dict = {(True, 128, True): 168}
+_SM90_MAXNREG = {
+    (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
+}
+# Launch options, beside the kernels' own constexprs, that a plan may hold.
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+def head_loop(meta: dict, variant: str) -> bool:
+    """Whether a forward launch loops over the kv heads in each program (``HEAD_LOOP``): rotary at
+    D <= 64, simple kernels, or hopper ones with one query head per kv head."""
+    return (meta["ROT_DIM"] > 0 and meta["BLOCK_D"] <= 64
+            and (variant == "simple" or (variant == "hopper" and meta["GROUPS"] == 1)))
+
+
+def max_registers(meta: dict, variant: Variant, backward: bool, major: int, itemsize: int) -> Optional[int]:
+    """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
+    if variant.maxnreg is not None:
+        return variant.maxnreg
+    if variant.name == "hopper":
+        if not backward and head_loop(meta, variant.name):
+            return HEAD_LOOP_MAXNREG
+        return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
+    if not backward and head_loop(meta, variant.name):
+        return HEAD_LOOP_MAXNREG
+    if major != 9 or variant.name != "simple" or meta["BLOCK_M"] != 64 or itemsize != 2 or meta["GROUPS"] != 1:
+        return None
+    return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
+
+
+def block_grid(programs: int, kv_heads: int, device: torch.device, backward: bool, variant: Variant,
+               block_d: int) -> tuple:
+    """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs of a
+    persistent variant."""
+    if not variant.persistent:
+        return (programs, kv_heads)
+    per_sm = variant.programs_per_sm[backward, block_d > 64]
+    return (min(programs * kv_heads, sm_count(device) * per_sm),)
+
+
+# key -> (meta, head_loop, key): a handful of entries per model (dtype, head shape, block size, flags).
+_PLANS = HostCache("block_plans")
+
+
+def block_plan(
+    q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool, has_pos: bool,
+    causal: bool, backward: bool, inline_seqs: int, int64: bool, variant: Variant, launcher,
+) -> tuple:
+    """``(meta, head_loop, key)`` of a block-kernel launch, built once per ``key``.
+
+    ``meta``: the constexprs of ``launcher``'s kernel and the launch options (``rot`` is the
+    rotary dim, 0 without rotary); ``head_loop``: the forward's ``HEAD_LOOP`` (a grid of one kv
+    head); ``key``: every input that ``meta`` depends on, hashable, which the launcher takes as
+    its cache key in place of ``meta``. ``meta`` is shared between calls: read it, don't change
+    it. Building it for each call cost about a third of the launch's host time, which small
+    batches pay for.
+    """
+    key = (q.dtype, q.device, q.shape[2], q.shape[1] // k.shape[1], block_size, rot, interleaved, has_pos,
+           causal, backward, inline_seqs, int64, input_precision(q.dtype), variant.name)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.put(key, _build(key, variant, launcher))
+    return plan
+
+
+def _build(key: tuple, variant: Variant, launcher) -> tuple:
+    (dtype, device, head_dim, groups, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs,
+     int64, precision, _) = key
+    on_cuda = device.type == "cuda"
+    meta = dict(static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
+    meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs)
+    if variant.block_m is not None:
+        meta["BLOCK_M"] = variant.block_m
+    major = device_major(device) if on_cuda else 9
+    loop = not backward and head_loop(meta, variant.name)
+    meta["HEAD_LOOP"] = loop
+    regs = max_registers(meta, variant, backward, major, dtype.itemsize)
+    if regs:
+        meta["maxnreg"] = regs
+    taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
+    return {name: value for name, value in meta.items() if name in taken}, loop, key

@@ -1,0 +1,272 @@
+"""The block-kernel variants: what each computes, where ``auto`` takes it, and the choice.
+
+Every variant declares the calls it admits: ``call_reasons`` (from dtypes, shapes and flags) and
+``layout_reasons`` (from the tensors' strides and addresses) say why it cannot compute a call,
+and are empty when it can. ``auto`` takes, among the variants declared for the call's GPU
+generation, the first in ``AUTO_ORDER`` that admits the call; ``simple`` admits every call
+of the ``triton`` backend. Experimental variants are never taken by ``auto``.
+
+A variant is forced with :func:`force_variant` (or ``BLOCKATTN_KERNELS=<name>`` in the
+environment, read at import and checked at the first call: an unknown name raises there).
+A forced variant that cannot compute a call says so in one warning per reason, and the call
+runs what ``auto`` takes. :func:`explain` gives every variant's reasons for a call, the
+dispatcher's ``explain_variants`` shows them beside the backends.
+
+What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
+(BENCHMARKS.md); the persistent Triton variant, slower everywhere, was deleted; the
+warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape,
+are kept as the start of the Blackwell kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from blockattn_layers.runtime import caches
+
+from ..common.launch import Launcher
+from ..common.meta import major_of
+
+
+class CallFacts(NamedTuple):
+    """What the variants decide on, short of the tensors' layout. ``major``: the GPU's
+    compute-capability major (None off the GPU); ``rot``: the rotary dim, 0 without rotary."""
+
+    device_type: str
+    major: Optional[int]
+    dtype: torch.dtype
+    head_dim: int
+    groups: int
+    block_size: int
+    rot: int
+    interleaved: bool
+    int64: bool
+
+
+def call_facts(q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool,
+               int64: bool) -> CallFacts:
+    """What the variant choice reads of a call, short of the tensors' layout."""
+    return CallFacts(q.device.type, major_of(q) if q.is_cuda else None, q.dtype, q.shape[2], q.shape[1] // k.shape[1],
+                     block_size, rot, interleaved, int64)
+
+
+class Variant(NamedTuple):
+    """A block-kernel variant and what it admits.
+
+    ``generations``: compute-capability majors where ``auto`` may take it (None: every one);
+    ``kernels``: returns its ``(forward, backward)`` launchers, imported at first use;
+    ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
+    (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
+    tile rows; ``maxnreg``: a register cap for every launch.
+    """
+
+    name: str
+    description: str
+    generations: Optional[FrozenSet[int]]
+    experimental: bool
+    call_reasons: Callable[[CallFacts], List[str]]
+    layout_reasons: Callable[[torch.Tensor, Sequence[torch.Tensor]], List[str]]
+    kernels: Callable[[], Tuple[Launcher, Launcher]]
+    persistent: bool = False
+    programs_per_sm: Optional[Dict[Tuple[bool, bool], int]] = None
+    block_m: Optional[int] = None
+    maxnreg: Optional[int] = None
+
+
+# What the sm_90 Gluon kernels take: 16-bit dtypes, these head dims, blocks of at most 64 rows.
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_MAX_BLOCK = 64
+
+
+def _no_reasons(*args) -> List[str]:
+    return []
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_import_error() -> Optional[str]:
+    """Why the sm_90 Gluon kernels cannot be imported with this Triton, or None."""
+    try:
+        from ..sm90 import block  # noqa: F401
+    except (ImportError, AttributeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _hopper_call_reasons(facts: CallFacts) -> List[str]:
+    reasons = []
+    if facts.device_type != "cuda" or facts.major != 9:
+        reasons.append("needs an sm_90 GPU")
+    if facts.dtype not in HOPPER_DTYPES:
+        reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
+    if facts.head_dim not in HOPPER_HEAD_DIMS:
+        reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
+    if facts.block_size > HOPPER_MAX_BLOCK:
+        reasons.append(f"block_size {facts.block_size} > {HOPPER_MAX_BLOCK}")
+    if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
+        reasons.append("rotary other than split halves over all channels")
+    if facts.int64:
+        reasons.append("64-bit addressing")
+    if not reasons and gluon_import_error() is not None:
+        reasons.append(f"Gluon kernels unavailable ({gluon_import_error()})")
+    return reasons
+
+
+def rows_copyable(t: torch.Tensor) -> bool:
+    """16-byte aligned rows of unit channel stride, token and head strides multiples of 16
+    elements (what Triton specializes as 16-divisible), as the sm_90 kernels' copies need."""
+    st, sh, sd = t.stride()
+    return sd == 1 and st % 16 == 0 and sh % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _hopper_layout_reasons(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[str]:
+    if all(rows_copyable(t) for t in tensors):
+        return []
+    return ["rows not 16-byte aligned with unit channel stride"]
+
+
+def _hopper_ws_call_reasons(facts: CallFacts) -> List[str]:
+    reasons = _hopper_call_reasons(facts)
+    if facts.groups != 1:
+        reasons.append("grouped-query attention (needs one query head per kv head)")
+    return reasons
+
+
+def _hopper_ws_layout_reasons(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[str]:
+    reasons = _hopper_layout_reasons(q, tensors)
+    if not all(t.shape[1] == 1 or t.stride(1) == t.shape[2] for t in tensors):
+        reasons.append("heads of a row not contiguous (one [T, H * D] tensor map covers them)")
+    return reasons
+
+
+def _simple_kernels() -> Tuple[Launcher, Launcher]:
+    from . import bwd, fwd
+
+    return fwd.launch_fwd, bwd.launch_bwd
+
+
+def _hopper_kernels() -> Tuple[Launcher, Launcher]:
+    from ..sm90 import block
+
+    return block.launch_fwd, block.launch_bwd
+
+
+def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
+    from ..experimental import sm90_ws
+
+    return sm90_ws.launch_fwd, sm90_ws.launch_bwd
+
+
+SIMPLE = Variant(
+    "simple", "Triton, one program per (block, kv head); rotary at D <= 64: per block, looping over the kv heads",
+    None, False, _no_reasons, _no_reasons, _simple_kernels)
+HOPPER = Variant(
+    "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
+    "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
+    _hopper_kernels, block_m=64)
+HOPPER_WS = Variant(
+    "hopper_ws", "experimental Gluon for sm_90, persistent and warp-specialized (a TMA loader warp, 2 stages); "
+    "slower than hopper on every measured shape", frozenset({9}), True, _hopper_ws_call_reasons,
+    _hopper_ws_layout_reasons, _hopper_ws_kernels, persistent=True,
+    # 8 warps launched at 128 registers (the compute warpgroup raises its own): at most 2 programs
+    # per SM; shared memory (2 stages) allows 1 backward at D = 128 (139 KB).
+    programs_per_sm={(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1},
+    block_m=64, maxnreg=128)
+
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_WS)}
+# auto's preference, fastest first; simple admits every call.
+AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SIMPLE)
+
+_ENVIRONMENT = "BLOCKATTN_KERNELS"
+# [forced variant name or None, checked]: the environment's until ``force_variant``.
+_FORCED: list = [os.environ.get(_ENVIRONMENT, "auto"), False]
+_WARNED: set = set()
+
+
+def _check_name(name: str, origin: str) -> Optional[Variant]:
+    if name == "auto":
+        return None
+    if name not in VARIANTS:
+        raise ValueError(f"{origin} must be auto or one of {', '.join(VARIANTS)}, got {name!r}")
+    return VARIANTS[name]
+
+
+def forced() -> Optional[Variant]:
+    """The forced variant, or None for ``auto``."""
+    if not _FORCED[1]:
+        _FORCED[:] = [_check_name(_FORCED[0], _ENVIRONMENT), True]
+    return _FORCED[0]
+
+
+def force_variant(name: str) -> None:
+    """Force the variant ``name`` for every later call (``"auto"``: none). Forgets every
+    host-side cache (``runtime.caches``), whose entries hold the previous choice."""
+    _FORCED[:] = [_check_name(name, "force_variant(name)"), True]
+    caches.clear_all()
+
+
+@contextlib.contextmanager
+def forced_variant(name: str):
+    """:func:`force_variant` for the duration of a ``with`` block."""
+    before = forced()
+    force_variant(name)
+    try:
+        yield
+    finally:
+        force_variant("auto" if before is None else before.name)
+
+
+def _auto(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
+    for variant in AUTO_ORDER:
+        if variant.generations is not None and facts.major not in variant.generations:
+            continue
+        if not variant.call_reasons(facts) and not variant.layout_reasons(q, tensors):
+            return variant
+    return SIMPLE
+
+
+def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
+    """The variant that computes this call: the forced one where it admits the call, else auto's."""
+    variant = forced()
+    if variant is not None:
+        reasons = variant.call_reasons(facts) + variant.layout_reasons(q, tensors)
+        if not reasons:
+            return variant
+        _warn_once(variant.name, reasons)
+    return _auto(facts, q, tensors)
+
+
+def _warn_once(name: str, reasons: List[str]) -> None:
+    key = (name, tuple(reasons))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"block kernels: the forced variant {name!r} cannot compute this call "
+                      f"({'; '.join(reasons)}): running the variant auto takes", RuntimeWarning, stacklevel=3)
+
+
+def explain(facts: CallFacts) -> Dict[str, List[str]]:
+    """Every variant's reasons not to run a call with these facts (empty: it runs), in the order
+    they are considered: the forced variant first, then ``AUTO_ORDER``. Layout requirements,
+    checked per call, are not known here."""
+    chosen = forced()
+    order = ([chosen] if chosen is not None else []) + [v for v in AUTO_ORDER if v is not chosen]
+    order += [v for v in VARIANTS.values() if v not in order]
+    reasons: Dict[str, List[str]] = {}
+    taken = False
+    for variant in order:
+        why = list(variant.call_reasons(facts))
+        if variant is not chosen:
+            if variant.experimental:
+                why.append(f"experimental: runs only when forced ({_ENVIRONMENT}={variant.name})")
+            elif variant.generations is not None and facts.major not in variant.generations:
+                why.append(f"auto takes it on sm_{min(variant.generations)}x only")
+        if not why and taken:
+            why.append("a variant before it runs")
+        taken = taken or not why
+        reasons[variant.name] = why
+    return reasons

@@ -1,0 +1,57 @@
+"""Rotary-embedding helpers of the sm_90 Gluon kernels: the Gluon home of the rotary math.
+
+The same math as the Triton helpers of ``common.rotary`` (angles ``position * theta ** (-2 i /
+rotary_dim)`` in float32, reduced into [-pi, pi] for ``sin.approx`` / ``cos.approx``), written
+again because Gluon cannot call Triton JIT functions (its tensors carry layouts). Split halves
+over all channels only (what the sm_90 kernels admit); the tests compare these with the Triton
+and PyTorch versions on the CPU.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+_TWO_PI = gl.constexpr(6.283185307179586)
+_INV_TWO_PI = gl.constexpr(0.15915494309189535)
+
+
+@gluon.jit
+def _reduced(angle):
+    """``angle`` moved into [-pi, pi], where sin/cos.approx are accurate (~1e-6)."""
+    return angle - _TWO_PI * gl.floor(angle * _INV_TWO_PI + 0.5)
+
+
+@gluon.jit
+def sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
+            HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
+    positions, or at ``first_row + m`` with the angles reduced once per column (the Gluon form of
+    ``common.rotary.block_sin_cos`` with ``PER_COLUMN``)."""
+    return sin_cos_rows(Pos, start, n, first_row, log2_theta, 0, BLOCK_M, HALF, HAS_POS, LAYOUT)
+
+
+@gluon.jit
+def sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                 HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """``sin_cos`` of the block's rows ``ROW0 .. ROW0 + ROWS`` (the same values)."""
+    offs_m = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
+    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
+    if HAS_POS:
+        pos = gl.load(Pos + start + offs_m, mask=offs_m < n, other=0).to(gl.float32)
+        angle = _reduced(gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0))
+    else:
+        base = _reduced(first_row.to(gl.float32) * inv_freq)
+        angle = gl.expand_dims(base, 0) + gl.expand_dims(offs_m.to(gl.float32), 1) * gl.expand_dims(inv_freq, 0)
+    sin = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
+    cos = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
+    return sin, cos
+
+
+@gluon.jit
+def rotate_in_place(a_s, b_s, sin, cos, LAYOUT: gl.constexpr):
+    """Rotate the shared halves ``(a, b) -> (a cos - b sin, a sin + b cos)`` (float32 math)."""
+    a = a_s.load(LAYOUT).to(gl.float32)
+    b = b_s.load(LAYOUT).to(gl.float32)
+    a_s.store((a * cos - b * sin).to(a_s.dtype))
+    b_s.store((a * sin + b * cos).to(b_s.dtype))

@@ -1,0 +1,165 @@
+"""The block-kernel variants in the one dispatcher: what each admits, auto's choice, a forced
+variant that cannot serve a call (one warning, the reasons named), and what ``explain`` shows.
+CPU only: the choices are made for hypothetical sm_90 calls where the tensors' device matters."""
+import warnings
+
+import pytest
+import torch
+
+import blockattn_layers as bl
+from blockattn_layers.dispatch import AttentionRequest, explain_variants
+from blockattn_layers.kernels.block import plan, variants
+from blockattn_layers.kernels.common.meta import sm_count
+from blockattn_layers.runtime import caches
+
+
+def _facts(device="cuda", major=9, dtype=torch.bfloat16, head_dim=128, groups=1, block_size=64, rot=0,
+           interleaved=False, int64=False):
+    return variants.CallFacts(device, major, dtype, head_dim, groups, block_size, rot, interleaved, int64)
+
+
+@pytest.fixture
+def restore_auto():
+    yield
+    variants.force_variant("auto")
+
+
+def test_hopper_call_reasons():
+    assert variants.HOPPER.call_reasons(_facts()) == []
+    assert variants.HOPPER.call_reasons(_facts(rot=128)) == [] and variants.HOPPER.call_reasons(_facts(block_size=16)) == []
+    assert variants.HOPPER.call_reasons(_facts(head_dim=64, dtype=torch.float16, groups=2)) == []
+    for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
+                       (dict(dtype=torch.float32), "dtype"), (dict(head_dim=96), "head_dim 96"),
+                       (dict(block_size=65), "block_size 65"), (dict(rot=64), "rotary"),
+                       (dict(rot=128, interleaved=True), "rotary"), (dict(int64=True), "64-bit")]:
+        reasons = variants.HOPPER.call_reasons(_facts(**bad))
+        assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
+
+
+def test_hopper_layout_reasons():
+    """16-byte aligned rows of unit channel stride and 16-divisible strides."""
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+
+    def ok(*tensors):
+        return not variants.HOPPER.layout_reasons(tensors[0], tensors)
+
+    assert ok(q, q)
+    wide = torch.empty(5, 2, 136, dtype=torch.bfloat16)
+    assert not ok(q, wide[..., :128])  # head stride 136
+    assert not ok(q, torch.empty(5, 128, 2, dtype=torch.bfloat16).transpose(1, 2))  # channel stride 2
+    flat = torch.empty(5 * 2 * 128 + 8, dtype=torch.bfloat16)
+    assert not ok(q, flat[8 - 1:-1].view(5, 2, 128))  # 2-byte aligned rows
+    assert ok(q, flat[8:].view(5, 2, 128))
+
+
+def test_hopper_ws_admits_one_query_head_per_kv_head_with_packed_heads():
+    assert variants.HOPPER_WS.call_reasons(_facts()) == []
+    assert any("grouped-query" in r for r in variants.HOPPER_WS.call_reasons(_facts(groups=2)))
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    packed = torch.empty(5, 6, 128, dtype=torch.bfloat16)
+    assert not variants.HOPPER_WS.layout_reasons(q, (packed[:, :2], packed[:, 2:4], packed[:, 4:]))
+    gaps = torch.empty(5, 2, 256, dtype=torch.bfloat16)[..., :128]
+    assert not variants.HOPPER.layout_reasons(gaps, (gaps,))
+    assert variants.HOPPER_WS.layout_reasons(gaps, (gaps, gaps, gaps))
+    one = torch.empty(5, 1, 256, dtype=torch.bfloat16)[..., :128]
+    assert not variants.HOPPER_WS.layout_reasons(one, (one, one, one))  # one head: its stride does not matter
+
+
+def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    assert variants.choose(_facts(), q, (q, q)) is variants.HOPPER
+    assert variants.choose(_facts(major=8), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(major=10), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(head_dim=96), q, (q, q)) is variants.SIMPLE
+    assert variants.HOPPER_WS.experimental and variants.HOPPER_WS not in variants.AUTO_ORDER
+
+
+def test_a_forced_variant_that_cannot_serve_warns_once_with_the_reasons(restore_auto):
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    variants.force_variant("hopper_ws")
+    assert variants.choose(_facts(), q, (q, q)) is variants.HOPPER_WS
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert variants.choose(_facts(groups=2), q, (q, q)) is variants.HOPPER  # what auto takes
+    assert len(seen) == 1
+    message = str(seen[0].message)
+    assert "'hopper_ws' cannot compute this call" in message and "grouped-query" in message
+
+
+def test_a_forced_variant_runs_and_falls_back_through_the_public_function(restore_auto):
+    q, k, v = (torch.randn(40, 2, 16) for _ in range(3))
+    offsets = torch.tensor([0, 7, 40])
+    want = bl.block_attention(q, k, v, offsets, 16, backend="reference")
+    variants.force_variant("hopper")
+    with pytest.warns(RuntimeWarning, match="'hopper' cannot compute this call .*needs an sm_90 GPU"):
+        got = bl.block_attention(q, k, v, offsets, 16, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_variant_names_raise(monkeypatch):
+    with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, hopper_ws"):
+        variants.force_variant("persistent")
+    monkeypatch.setattr(variants, "_FORCED", ["fast", False])
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_ws, got 'fast'"):
+        variants.forced()
+
+
+def test_forcing_a_variant_forgets_every_host_cache(restore_auto):
+    probe = caches.HostCache("test_probe")
+    probe.put("key", 1)
+    variants.force_variant("simple")
+    assert "key" not in probe
+    with variants.forced_variant("hopper"):
+        assert variants.forced() is variants.HOPPER
+    assert variants.forced() is variants.SIMPLE
+
+
+def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
+    reasons = variants.explain(_facts(groups=2))
+    assert list(reasons) == ["hopper", "simple", "hopper_ws"]
+    assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
+    assert any("grouped-query" in r for r in reasons["hopper_ws"])
+    assert any("runs only when forced" in r for r in reasons["hopper_ws"])
+    variants.force_variant("hopper_ws")
+    forced = variants.explain(_facts())
+    assert list(forced) == ["hopper_ws", "hopper", "simple"] and forced["hopper_ws"] == []
+    assert not variants.explain(_facts(major=8))["simple"]
+
+
+def test_the_dispatcher_shows_the_variants_beside_the_backends():
+    req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True)
+    shown = explain_variants(req)
+    assert list(shown) == ["triton"] and shown["triton"]["hopper"] == []
+    partial = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True, rotary_dim=32)
+    assert any("rotary" in r for r in explain_variants(partial)["triton"]["hopper"])
+    cpu = AttentionRequest("cpu", None, torch.float32, 64, 4, 2, 64, False, True)
+    assert bl.dispatch.describe(cpu) == "reference"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        assert bl.dispatch.describe(req) == "triton, hopper kernels"
+
+
+def test_plans_of_the_sm90_variants():
+    q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+    for backward in (False, True):
+        launcher = variants.HOPPER.kernels()[backward]
+        meta, loop, key = plan.block_plan(q, q, 16, 0, False, False, False, backward, 512, False, variants.HOPPER,
+                                          launcher)
+        assert meta["BLOCK_M"] == 64 and not loop and key[-1] == "hopper"
+        assert meta.get("maxnreg") == plan.HOPPER_MAXNREG.get((backward, 64, False))
+        assert plan.block_grid(10, 2, q.device, backward, variants.HOPPER, 64) == (10, 2)
+    assert plan.max_registers(dict(ROT_DIM=0, BLOCK_D=128, BLOCK_M=64, GROUPS=2), variants.HOPPER, True, 9, 2) is None
+    # Rotary at D64, one query head per kv head: the forward loops over the kv heads.
+    for kv_heads, loops in ((2, True), (1, False)):
+        meta, loop, _ = plan.block_plan(q, q[:, :kv_heads], 64, 64, False, False, False, False, 512, False,
+                                        variants.HOPPER, variants.HOPPER.kernels()[0])
+        assert loop == meta["HEAD_LOOP"] == loops
+        assert meta.get("maxnreg") == (plan.HEAD_LOOP_MAXNREG if loops else None)
+    for backward, dim, per_sm in ((False, 64, 2), (False, 128, 2), (True, 64, 2), (True, 128, 1)):
+        launcher = variants.HOPPER_WS.kernels()[backward]
+        meta, loop, key = plan.block_plan(q, q, 16, 0, False, False, False, backward, 0, False, variants.HOPPER_WS,
+                                          launcher)
+        assert meta["BLOCK_M"] == 64 and meta["maxnreg"] == variants.HOPPER_WS.maxnreg and not loop
+        sms = sm_count(q.device)
+        assert plan.block_grid(1000, 2, q.device, backward, variants.HOPPER_WS, dim) == (sms * per_sm,)
+        assert plan.block_grid(1, 2, q.device, backward, variants.HOPPER_WS, dim) == (2,)
