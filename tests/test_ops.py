@@ -105,3 +105,19 @@ def test_flop_count_under_fake_tensors_is_the_bound():
 def test_single_tile_kinds_save_no_lse():
     assert not library.saves_lse(library.SINGLE_TILE_MAX)
     assert library.saves_lse(library.SINGLE_TILE_MAX + 1) and library.saves_lse(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_exported_on_cpu_runs_the_gpu_kernels_on_gpu_inputs():
+    """The exported graph holds the one op with backend "auto": moved to the GPU it runs the Triton
+    kernels (the profiler sees them), and agrees with the eager GPU model."""
+    model, inputs, program = _exported("auto")
+    gpu_module = program.module().to("cuda")
+    values, offsets = (x.cuda() for x in inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = gpu_module(values, offsets)
+        torch.cuda.synchronize()
+    kernels = {event.name for event in prof.events()}
+    assert any("block_fwd_kernel" in name or "hopper_fwd_kernel" in name for name in kernels), sorted(kernels)
+    torch.testing.assert_close(got, model.cuda()(values, offsets), rtol=1e-4, atol=1e-4)
