@@ -242,7 +242,6 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
         return ordinary(*args)
 
     monkeypatch.setattr(block_fwd, "_launch_ordinary", spy)
-    variants.force_variant("auto")
 
     def inputs(lengths, seed, layout):
         q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)
@@ -258,25 +257,25 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
     def forward(q, k, v, offsets, **kw):
         return bl.block_attention(q, k, v, offsets, 48, backend="triton", causal=True, rope_theta=1e4, **kw)
 
-    cases = [("contiguous", None), ("packed", None), ("unaligned", None), ("contiguous", "int"),
-             ("contiguous", "float"), ("contiguous", None)]
-    for i, (layout, positions) in enumerate(cases):
-        if i == len(cases) - 1:
-            variants.force_variant("simple")
-        for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0, 200], [1, 1, 65])):
-            q, k, v, offsets = inputs(lengths, seed, layout)
-            kw = {}
-            if positions is not None:
-                pos = torch.randint(0, 1000, (q.shape[0],), device=DEV)
-                kw["positions"] = pos if positions == "int" else pos.float() * 0.5
-            before = len(ordinary_calls)
-            got = forward(q, k, v, offsets, **kw)
-            assert len(ordinary_calls) == before + (seed == 0), (layout, positions, seed)
-            monkeypatch.setattr(_launch, "DIRECT", False)
-            want = forward(q, k, v, offsets, **kw)
-            monkeypatch.setattr(_launch, "DIRECT", True)
-            assert torch.isfinite(got).all() and torch.equal(got, want), (layout, positions, seed)
-    variants.force_variant("auto")
+    with variants.forced_variant("auto"):  # whatever the environment forces
+        cases = [("contiguous", None), ("packed", None), ("unaligned", None), ("contiguous", "int"),
+                 ("contiguous", "float"), ("contiguous", None)]
+        for i, (layout, positions) in enumerate(cases):
+            if i == len(cases) - 1:
+                variants.force_variant("simple")
+            for seed, lengths in enumerate(([5, 64, 0, 130, 1], [70, 3, 0, 200], [1, 1, 65])):
+                q, k, v, offsets = inputs(lengths, seed, layout)
+                kw = {}
+                if positions is not None:
+                    pos = torch.randint(0, 1000, (q.shape[0],), device=DEV)
+                    kw["positions"] = pos if positions == "int" else pos.float() * 0.5
+                before = len(ordinary_calls)
+                got = forward(q, k, v, offsets, **kw)
+                assert len(ordinary_calls) == before + (seed == 0), (layout, positions, seed)
+                monkeypatch.setattr(_launch, "DIRECT", False)
+                want = forward(q, k, v, offsets, **kw)
+                monkeypatch.setattr(_launch, "DIRECT", True)
+                assert torch.isfinite(got).all() and torch.equal(got, want), (layout, positions, seed)
 
 
 def test_compile_fullgraph_no_recompile_across_batches():
@@ -395,19 +394,21 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 
 
 @SM90
-def test_hopper_falls_back_to_simple(monkeypatch):
-    """Calls the hopper kernels do not take run the simple ones under auto: fp32, 128-row blocks,
-    partial or interleaved rotary, rows not 16-byte aligned, 64-bit offsets."""
+def test_hopper_falls_back_to_simple():
+    """Calls the hopper kernels do not take run the simple ones under auto (whatever the
+    environment forces): fp32, 128-row blocks, partial or interleaved rotary, rows not 16-byte
+    aligned, 64-bit offsets."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
-    assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
-    for q_, tensors, block, rot, interleaved, int64 in [
-            (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
-            (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
-            (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
-        assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
-    check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
-    check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)
+    with variants.forced_variant("auto"):
+        assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
+        for q_, tensors, block, rot, interleaved, int64 in [
+                (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
+                (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
+                (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
+            assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
+        check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
+        check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)
 
 
 def test_auto_picks_triton_on_cuda():
