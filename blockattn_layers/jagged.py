@@ -8,7 +8,9 @@ Below this module, ops see only flat tensors: ``values [T, ...]`` and ``offsets 
 - padded dense ``[B, N, ...]`` plus ``lengths`` or a ``key_padding_mask`` <-> jagged, with
   index math (no Python loop over sequences);
 - torchrec ``JaggedTensor``, ``KeyedJaggedTensor`` and ``Dict[str, JaggedTensor]`` <->
-  ``(values, offsets)`` and back to the kind given, lengths unchanged.
+  ``(values, offsets)`` and back to the kind given, lengths unchanged;
+- torchrec's lazy awaitables (what a sharded ``EmbeddingCollection`` returns inside
+  ``DistributedModelParallel``, e.g. ``EmbeddingCollectionAwaitable``) -> their result, then as above.
 
 torchrec is never imported here: an object can only be a torchrec type if the caller has
 imported torchrec already, so the types are looked up in ``sys.modules``. Nothing here calls
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 _TORCHREC_JT_MODULE = "torchrec.sparse.jagged_tensor"
+_TORCHREC_TYPES_MODULE = "torchrec.distributed.types"
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -148,6 +151,26 @@ def _torchrec_types() -> Tuple[Optional[type], Optional[type]]:
     return module.JaggedTensor, module.KeyedJaggedTensor
 
 
+def resolve_awaitable(x: Any) -> Any:
+    """``x``, or what it stands for if it is a torchrec ``LazyAwaitable``; a dict's values likewise.
+
+    Inside ``DistributedModelParallel`` (with or without ``TrainPipelineSparseDist``) a sharded
+    ``EmbeddingCollection`` returns an ``EmbeddingCollectionAwaitable``, a ``LazyAwaitable`` of
+    ``Dict[str, JaggedTensor]`` whose output all-to-all is still in flight. It is waited here,
+    once: torchrec's own ``LazyAwaitable._wait_async`` caches the result on the awaitable, as
+    when torchrec resolves one passed to a torch function. Other objects pass through unchanged.
+    """
+    module = sys.modules.get(_TORCHREC_TYPES_MODULE)
+    lazy = getattr(module, "LazyAwaitable", None)
+    if lazy is None:
+        return x
+    while isinstance(x, lazy):
+        x = lazy._wait_async(x)
+    if isinstance(x, Mapping) and any(isinstance(v, lazy) for v in x.values()):
+        x = {key: resolve_awaitable(value) for key, value in x.items()}
+    return x
+
+
 def _offsets_of(jt: Any) -> Tensor:
     offsets = jt.offsets_or_none()
     return lengths_to_offsets(jt.lengths_or_none()) if offsets is None else offsets
@@ -224,9 +247,11 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
     """Flatten a jagged batch to ``(values [T, ...], offsets [B+1], layout)``.
 
     ``x`` is a tensor ``[T, ...]`` (then ``offsets`` is required), a torchrec ``JaggedTensor``, a
-    ``KeyedJaggedTensor`` (its ``len(keys) * stride`` sequences, key-major), or a
+    ``KeyedJaggedTensor`` (its ``len(keys) * stride`` sequences, key-major), a
     ``Dict[str, JaggedTensor]`` (all keys' sequences concatenated in the dict's order, so one
-    attention call serves every feature). ``layout.wrap(new_values)`` rebuilds the same kind.
+    attention call serves every feature), or a torchrec ``LazyAwaitable`` of one of these (see
+    :func:`resolve_awaitable`; the layout is that of its result). ``layout.wrap(new_values)``
+    rebuilds the same kind.
     Offsets come from the input's offsets if it holds them, else from its lengths by a cumsum.
 
     Example:
@@ -238,6 +263,13 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
         if offsets is None:
             raise TypeError("offsets is required when x is a tensor of packed values [T, ...]")
         return x, offsets, JaggedLayout("tensor")
+    if isinstance(x, torch.fx.Proxy):
+        raise TypeError(
+            "got a torch.fx Proxy: symbolic tracing reached inside a blockattn_layers module, whose input "
+            "kind is only known at run time; trace the module as a leaf (torchrec's pipeline tracer does "
+            "so for every module without a sharded child)"
+        )
+    x = resolve_awaitable(x)
     if offsets is not None:
         raise TypeError(f"offsets must be None when x is a {type(x).__name__}: it carries its own lengths")
     jt_type, kjt_type = _torchrec_types()
@@ -257,5 +289,5 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
         return values, offsets, JaggedLayout("dict", dict(x), keys, sizes)
     raise TypeError(
         "expected packed values [T, ...] with offsets, a torchrec JaggedTensor or KeyedJaggedTensor, "
-        f"or a non-empty Dict[str, JaggedTensor]; got {type(x).__name__}"
+        f"a non-empty Dict[str, JaggedTensor] or a torchrec LazyAwaitable of one; got {type(x).__name__}"
     )
