@@ -149,7 +149,7 @@ def test_plain_embedding_path_matches_torchrec():
     for feature in FEATURES:
         plain_model.sequence_encoder.embeddings[feature].weight.data.copy_(tables[f"{feature}_table"].weight)
     plain_model.sequence_encoder.encoder.load_state_dict(torchrec_model.sequence_encoder.encoder.state_dict())
-    plain_model.mlp.load_state_dict(torchrec_model.mlp.state_dict())
+    plain_model.head.load_state_dict(torchrec_model.head.state_dict())
     expected = torchrec_model(batch.to_kjt())
     torch.testing.assert_close(plain_model((batch.ids, batch.lengths)), expected)
     assert expected.shape == (6,)

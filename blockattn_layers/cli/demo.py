@@ -4,6 +4,8 @@ Features (item ids, category ids) -> ``KeyedJaggedTensor`` -> ``EmbeddingCollect
 ``JaggedTransformerEncoder`` (rotary, block attention) -> mean pooling -> MLP -> click logit,
 BCE loss. Prints the loss falling, held-out AUC, tokens per second, the attention backend and,
 when that is not the reference, the same training step timed on the reference for a speedup.
+With ``--distributed`` (under torchrun) the same model trains under torchrec's
+DistributedModelParallel instead: see :mod:`.dmp_demo`.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from ..dispatch import AttentionRequest, select_backend
 from .backend_choice import auto_choice, describe_request
-from .demo_config import DemoConfig, load_demo_config
+from .demo_config import SHARDINGS, DemoConfig, load_demo_config
 from .demo_data import FEATURES, SyntheticClicks
 from .demo_model import build_click_model, torchrec_problem
 from .demo_train import FitResult, Trainer, make_autocast, time_steps
@@ -34,6 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the data and the model")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (0: torch's default)")
     p.add_argument("--no-torchrec", action="store_true", help="use nn.Embedding even when torchrec is installed")
+    dmp = p.add_argument_group(
+        "distributed (start with torchrun --nproc_per_node=N -m blockattn_layers demo --distributed)")
+    dmp.add_argument("--distributed", action="store_true",
+                     help="train under torchrec DistributedModelParallel with TrainPipelineSparseDist, one rank per "
+                          "process (NCCL on GPUs when available, else gloo on the CPU)")
+    dmp.add_argument("--sharding", default="planner", choices=SHARDINGS,
+                     help="how the embedding tables are sharded (fused kernel); planner: torchrec's planner decides")
+    dmp.add_argument("--checkpoint", default=None, metavar="DIR", help="save the sharded state to DIR at the end")
+    dmp.add_argument("--resume", default=None, metavar="DIR", help="start from the state saved in DIR")
 
 
 def _device(flag: Optional[str], config_path: Optional[str]) -> torch.device:
@@ -114,6 +125,15 @@ def _report(fit: FitResult, held_out: dict, eval_users: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, evaluate and report; returns the exit status."""
+    if args.distributed:
+        problem = torchrec_problem()
+        if problem is not None:
+            raise SystemExit(f"demo --distributed needs torchrec: {problem}")
+        from .dmp_demo import run as run_distributed
+
+        return run_distributed(args)
+    if args.sharding != "planner" or args.checkpoint or args.resume:
+        raise SystemExit("demo: --sharding, --checkpoint and --resume need --distributed")
     start = time.perf_counter()
     try:
         device = _device(args.device, args.config)

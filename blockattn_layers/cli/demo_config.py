@@ -16,6 +16,9 @@ import yaml
 from ..config import PRESETS_PACKAGE, EncoderConfig
 
 _SECTIONS = ("data", "encoder", "train")
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "planner")
+"""``demo --distributed --sharding``: every table table-wise, row-wise or column-wise (fused compute
+kernel), or the plan torchrec's planner makes."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,16 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, device and timing settings."""
+    """Optimisation, device and timing settings.
+
+    ``lr`` is Adam's learning rate (every parameter in the single-process demo, the dense ones
+    under DMP); ``sparse_lr`` is the Adagrad learning rate of the embedding tables under DMP
+    (``demo --distributed``), where their optimizer is fused into the backward.
+    """
 
     steps: int = 150
     lr: float = 3e-3
+    sparse_lr: float = 0.1
     mlp_hidden: int = 64
     backend: str = "auto"
     device: str = "auto"
@@ -56,6 +65,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.compare_steps < 0 or self.cpu_threads < 0:
             raise ValueError("steps must be >= 1, compare_steps and cpu_threads >= 0")
+        if not (self.lr > 0 and self.sparse_lr > 0):
+            raise ValueError(f"lr and sparse_lr must be > 0, got {self.lr} and {self.sparse_lr}")
         if self.amp not in ("none", "bf16"):
             raise ValueError(f"amp must be 'none' or 'bf16', got {self.amp!r}")
 
@@ -76,7 +87,7 @@ def _section(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, Mapping) or set(data) - names:
         unknown = sorted(set(data) - names) if isinstance(data, Mapping) else data
         raise ValueError(f"demo config: unknown {where} settings {unknown}; expected some of {sorted(names)}")
-    return cls(**{k: float(v) if k == "lr" else v for k, v in data.items()})
+    return cls(**{k: float(v) if k in ("lr", "sparse_lr") else v for k, v in data.items()})
 
 
 def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:

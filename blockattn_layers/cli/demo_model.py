@@ -8,14 +8,13 @@ every feature's sequences in one jagged batch, and pooling works on ``(values, o
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..jagged import lengths_to_offsets, offsets_to_lengths, to_values_offsets
+from ..jagged import lengths_to_offsets, offsets_to_lengths, resolve_awaitable, to_values_offsets
 from ..modules import BlockSelfAttention, JaggedSequenceEncoder
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,28 +54,50 @@ class PlainSequenceEncoder(nn.Module):
         return self.encoder(values, offsets), offsets
 
 
+class ClickHead(nn.Module):
+    """Encoded features -> mean pooling of each feature's sequences -> MLP -> one logit per user.
+
+    ``encoded`` is the encoder's ``Dict[str, JaggedTensor]`` (pooled in :attr:`features` order,
+    whatever order the dict has: a sharded ``EmbeddingCollection`` groups its keys by sharding)
+    or, without torchrec, ``(values, offsets)`` with the features' sequences feature-major.
+    A module of its own so that torchrec's pipeline tracer keeps it a leaf and never traces
+    into the pooling.
+    """
+
+    def __init__(self, features: Sequence[str], dim: int, hidden: int) -> None:
+        super().__init__()
+        self.features = tuple(features)
+        self.mlp = nn.Sequential(nn.Linear(len(self.features) * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, encoded: Any) -> Tensor:
+        encoded = resolve_awaitable(encoded)
+        if isinstance(encoded, Mapping):
+            values, offsets, _ = to_values_offsets({f: encoded[f] for f in self.features})
+        else:
+            values, offsets = encoded
+        pooled = mean_pool(values, offsets)  # [F * B, E], feature-major
+        pooled = pooled.unflatten(0, (len(self.features), -1)).transpose(0, 1).flatten(1)  # [B, F * E]
+        return self.mlp(pooled).squeeze(1)
+
+
 class ClickModel(nn.Module):
     """Click logit of each user from their jagged id features.
 
     ``sequence_encoder`` is a :class:`JaggedSequenceEncoder` (torchrec; called with a
-    ``KeyedJaggedTensor``) or a :class:`PlainSequenceEncoder` (called with ``(ids, lengths)``).
-    Each feature's encoded sequence is mean-pooled; the pooled features are concatenated and an
-    MLP gives one logit per user.
+    ``KeyedJaggedTensor``) or a :class:`PlainSequenceEncoder` (called with ``(ids, lengths)``);
+    ``head`` is a :class:`ClickHead`. The forward only calls the two, so torchrec's pipeline
+    tracer can follow it to the (sharded) ``EmbeddingCollection`` inside the sequence encoder.
     """
 
-    def __init__(self, sequence_encoder: nn.Module, num_features: int, dim: int, hidden: int) -> None:
+    def __init__(self, sequence_encoder: nn.Module, features: Sequence[str], dim: int, hidden: int) -> None:
         super().__init__()
-        self.sequence_encoder, self.num_features = sequence_encoder, num_features
-        self.mlp = nn.Sequential(nn.Linear(num_features * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.sequence_encoder = sequence_encoder
+        self.head = ClickHead(features, dim, hidden)
 
     def forward(self, features: Any) -> Tensor:
         if isinstance(self.sequence_encoder, PlainSequenceEncoder):
-            values, offsets = self.sequence_encoder(*features)
-        else:
-            values, offsets, _ = to_values_offsets(self.sequence_encoder(features))
-        pooled = mean_pool(values, offsets)  # [F * B, E], feature-major
-        pooled = pooled.unflatten(0, (self.num_features, -1)).transpose(0, 1).flatten(1)  # [B, F * E]
-        return self.mlp(pooled).squeeze(1)
+            return self.head(self.sequence_encoder(*features))
+        return self.head(self.sequence_encoder(features))
 
 
 def build_click_model(
@@ -95,7 +116,7 @@ def build_click_model(
         sequence_encoder = JaggedSequenceEncoder(EmbeddingCollection(tables=tables), encoder)
     else:
         sequence_encoder = PlainSequenceEncoder(features, num_embeddings, dim, encoder)
-    return ClickModel(sequence_encoder, len(features), dim, hidden)
+    return ClickModel(sequence_encoder, features, dim, hidden)
 
 
 def set_attention_backend(model: nn.Module, backend: str) -> None:
