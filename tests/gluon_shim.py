@@ -1,0 +1,773 @@
+"""Run Gluon (``triton.experimental.gluon``) kernel code on CPU tensors: a torch-backed stand-in.
+
+Gluon has no interpreter. A ``@gluon.jit`` function keeps its Python function (``.fn``), so
+:func:`function` rebinds that function's code to a copy of its module globals in which ``gl``
+(and ``async_copy``, ``mbarrier``, ``tma``, ``warpgroup_mma``, ``fence_async_shared``) are the
+torch versions below, every other ``@gluon.jit`` or ``@gluon.constexpr_function`` it calls is
+rebound the same way, and ``gl.constexpr`` globals are their values. The code then runs as
+plain Python on torch tensors, one program at a time (:func:`launch` loops over a grid).
+
+What it models:
+
+- tensors are torch tensors (:class:`GTensor`, which also takes the shim's dtypes in ``.to``),
+  with torch's dtype rules (int32 stays int32 and wraps like on the GPU); scalar arguments of a
+  Gluon function are 0-d tensors, as in Gluon; layouts are inert records;
+- pointers are (tensor storage, int64 element offsets) (:class:`Pointer`); ``gl.load`` /
+  ``gl.store`` honour ``mask`` and ``other``, raise ``IndexError`` for an unmasked offset outside
+  the tensor, read masked lanes without ``other`` as NaN (floats) or the smallest integer, and count
+  every element written (:meth:`Launch.writes`), so tests can check that each output element is
+  written exactly once and nothing outside a block;
+- shared memory is a torch tensor (:class:`SharedTile`: ``load``, ``store`` with shape and dtype
+  checks, ``index``, ``slice``, ``permute``, ``_reinterpret`` as a view of the same bytes), filled
+  with NaN (floats) or the smallest integer when allocated, so reading what no one wrote shows;
+- ``cp.async`` copies happen at once, masked rows zero-filled; ``warpgroup_mma`` is a float32
+  matmul of its operands (which must share a dtype); fences and thread barriers do nothing;
+- ``gl.associative_scan`` is a generic inclusive scan calling the kernel's own combine function;
+  ``inline_asm_elementwise`` knows ``sin.approx.f32`` / ``cos.approx.f32`` of float32 operands
+  (torch's sin / cos, exact: the approximations' error is not modelled) and ``mov.b32`` (a bit
+  copy of a 32-bit operand; an int64 one is first truncated to its low 32 bits, as Triton's
+  lowering does for an ``r`` register); :func:`record_asm` logs the operands (e.g. the angles
+  the GPU approximates);
+- ``gl.warp_specialize`` runs the worker partitions in threads beside the default one; mbarriers
+  count arrivals and TMA bytes per phase (``expect`` arrives once and announces bytes, a TMA copy
+  pays them; more bytes than announced, too many arrivals, use before ``init`` or after
+  ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
+  move a box at once, zero-filled outside the descriptor's shape, TMA stores drop what lies
+  outside it; :func:`launch` checks that a program invalidated every barrier it initialized.
+
+What it does not model: anything about timing or concurrency inside a program (no warps or
+threads within a partition; the async copies, wgmma and TMA are synchronous, so a missing
+``wait_group``, fence, barrier or ``thread_barrier`` goes unnoticed, as do races between
+programs), layouts and their conversions (every layout argument is accepted), register or
+shared-memory limits, the accuracy of ``sin/cos.approx`` or of low-precision accumulation, and
+integer ``//`` and ``%`` of negative operands (torch floors, Gluon truncates; the kernels' index
+math has non-negative operands). Any other Gluon name a rebound function reaches raises
+``NotImplementedError`` when used.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import types
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import triton.language as tl
+from triton.experimental.gluon import language as _real_gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as _real_async_copy
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier as _real_ampere_mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared as _real_fence
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier as _real_mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import tma as _real_tma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma as _real_wgmma
+from triton.runtime.jit import ConstexprFunction, JITFunction
+
+__all__ = [
+    "DType", "GTensor", "Launch", "Layout", "Memory", "Pointer", "SharedTile", "function", "launch", "pointer",
+    "program", "record_asm", "scalar", "shared", "tensor",
+]
+
+# A deadlocked mbarrier wait fails after this many seconds.
+WAIT_TIMEOUT_S = 20.0
+
+
+# ----------------------------------------------------------------------------- tensors, dtypes
+class DType:
+    """A Gluon dtype: a torch dtype with Gluon's attributes (``primitive_bitwidth``)."""
+
+    __slots__ = ("torch",)
+
+    def __init__(self, dtype: torch.dtype):
+        self.torch = dtype
+
+    @property
+    def primitive_bitwidth(self) -> int:
+        return 1 if self.torch == torch.bool else self.torch.itemsize * 8
+
+    def __eq__(self, other) -> bool:
+        return _torch_dtype(other) == self.torch
+
+    def __hash__(self) -> int:
+        return hash(self.torch)
+
+    def __repr__(self) -> str:
+        return f"DType({self.torch})"
+
+
+def _torch_dtype(dtype):
+    return dtype.torch if isinstance(dtype, DType) else dtype
+
+
+class GTensor(torch.Tensor):
+    """A torch tensor whose ``.to`` also takes the shim's :class:`DType`s (``x.to(gl.float32)``)."""
+
+    def to(self, *args, **kwargs):
+        args = tuple(_torch_dtype(a) for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = _torch_dtype(kwargs["dtype"])
+        return super().to(*args, **kwargs)
+
+
+def tensor(x) -> GTensor:
+    """``x`` (a tensor or a number) as a :class:`GTensor`."""
+    if isinstance(x, GTensor):
+        return x
+    return torch.as_tensor(x).as_subclass(GTensor)
+
+
+def scalar(value, dtype: Optional[torch.dtype] = None) -> GTensor:
+    """A 0-d tensor, as Gluon passes a scalar argument: ints as int32 (int64 past its range),
+    floats as float32, unless ``dtype`` says otherwise."""
+    if dtype is None:
+        if isinstance(value, bool):
+            dtype = torch.bool
+        elif isinstance(value, int):
+            dtype = torch.int32 if -2**31 <= value < 2**31 else torch.int64
+        else:
+            dtype = torch.float32
+    return torch.tensor(value, dtype=_torch_dtype(dtype)).as_subclass(GTensor)
+
+
+def _undefined(shape, dtype: torch.dtype) -> GTensor:
+    """What a masked load without ``other``, or fresh shared memory, holds: NaN, or the dtype's
+    smallest integer (True for booleans)."""
+    if dtype.is_floating_point:
+        junk = float("nan")
+    else:
+        junk = True if dtype == torch.bool else torch.iinfo(dtype).min
+    return torch.full(shape, junk, dtype=dtype).as_subclass(GTensor)
+
+
+# ----------------------------------------------------------------------------- layouts
+class Layout:
+    """An inert layout (distributed, shared or mbarrier): the constructor's name and arguments."""
+
+    def __init__(self, kind: str, *args, **kwargs):
+        self.kind, self.args, self.kwargs = kind, args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.args}"
+
+
+def _layout(kind: str) -> Callable[..., Layout]:
+    return lambda *args, **kwargs: Layout(kind, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- global memory
+class Memory:
+    """The elements a tensor's pointer addresses: its storage span, flat, and a write count per
+    element."""
+
+    def __init__(self, t: torch.Tensor, name: str = "tensor"):
+        span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
+        self.tensor, self.name = t, name
+        self.flat = t.as_strided((span,), (1,))
+        self.writes = torch.zeros(span, dtype=torch.int32)
+
+    def writes_as_tensor(self) -> torch.Tensor:
+        """Write counts laid out like the tensor."""
+        return self.writes.as_strided(self.tensor.shape, self.tensor.stride(), 0)
+
+    def active(self, offsets: torch.Tensor, mask: torch.Tensor, op: str) -> torch.Tensor:
+        """``offsets`` with masked lanes at 0; raises for an active lane outside the tensor."""
+        safe = torch.where(mask, offsets, 0)
+        if safe.numel() and (int(safe.min()) < 0 or int(safe.max()) >= self.flat.numel()):
+            bad = safe[(safe < 0) | (safe >= self.flat.numel())]
+            raise IndexError(f"{op} of {self.name} at element offset {int(bad[0])}, outside [0, {self.flat.numel()})")
+        return safe
+
+
+class PointerType:
+    """``pointer.dtype``: its ``element_ty``."""
+
+    def __init__(self, element_ty: DType):
+        self.element_ty = element_ty
+
+
+class Pointer:
+    """A (block of) pointer(s): a :class:`Memory` and int64 element offsets (any shape)."""
+
+    def __init__(self, memory: Memory, offsets=None):
+        self.memory = memory
+        self.offsets = tensor(torch.zeros((), dtype=torch.int64) if offsets is None else offsets)
+
+    def __add__(self, other) -> "Pointer":
+        return Pointer(self.memory, self.offsets + other)
+
+    __radd__ = __add__
+
+    @property
+    def dtype(self) -> PointerType:
+        return PointerType(DType(self.memory.flat.dtype))
+
+    @property
+    def shape(self) -> list:
+        return list(self.offsets.shape)
+
+
+def pointer(t: torch.Tensor, name: str = "tensor") -> Pointer:
+    """A pointer to ``t``'s first element (what a kernel receives for a tensor argument)."""
+    return Pointer(Memory(t, name))
+
+
+def _plain(x) -> torch.Tensor:
+    """``x`` as a plain torch tensor (the shim's own bookkeeping skips GTensor's dispatch)."""
+    return torch.as_tensor(x).as_subclass(torch.Tensor)
+
+
+def _mask_like(offsets, mask) -> Tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.ones((), dtype=torch.bool) if mask is None else _plain(mask)
+    offsets, mask = torch.broadcast_tensors(_plain(offsets), mask)
+    return offsets, mask
+
+
+def _load(pointer: Pointer, mask=None, other=None, **_ignored) -> GTensor:
+    offsets, mask = _mask_like(pointer.offsets, mask)
+    values = pointer.memory.flat[pointer.memory.active(offsets, mask, "load")]
+    fill = _undefined((), values.dtype) if other is None else _plain(other)
+    return torch.where(mask, values, fill).to(values.dtype).as_subclass(GTensor)
+
+
+def _store(pointer: Pointer, value, mask=None, **_ignored) -> None:
+    offsets, mask = _mask_like(pointer.offsets, mask)
+    memory = pointer.memory
+    value = _plain(value).to(memory.flat.dtype).expand(offsets.shape)
+    on = memory.active(offsets, mask, "store")[mask]
+    memory.flat[on] = value[mask]
+    memory.writes.index_put_((on,), torch.ones_like(on, dtype=torch.int32), accumulate=True)
+
+
+# ----------------------------------------------------------------------------- shared memory
+class SharedTile:
+    """A shared-memory descriptor: a torch tensor (a view for slices, indices and permutes)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def dtype(self) -> DType:
+        return DType(self.data.dtype)
+
+    @property
+    def shape(self) -> list:
+        return list(self.data.shape)
+
+    def load(self, layout=None) -> GTensor:
+        return self.data.clone().as_subclass(GTensor)
+
+    def store(self, value) -> None:
+        value = torch.as_tensor(value)
+        if list(value.shape) != self.shape or value.dtype != self.data.dtype:
+            raise TypeError(f"store of {value.dtype}{list(value.shape)} to a {self.data.dtype}{self.shape} tile")
+        self.data.copy_(value)
+
+    def index(self, i) -> "SharedTile":
+        return SharedTile(self.data[int(i)])
+
+    def slice(self, start, length, dim=0) -> "SharedTile":
+        return SharedTile(self.data.narrow(int(dim), int(start), int(length)))
+
+    def permute(self, order) -> "SharedTile":
+        return SharedTile(self.data.permute(tuple(order)))
+
+    def _reinterpret(self, dtype, shape, layout=None) -> "SharedTile":
+        return SharedTile(self.data.view(_torch_dtype(dtype)).view(tuple(shape)))
+
+
+def shared(t: torch.Tensor) -> SharedTile:
+    """``t`` as a shared tile (its own storage: stores into the tile write ``t``)."""
+    return SharedTile(t)
+
+
+def _allocate_shared_memory(element_ty, shape, layout=None, value=None) -> SharedTile:
+    tile = SharedTile(_undefined(tuple(shape), _torch_dtype(element_ty)).as_subclass(torch.Tensor))
+    if value is not None:
+        tile.store(value)
+    return tile
+
+
+# ----------------------------------------------------------------------------- programs
+class _State:
+    """The program being run (its id and the grid), the asm log, barriers and partition errors."""
+
+    def __init__(self):
+        self.pid: Tuple[int, ...] = (0, 0, 0)
+        self.grid: Tuple[int, ...] = (1, 1, 1)
+        self.asm_log: Optional[List[Tuple[str, torch.Tensor]]] = None
+        self.barriers: Dict[int, "_Barrier"] = {}
+        self.cond = threading.Condition()
+        self.aborted = False
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def program(pid: Sequence[int], grid: Sequence[int]) -> Iterator[None]:
+    """Run the block as program ``pid`` of ``grid`` (what ``gl.program_id`` / ``num_programs`` give),
+    with barriers of its own."""
+    before = _STATE.pid, _STATE.grid, _STATE.barriers, _STATE.aborted
+    _STATE.pid = tuple(pid) + (0,) * (3 - len(pid))
+    _STATE.grid = tuple(grid) + (1,) * (3 - len(grid))
+    _STATE.barriers, _STATE.aborted = {}, False
+    try:
+        yield
+    finally:
+        _STATE.pid, _STATE.grid, _STATE.barriers, _STATE.aborted = before
+
+
+@contextlib.contextmanager
+def record_asm() -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Log ``(asm, operand)`` of every ``inline_asm_elementwise`` run inside the block."""
+    log: List[Tuple[str, torch.Tensor]] = []
+    before = _STATE.asm_log
+    _STATE.asm_log = log
+    try:
+        yield log
+    finally:
+        _STATE.asm_log = before
+
+
+def _program_id(axis) -> GTensor:
+    return scalar(_STATE.pid[int(axis)])
+
+
+def _num_programs(axis) -> GTensor:
+    return scalar(_STATE.grid[int(axis)])
+
+
+# ----------------------------------------------------------------------------- elementwise, reductions
+def _as_tensors(*xs):
+    return [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in xs]
+
+
+def _arange(start, end, layout=None) -> GTensor:
+    return torch.arange(int(start), int(end), dtype=torch.int32).as_subclass(GTensor)
+
+
+def _full(shape, value, dtype, layout=None) -> GTensor:
+    return torch.full(tuple(shape), value, dtype=_torch_dtype(dtype)).as_subclass(GTensor)
+
+
+def _zeros(shape, dtype, layout=None) -> GTensor:
+    return _full(shape, 0, dtype)
+
+
+def _where(condition, x, y) -> GTensor:
+    return tensor(torch.where(tensor(condition), x, y))
+
+
+def _minimum(x, y, propagate_nan=None) -> GTensor:
+    return tensor(torch.minimum(*_as_tensors(x, y)))
+
+
+def _maximum(x, y, propagate_nan=None) -> GTensor:
+    return tensor(torch.maximum(*_as_tensors(x, y)))
+
+
+def _sum(x, axis=None, keep_dims=False, dtype=None) -> GTensor:
+    out_dtype = torch.int32 if x.dtype == torch.bool else x.dtype
+    out = torch.sum(x, dim=axis, keepdim=keep_dims) if axis is not None else torch.sum(x)
+    return tensor(out.to(_torch_dtype(dtype) or out_dtype))
+
+
+def _max(x, axis=None, keep_dims=False, **_ignored) -> GTensor:
+    return tensor(torch.amax(x, dim=axis, keepdim=keep_dims) if axis is not None else torch.amax(x))
+
+
+def _associative_scan(x, axis, combine_fn, reverse=False) -> GTensor:
+    """Inclusive scan along ``axis`` (Hillis-Steele: log2(n) rounds of ``combine_fn``)."""
+    if reverse:
+        raise NotImplementedError("gluon_shim: reverse associative_scan")
+    axis = int(axis) % x.dim()
+    n = x.shape[axis]
+    step = 1
+    while step < n:
+        combined = combine_fn(x.narrow(axis, 0, n - step), x.narrow(axis, step, n - step))
+        x = torch.cat([x.narrow(axis, 0, step), combined], axis)
+        step *= 2
+    return tensor(x)
+
+
+_ASM = {
+    "sin.approx.f32 $0, $1;": (torch.float32, torch.sin),
+    "cos.approx.f32 $0, $1;": (torch.float32, torch.cos),
+    "mov.b32 $0, $1;": (None, None),
+}
+
+
+def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack) -> GTensor:
+    key = " ".join(str(asm).split())
+    if key not in _ASM or len(args) != 1 or int(pack) != 1:
+        raise NotImplementedError(f"gluon_shim: inline asm {asm!r} of {len(args)} operands, pack {pack}")
+    operand = tensor(args[0])
+    needs, op = _ASM[key]
+    if operand.dtype == torch.int64 and needs is None:
+        operand = operand.to(torch.int32)  # Triton's lowering truncates it to the "r" register (cvt.u32.u64)
+    if operand.dtype.itemsize != 4 or (needs is not None and operand.dtype != needs):
+        raise TypeError(f"inline asm {asm!r}: operand {operand.dtype}, the instruction takes a 32-bit register")
+    if _STATE.asm_log is not None:
+        _STATE.asm_log.append((key, operand.detach().clone()))
+    if op is None:
+        return tensor(operand.contiguous().view(_torch_dtype(dtype)))
+    return tensor(op(operand).to(_torch_dtype(dtype)))
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+class _Unsupported:
+    """A Gluon object the shim does not model: using it raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def _fail(self):
+        raise NotImplementedError(f"gluon_shim does not model {self._name}")
+
+    def __call__(self, *args, **kwargs):
+        self._fail()
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unsupported(f"{self._name}.{attr}")
+
+
+# ----------------------------------------------------------------------------- matrix products
+def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
+    a = a.data if isinstance(a, SharedTile) else a
+    b = b.data if isinstance(b, SharedTile) else b
+    if a.dtype != b.dtype:
+        raise TypeError(f"warpgroup_mma of {a.dtype} and {b.dtype} operands")
+    product = torch.matmul(a.float(), b.float())
+    return tensor(product + acc if use_acc else product)
+
+
+# ----------------------------------------------------------------------------- async copies
+def _async_copy_global_to_shared(smem: SharedTile, pointer: Pointer, mask=None, **_ignored) -> None:
+    offsets, mask = _mask_like(pointer.offsets, mask)
+    values = _load(Pointer(pointer.memory, offsets), mask, other=0)
+    smem.store(values.expand(smem.data.shape).as_subclass(torch.Tensor))
+
+
+# ----------------------------------------------------------------------------- mbarriers
+class _Aborted(RuntimeError):
+    """Another partition of the program failed."""
+
+
+class _Barrier:
+    """One mbarrier: arrivals still due in this phase, TMA bytes still due, completed phases."""
+
+    def __init__(self, count: int):
+        self.count = self.pending = count
+        self.tx = 0
+        self.completed = 0
+        self.valid = True
+
+    def settle(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.count
+            _STATE.cond.notify_all()
+
+
+def _barrier(bar: SharedTile, op: str) -> _Barrier:
+    state = _STATE.barriers.get(bar.data.data_ptr())
+    if state is None or not state.valid:
+        why = "not initialized" if state is None else "invalidated"
+        raise RuntimeError(f"mbarrier.{op} on a barrier that is {why}")
+    return state
+
+
+def _mbarrier_init(bar: SharedTile, count) -> None:
+    with _STATE.cond:
+        _STATE.barriers[bar.data.data_ptr()] = _Barrier(int(count))
+
+
+def _mbarrier_invalidate(bar: SharedTile) -> None:
+    with _STATE.cond:
+        _barrier(bar, "invalidate").valid = False
+
+
+def _arrive(state: _Barrier, count: int) -> None:
+    state.pending -= count
+    if state.pending < 0:
+        raise RuntimeError("mbarrier: more arrivals than its count in one phase")
+    state.settle()
+
+
+def _mbarrier_arrive(bar: SharedTile, *, count=1, pred=True) -> None:
+    if bool(pred):
+        with _STATE.cond:
+            _arrive(_barrier(bar, "arrive"), int(count))
+
+
+def _mbarrier_expect(bar: SharedTile, bytes, pred=True) -> None:
+    """``mbarrier.arrive.expect_tx``: announce ``bytes`` of TMA traffic and arrive once."""
+    if bool(pred):
+        with _STATE.cond:
+            state = _barrier(bar, "expect")
+            state.tx += int(bytes)
+            _arrive(state, 1)
+
+
+def _mbarrier_wait(bar: SharedTile, phase, pred=True, deps=()) -> None:
+    """Wait for the phase of parity ``phase`` to complete (at once for parity 1 of a new barrier)."""
+    if not bool(pred):
+        return
+    with _STATE.cond:
+        state = _barrier(bar, "wait")
+        done = _STATE.cond.wait_for(lambda: _STATE.aborted or state.completed % 2 != int(phase), WAIT_TIMEOUT_S)
+        if _STATE.aborted:
+            raise _Aborted("another partition failed")
+        if not done:
+            raise RuntimeError(f"mbarrier.wait(phase={int(phase)}) deadlocked: {state.completed} phases completed, "
+                               f"{state.pending} arrivals and {state.tx} bytes due")
+
+
+def _tma_bytes(bar: SharedTile, nbytes: int) -> None:
+    with _STATE.cond:
+        state = _barrier(bar, "TMA copy")
+        state.tx -= nbytes
+        if state.tx < 0:
+            raise RuntimeError(f"TMA copy of {nbytes} bytes beyond the {nbytes + state.tx} its barrier expects")
+        state.settle()
+
+
+# ----------------------------------------------------------------------------- TMA
+class _TensorDescriptor:
+    """A tensor map: base pointer, global shape and strides (elements), box shape."""
+
+    def __init__(self, base: Pointer, shape, strides, block_shape):
+        self.base = base
+        self.shape = [int(s) for s in shape]
+        self.strides = [int(s) for s in strides]
+        self.block_shape = [int(s) for s in block_shape]
+
+    def box(self, coord) -> Tuple[Pointer, torch.Tensor]:
+        """Pointers of the box at ``coord`` and the mask of its elements inside the shape."""
+        (r0, c0), (rows, cols) = [int(c) for c in coord], self.block_shape
+        r = torch.arange(r0, r0 + rows, dtype=torch.int64)[:, None]
+        c = torch.arange(c0, c0 + cols, dtype=torch.int64)[None, :]
+        inside = (r >= 0) & (r < self.shape[0]) & (c >= 0) & (c < self.shape[1])
+        return self.base + (r * self.strides[0] + c * self.strides[1]), inside
+
+
+def _make_tensor_descriptor(base, shape, strides, block_shape, layout=None, padding_option="zero"):
+    if len(block_shape) != 2:
+        raise NotImplementedError("gluon_shim: tensor maps of rank 2 only")
+    return _TensorDescriptor(base, shape, strides, block_shape)
+
+
+def _tma_load(tensor_desc: _TensorDescriptor, coord, barrier: SharedTile, result: SharedTile, pred=True) -> None:
+    if not bool(pred):
+        return
+    ptrs, inside = tensor_desc.box(coord)
+    result.store(_load(ptrs, inside, other=0).as_subclass(torch.Tensor))
+    _tma_bytes(barrier, result.data.numel() * result.data.element_size())
+
+
+def _tma_store(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
+    ptrs, inside = tensor_desc.box(coord)
+    _store(ptrs, src.data, inside)
+
+
+# ----------------------------------------------------------------------------- warp specialization
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> None:
+    """The first partition here, the workers in threads, all of one program."""
+    (default_fn, default_args), *workers = functions_and_args
+    errors: List[BaseException] = []
+
+    def run(fn, args):
+        try:
+            fn(*args)
+        except _Aborted:
+            pass
+        except BaseException as error:  # handed to the default partition's thread
+            errors.append(error)
+            with _STATE.cond:
+                _STATE.aborted = True
+                _STATE.cond.notify_all()
+
+    threads = [threading.Thread(target=run, args=(fn, args), daemon=True) for fn, args in workers]
+    for t in threads:
+        t.start()
+    run(default_fn, default_args)
+    for t in threads:
+        t.join(WAIT_TIMEOUT_S * 2)
+    if errors:
+        raise errors[0]
+
+
+# ----------------------------------------------------------------------------- the namespaces
+def _namespace(name: str, **members) -> types.SimpleNamespace:
+    return types.SimpleNamespace(__name__=name, **members)
+
+
+_DTYPES = dict(
+    int1=torch.bool, int8=torch.int8, int16=torch.int16, int32=torch.int32, int64=torch.int64, uint8=torch.uint8,
+    float16=torch.float16, bfloat16=torch.bfloat16, float32=torch.float32, float64=torch.float64,
+)
+
+language = _namespace(
+    "gluon_shim.language",
+    constexpr=lambda value: value, static_range=range,
+    program_id=_program_id, num_programs=_num_programs, thread_barrier=_nothing,
+    arange=_arange, full=_full, zeros=_zeros, load=_load, store=_store,
+    expand_dims=lambda x, axis: tensor(x).unsqueeze(int(axis)), where=_where, minimum=_minimum, maximum=_maximum,
+    exp2=lambda x: tensor(torch.exp2(x)), exp=lambda x: tensor(torch.exp(x)), log2=lambda x: tensor(torch.log2(x)),
+    floor=lambda x: tensor(torch.floor(x)), sqrt=lambda x: tensor(torch.sqrt(x)), abs=lambda x: tensor(torch.abs(x)),
+    sum=_sum, max=_max, associative_scan=_associative_scan, inline_asm_elementwise=_inline_asm_elementwise,
+    convert_layout=lambda x, layout, assert_trivial=False: x,
+    allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
+    BlockedLayout=_layout("BlockedLayout"), SliceLayout=_layout("SliceLayout"),
+    DotOperandLayout=_layout("DotOperandLayout"), NVMMASharedLayout=_layout("NVMMASharedLayout"),
+    NVMMADistributedLayout=_layout("NVMMADistributedLayout"), SwizzledSharedLayout=_layout("SwizzledSharedLayout"),
+    **{name: DType(dtype) for name, dtype in _DTYPES.items()},
+)
+async_copy = _namespace(
+    "gluon_shim.async_copy", async_copy_global_to_shared=_async_copy_global_to_shared,
+    commit_group=_nothing, wait_group=_nothing,
+)
+mbarrier = _namespace(
+    "gluon_shim.mbarrier", MBarrierLayout=_layout("MBarrierLayout"), init=_mbarrier_init,
+    invalidate=_mbarrier_invalidate, expect=_mbarrier_expect, arrive=_mbarrier_arrive, wait=_mbarrier_wait,
+)
+tma = _namespace(
+    "gluon_shim.tma", make_tensor_descriptor=_make_tensor_descriptor, async_copy_global_to_shared=_tma_load,
+    async_copy_shared_to_global=_tma_store, store_wait=_nothing,
+)
+
+_REPLACEMENTS = {
+    id(_real_gl): language, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
+    id(_real_ampere_mbarrier): mbarrier, id(_real_tma): tma,
+    id(_real_fence): _nothing, id(_real_wgmma): _warpgroup_mma,
+}
+
+
+# ----------------------------------------------------------------------------- rebinding
+_GLOBALS: Dict[int, dict] = {}
+_REBOUND: Dict[int, types.FunctionType] = {}
+
+
+def _is_gluon_object(value) -> bool:
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return isinstance(name, str) and name.startswith("triton.experimental.gluon")
+
+
+def _translate(value):
+    if id(value) in _REPLACEMENTS:
+        return _REPLACEMENTS[id(value)]
+    if isinstance(value, JITFunction):
+        return _rebind(value.fn) if value.is_gluon() else _Unsupported(f"Triton JIT function {value.fn.__name__}")
+    if isinstance(value, ConstexprFunction):
+        return _rebind(value.fn)
+    if isinstance(value, tl.constexpr):
+        return value.value
+    if _is_gluon_object(value):
+        return _Unsupported(getattr(value, "__name__", repr(value)))
+    return value
+
+
+def _globals_of(module_globals: dict) -> dict:
+    """The shim's copy of a module's globals (one per module, filled on first use)."""
+    key = id(module_globals)
+    if key not in _GLOBALS:
+        copy = _GLOBALS[key] = {}
+        copy.update({name: _translate(value) for name, value in module_globals.items()})
+    return _GLOBALS[key]
+
+
+def _rebind(fn: types.FunctionType) -> types.FunctionType:
+    rebound = _REBOUND.get(id(fn))
+    if rebound is None:
+        module_globals = _globals_of(fn.__globals__)
+        rebound = _REBOUND.get(id(fn))  # (filling the module's globals may have rebound fn)
+        if rebound is None:
+            rebound = types.FunctionType(fn.__code__, module_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+            rebound.__kwdefaults__, rebound.__doc__ = fn.__kwdefaults__, fn.__doc__
+            _REBOUND[id(fn)] = rebound
+    return rebound
+
+
+def _argument(value, name: str):
+    """A call's argument as Gluon sees it: tensors as they are, numbers as 0-d tensors."""
+    if isinstance(value, (Pointer, SharedTile, Layout, DType)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return tensor(value)
+    if isinstance(value, (bool, int, float)):
+        return scalar(value)
+    raise TypeError(f"argument {name}: {type(value).__name__}")
+
+
+class _Function:
+    """A ``@gluon.jit`` function callable on CPU values: non-constexpr numbers become 0-d tensors."""
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self.fn = _rebind(jit_fn.fn)
+        self._params = list(jit_fn.params)
+
+    def __call__(self, *args):
+        if len(args) != len(self._params):
+            raise TypeError(f"{self.fn.__name__} takes {len(self._params)} arguments, got {len(args)}")
+        return self.fn(*[a if p.is_constexpr else _argument(a, p.name) for p, a in zip(self._params, args)])
+
+
+def function(jit_fn) -> Callable:
+    """The CPU version of a ``@gluon.jit`` function (``@gluon.constexpr_function``: its plain
+    rebound function). Call it with positional arguments: constexprs as Python values, pointers
+    (:func:`pointer`), shared tiles (:func:`shared`), tensors and numbers."""
+    if isinstance(jit_fn, ConstexprFunction):
+        return _rebind(jit_fn.fn)
+    if not (isinstance(jit_fn, JITFunction) and jit_fn.is_gluon()):
+        raise TypeError(f"not a gluon.jit function: {jit_fn!r}")
+    return _Function(jit_fn)
+
+
+class Launch:
+    """What :func:`launch` ran: the pointer of each tensor argument, for its write counts."""
+
+    def __init__(self, memories: Dict[str, Memory]):
+        self.memories = memories
+
+    def writes(self, name: str) -> torch.Tensor:
+        """How many times each element of argument ``name`` was stored to, shaped like it."""
+        return self.memories[name].writes_as_tensor()
+
+
+def launch(kernel, grid: Sequence[int], **values) -> Launch:
+    """Run ``kernel`` (a ``@gluon.jit`` kernel) for every program of ``grid``, in order.
+
+    ``values`` are its arguments by name: tensors become pointers (tensors given twice share
+    one), numbers 0-d tensors, constexprs stay Python values. Names the kernel does not take are
+    ignored (launch options, or the arguments of a kernel of another variant), missing ones
+    raise. Each program must invalidate every mbarrier it initializes.
+    """
+    fn = _rebind(kernel.fn)
+    missing = [p.name for p in kernel.params if p.name not in values]
+    if missing:
+        raise TypeError(f"{kernel.fn.__name__}: arguments {missing} not given")
+    memories: Dict[str, Memory] = {}
+    call = []
+    for p in kernel.params:
+        value = values[p.name]
+        if p.is_constexpr:
+            call.append(value)
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            same = next((m for m in memories.values() if m.tensor is value), None)
+            memories[p.name] = same or Memory(value, p.name)
+            call.append(Pointer(memories[p.name]))
+        else:
+            call.append(_argument(value, p.name))
+    for pid in itertools.product(*[range(int(g)) for g in grid]):
+        with program(pid, grid):
+            fn(*call)
+            live = [key for key, state in _STATE.barriers.items() if state.valid]
+            if live:
+                raise RuntimeError(f"program {pid} left {len(live)} mbarriers initialized (not invalidated)")
+    return Launch(memories)

@@ -1,0 +1,548 @@
+"""CPU tests of the sm_90 Gluon kernels (``hopper`` and the experimental ``hopper_ws``), run through
+``tests/gluon_shim.py`` (Gluon has no interpreter).
+
+The logic the Gluon code restates from the Triton helpers is compared with those helpers (run by
+Triton's interpreter) and with PyTorch or plain-Python oracles:
+
+- ``_block_of`` (both schedules) with ``common.schedule.block_of_program`` and a Python list of
+  blocks; ``_tile_range`` with the ``persistent_range`` arithmetic and its partition properties;
+- ``sm90.rotary``: ``_reduced`` with ``common.rotary._reduced`` (and its range), ``sin_cos`` /
+  ``sin_cos_rows`` with ``common.rotary.block_sin_cos`` and ``reference.rotary_angles``,
+  ``rotate_in_place`` with ``reference.apply_rotary``;
+- ``_probs`` with ``common.tiles.block_probs`` and a torch softmax;
+- ``_unrotate_store`` with ``reference.apply_rotary(inverse=True)``, and the stores' row masks;
+- the whole kernels, forward and backward, against ``reference.attention_forward`` /
+  ``attention_backward``, every output element written exactly once.
+
+What the shim does not model (timing, layouts, the approximations' accuracy) is in its docstring.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="CPU tests next to Triton's interpreter; on a GPU the kernels run in test_triton_gpu.py"),
+    pytest.mark.usefixtures("single_thread"),
+]
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from blockattn_layers import reference  # noqa: E402
+from tests import gluon_shim as gs  # noqa: E402
+
+# ----------------------------------------------------------------------------- code under test
+# The one place that names the kernel modules (update it when they move).
+from blockattn_layers.kernels.common import rotary as triton_rotary  # noqa: E402
+from blockattn_layers.kernels.common import schedule as triton_schedule  # noqa: E402
+from blockattn_layers.kernels.common import tiles as triton_tiles  # noqa: E402
+from blockattn_layers.kernels.experimental import sm90_ws  # noqa: E402
+from blockattn_layers.kernels.sm90 import block as sm90_block  # noqa: E402
+from blockattn_layers.kernels.sm90 import rotary as sm90_rotary  # noqa: E402
+
+Schedule = triton_schedule.Schedule
+INLINE_MAX_SEQS = triton_schedule.INLINE_MAX_SEQS
+block_of_program = triton_schedule.block_of_program
+triton_reduced = triton_rotary._reduced
+block_sin_cos = triton_rotary.block_sin_cos
+block_positions = triton_tiles.block_positions
+block_probs = triton_tiles.block_probs
+
+block_of = gs.function(sm90_block._block_of)
+probs = gs.function(sm90_block._probs)
+store_via = gs.function(sm90_block._store_via)
+store_halves_via = gs.function(sm90_block._store_halves_via)
+unrotate_store = gs.function(sm90_block._unrotate_store)
+reduced = gs.function(sm90_rotary._reduced)
+sin_cos = gs.function(sm90_rotary.sin_cos)
+sin_cos_rows = gs.function(sm90_rotary.sin_cos_rows)
+rotate_in_place = gs.function(sm90_rotary.rotate_in_place)
+tile_range = gs.function(sm90_ws._tile_range)
+HOPPER_FWD, HOPPER_BWD = sm90_block._hopper_fwd_kernel, sm90_block._hopper_bwd_kernel
+WS_FWD, WS_BWD = sm90_ws._hopper_ws_fwd_kernel, sm90_ws._hopper_ws_bwd_kernel
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # the rows of every hopper tile (one warpgroup's wgmma)
+LAYOUT = gs.Layout("any")  # layouts are inert in the shim
+
+
+def _offsets(lengths, dtype=torch.int32) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=dtype)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dtype)
+    return out
+
+
+def _rng_lengths(count: int, seed: int, longest: int = 300) -> list:
+    """Lengths drawn around block-size edges (0, 1, multiples of 32 and 64 and their neighbours)."""
+    rng = random.Random(seed)
+    edges = [0, 0, 1, 2, 31, 32, 33, 49, 50, 51, 63, 64, 65, 127, 128, 129]
+    return [rng.choice(edges) if rng.random() < 0.7 else rng.randrange(longest) for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------- block schedule
+def _oracle_blocks(lengths, block_size: int) -> list:
+    """``(start, length, first_row)`` of every block, in schedule order (sequence, then row)."""
+    blocks, start = [], 0
+    for n in lengths:
+        for first in range(0, n, block_size):
+            blocks.append((start + first, min(block_size, n - first), first))
+        start += n
+    return blocks
+
+
+@triton.jit
+def _block_of_triton(Sched, Pids, Out, slots, num_seqs, block_size, INLINE_SEQS: tl.constexpr):
+    i = tl.program_id(0)
+    count = tl.num_programs(0)
+    start, length, first_row = block_of_program(Sched, slots, num_seqs, block_size, tl.load(Pids + i), INLINE_SEQS)
+    tl.store(Out + i, start)
+    tl.store(Out + count + i, length)
+    tl.store(Out + 2 * count + i, first_row)
+
+
+def _gluon_blocks(sched, slots: int, num_seqs: int, block_size: int, programs: int, inline_seqs: int,
+                  warps: int = 4) -> torch.Tensor:
+    """``[3, programs]`` (start, length, first_row) of programs ``0 .. programs`` by ``_block_of``."""
+    ptr = gs.pointer(sched, "Sched")
+    rows = [block_of(ptr, slots, num_seqs, block_size, pid, inline_seqs, warps) for pid in range(programs)]
+    return torch.tensor([[int(v) for v in row] for row in rows], dtype=torch.int64).t()
+
+
+def _triton_blocks(sched, slots: int, num_seqs: int, block_size: int, pids: torch.Tensor, inline_seqs: int):
+    """``[3, len(pids)]`` (start, length, first_row) of programs ``pids`` by ``block_of_program``."""
+    out = torch.zeros(3, pids.numel(), dtype=torch.int64)
+    _block_of_triton[(pids.numel(),)](sched, pids, out, slots, num_seqs, block_size, inline_seqs)
+    return out
+
+
+def _some_pids(programs: int, blocks: int, count: int = 48) -> torch.Tensor:
+    """Every program of a small launch; else the first and last ones, those around the last real
+    block, and a spread between (the Triton interpreter takes ~4 ms a program)."""
+    if programs <= count:
+        return torch.arange(programs, dtype=torch.int32)
+    picks = set(range(8)) | set(range(programs - 4, programs))
+    picks |= set(range(max(blocks - 4, 0), min(blocks + 4, programs)))
+    picks |= set(random.Random(programs).sample(range(programs), count - len(picks)))
+    return torch.tensor(sorted(picks), dtype=torch.int32)
+
+
+def _check_blocks(sched, lengths, block_size: int, slots: int, programs: int, inline_seqs: int,
+                  warps: int = 4) -> None:
+    """``_block_of`` of every program: the Python block list (length 0 past the last block) and,
+    on a sample of them, ``block_of_program`` exactly (padding slots included)."""
+    got = _gluon_blocks(sched, slots, len(lengths), block_size, programs, inline_seqs, warps)
+    want = _oracle_blocks(lengths, block_size)
+    assert programs >= len(want)
+    assert got[:, :len(want)].t().tolist() == [list(b) for b in want]
+    assert (got[1, len(want):] == 0).all(), "slots past the last block must have length 0"
+    pids = _some_pids(programs, len(want))
+    assert torch.equal(got[:, pids.long()], _triton_blocks(sched, slots, len(lengths), block_size, pids, inline_seqs))
+
+
+BLOCK_LAYOUTS = {
+    "one_empty": [0],
+    "one_token": [1],
+    "one_block": [64],
+    "block_plus_one": [65],
+    "all_empty": [0, 0, 0],
+    "edges": [0, 1, 63, 64, 65, 130, 0, 5],
+    "empty_between": [128, 0, 129, 1, 0, 0, 200],
+    "random_24": _rng_lengths(24, seed=1, longest=200),
+    "random_120": _rng_lengths(120, seed=2, longest=90),
+}
+
+
+@pytest.mark.parametrize("block_size", [64, 50, 16])
+@pytest.mark.parametrize("layout", list(BLOCK_LAYOUTS), ids=str)
+def test_block_of_inline(layout, block_size):
+    """In-kernel schedule (``INLINE_SEQS``, B <= 512), int32 and int64 offsets: every program of the
+    launch (``Schedule``'s upper bound on the block count, and 2 past it)."""
+    lengths = BLOCK_LAYOUTS[layout]
+    for dtype in (torch.int32, torch.int64):
+        offsets = _offsets(lengths, dtype)
+        sched = Schedule(offsets, sum(lengths), block_size, None)
+        assert sched.inline_seqs == INLINE_MAX_SEQS and sched.table is offsets
+        _check_blocks(offsets, lengths, block_size, sched.programs, sched.programs + 2, sched.inline_seqs)
+
+
+@pytest.mark.parametrize("seqs", [1, 8, 32, INLINE_MAX_SEQS])
+def test_block_of_inline_full_scan(seqs):
+    """Batches of exactly ``INLINE_SEQS`` sequences: the scan's full width, no masked lane past the
+    last sequence (the production width too: 512 sequences, nonempty ones spread over it). One
+    case with the ws loader's one warp (the scan's layout)."""
+    if seqs == INLINE_MAX_SEQS:
+        lengths = [0, 0, 0, 1] * (seqs // 4 - 1) + [0, 0, 1, 70]
+    else:
+        lengths = _rng_lengths(seqs, seed=seqs, longest=200)
+    programs = min(sum(lengths), -(-sum(lengths) // 64) + len(lengths)) + 1
+    _check_blocks(_offsets(lengths), lengths, 64, programs, programs, seqs, warps=1 if seqs == 8 else 4)
+
+
+def test_block_of_table():
+    """More than ``INLINE_MAX_SEQS`` sequences: the block table that ``Schedule`` builds, read by
+    ``_block_of`` as ``block_of_program`` reads it; and a table built here with spare slots, so the
+    rows' stride is the ``slots`` argument and not the block count."""
+    lengths = _rng_lengths(INLINE_MAX_SEQS + 40, seed=3, longest=70)
+    offsets = _offsets(lengths)
+    sched = Schedule(offsets, sum(lengths), 64, None)
+    assert sched.inline_seqs == 0 and sched.table.shape == (3, sched.programs)
+    _check_blocks(sched.table, lengths, 64, sched.programs, sched.programs, 0)
+
+    blocks = _oracle_blocks(lengths, 64)
+    slots = len(blocks) + 7
+    table = torch.zeros(3, slots, dtype=torch.int32)
+    table[:, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).t()
+    table[0, len(blocks):] = 12345  # (a start that no real block has)
+    assert torch.equal(_gluon_blocks(table, slots, len(lengths), 64, slots, 0), table.long())
+
+
+# ----------------------------------------------------------------------------- persistent tile ranges
+@pytest.mark.parametrize("slots,kv_heads,programs", [
+    (0, 1, 4), (1, 1, 4), (3, 2, 8), (5, 3, 5), (1000, 3, 7), (997, 8, 264), (2**24, 8, 264), (2**27 - 3, 15, 132),
+])
+def test_tile_range(slots, kv_heads, programs):
+    """``_tile_range``: program p's tiles ``[p T / P, (p + 1) T / P)`` of the ``T = slots * kv_heads``
+    (``persistent_range``: 64-bit products, the bounds int32), so the ranges tile ``[0, T)`` in
+    order with sizes that differ by at most one. The last cases need the 64-bit products (p T
+    passes 2**31)."""
+    tiles = slots * kv_heads
+    bounds = []
+    for p in range(programs):
+        with gs.program((p,), (programs,)):
+            lo, hi = tile_range(slots, kv_heads)
+        assert lo.dtype == hi.dtype == torch.int32
+        assert (int(lo), int(hi)) == (p * tiles // programs, (p + 1) * tiles // programs), f"program {p}"
+        bounds.append((int(lo), int(hi)))
+    assert bounds[0][0] == 0 and bounds[-1][1] == tiles
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+# ----------------------------------------------------------------------------- rotary
+@triton.jit
+def _reduced_triton(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, triton_reduced(tl.load(X + i)))
+
+
+def _angles(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([1.0, 4.0, 100.0, 1e4, 3e5])
+    x = torch.randn(1024, generator=g, dtype=torch.float64) * scales.repeat(1024 // 5 + 1)[:1024]
+    x[:8] = torch.tensor([0.0, math.pi, -math.pi, 3 * math.pi, 2 * math.pi, -7.5, 1e5 + 0.5, -2e5])
+    return x.float()
+
+
+def test_reduced():
+    """``_reduced`` lands in [-pi, pi] (what sin/cos.approx need), keeps the angle modulo 2 pi,
+    and is ``common.rotary._reduced`` bit for bit."""
+    x = _angles(0)
+    got = reduced(x)
+    want = torch.empty_like(x)
+    _reduced_triton[(1,)](x, want, x.numel())
+    assert torch.equal(got, want)
+    ulp = torch.abs(x.double()) * 2**-23 * 4 + 1e-6  # float32 rounding of the products
+    assert (got.double().abs() <= math.pi + ulp).all()
+    turns = (x.double() - got.double()) / (2 * math.pi)
+    assert ((turns - turns.round()).abs() * 2 * math.pi <= ulp).all()
+
+
+@triton.jit
+def _sin_cos_triton(Pos, Sin, Cos, start, n, first_row, log2_theta, BLOCK: tl.constexpr, HALF: tl.constexpr,
+                    HAS_POS: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK)
+    offs_r = tl.arange(0, HALF)
+    pos = block_positions(Pos, start, first_row, offs_m, offs_m < n, HAS_POS)
+    sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, 2 * HALF, HAS_POS, False, True)
+    idx = offs_m[:, None] * HALF + offs_r[None, :]
+    tl.store(Sin + idx, sin)
+    tl.store(Cos + idx, cos)
+
+
+def _positions(kind: str, count: int, top: int = 100_000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if kind == "int":
+        return torch.randint(0, top, (count,), generator=g, dtype=torch.int32)
+    return (torch.rand(count, generator=g) * 3000 + 0.25).float()
+
+
+ROTARY_CASES = [
+    # (HAS_POS, positions kind, first_row, n, HALF, theta)
+    (False, None, 0, 64, 64, 10000.0),
+    (False, None, 64, 37, 32, 10000.0),
+    (False, None, 4096, 64, 64, 500000.0),
+    (False, None, 123456, 1, 32, 10000.0),
+    (True, "int", 0, 64, 64, 10000.0),
+    (True, "int", 0, 37, 32, 500000.0),
+    (True, "float", 0, 50, 64, 10000.0),
+]
+
+
+@pytest.mark.parametrize("has_pos,kind,first_row,n,half,theta", ROTARY_CASES, ids=str)
+def test_sin_cos(has_pos, kind, first_row, n, half, theta):
+    """``sin_cos`` of a block's rows: as ``block_sin_cos`` (``PER_COLUMN``, exact trig) computes them
+    for the rows of the block (all 64 for implicit positions), within float32 rounding of the
+    angles of ``reference.rotary_angles`` (float64 here), and with the angles handed to
+    ``sin/cos.approx`` in the range they are accurate in: [-pi, pi] at given positions, at most
+    ``BLOCK_M`` radians past it at implicit ones (one reduction per column)."""
+    start = 9
+    pos = _positions(kind, start + BLOCK_M) if has_pos else torch.zeros(1, dtype=torch.int32)
+    log2_theta = math.log2(theta)
+    with gs.record_asm() as asm:
+        sin, cos = sin_cos(gs.pointer(pos), start, n, first_row, log2_theta, BLOCK_M, half, has_pos, LAYOUT)
+    assert sin.shape == cos.shape == (BLOCK_M, half) and sin.dtype == torch.float32
+
+    if has_pos:
+        at = pos[start:start + n].double()
+    else:
+        at = torch.arange(first_row, first_row + BLOCK_M, dtype=torch.float64)
+    # float32 angles: a few ulps of the largest (exp2 differs by an ulp between torch and numpy).
+    atol = 2e-6 + 8 * float(at.abs().max() + BLOCK_M) * 2**-24
+    rows = slice(0, n) if has_pos else slice(None)
+    want_sin, want_cos = torch.empty(BLOCK_M, half), torch.empty(BLOCK_M, half)
+    _sin_cos_triton[(1,)](pos, want_sin, want_cos, start, n, first_row, log2_theta, BLOCK_M, half, has_pos)
+    torch.testing.assert_close(sin[rows], want_sin[rows], rtol=0, atol=atol)
+    torch.testing.assert_close(cos[rows], want_cos[rows], rtol=0, atol=atol)
+
+    angles = reference.rotary_angles(at, theta, 2 * half, torch.float64)
+    torch.testing.assert_close(sin[rows].double(), angles.sin(), rtol=0, atol=atol)
+    torch.testing.assert_close(cos[rows].double(), angles.cos(), rtol=0, atol=atol)
+
+    assert [name.split()[0] for name, _ in asm] == ["sin.approx.f32", "cos.approx.f32"]
+    angle = asm[0][1]
+    upper = math.pi + atol + (0 if has_pos else BLOCK_M)
+    assert float(angle.min()) >= -math.pi - atol and float(angle.max()) <= upper
+
+
+@pytest.mark.parametrize("has_pos", [False, True])
+def test_sin_cos_rows(has_pos):
+    """``sin_cos_rows(ROW0, ROWS)`` are rows ``ROW0 .. ROW0 + ROWS`` of ``sin_cos``, exactly (the
+    backward's unrotation takes them 32 rows at a time)."""
+    pos = gs.pointer(_positions("int", 200))
+    whole = sin_cos(pos, 11, 50, 4160, math.log2(10000.0), BLOCK_M, 64, has_pos, LAYOUT)
+    for row0 in (0, 32):
+        part = sin_cos_rows(pos, 11, 50, 4160, math.log2(10000.0), row0, 32, 64, has_pos, LAYOUT)
+        for got, want in zip(part, whole):
+            assert torch.equal(got, want[row0:row0 + 32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("half", [32, 64])
+def test_rotate_in_place(half, dtype):
+    """``rotate_in_place`` of a tile's shared halves at ``sin_cos``'s angles is
+    ``reference.apply_rotary`` of the row (split halves), rounded to the tile's dtype once."""
+    g = torch.Generator().manual_seed(half)
+    x = torch.randn(BLOCK_M, 2 * half, generator=g).to(dtype)
+    first_row = 300
+    no_pos = gs.pointer(torch.zeros(1, dtype=torch.int32))
+    sin, cos = sin_cos(no_pos, 0, BLOCK_M, first_row, math.log2(10000.0), BLOCK_M, half, False, LAYOUT)
+    a, b = x[:, :half].clone(), x[:, half:].clone()
+    rotate_in_place(gs.shared(a), gs.shared(b), sin, cos, LAYOUT)
+    angles = reference.rotary_angles(torch.arange(first_row, first_row + BLOCK_M), 10000.0, 2 * half, torch.float32)
+    want = reference.apply_rotary(x.float()[:, None, :], angles, 2 * half, False)[:, 0].to(dtype)
+    tol = dict(rtol=0, atol=4e-3) if dtype == torch.float16 else dict(rtol=0, atol=3e-2)
+    torch.testing.assert_close(torch.cat([a, b], 1), want, **tol)
+
+
+# ----------------------------------------------------------------------------- softmax
+@triton.jit
+def _probs_triton(S, P, n, qk_scale, BLOCK: tl.constexpr, IS_CAUSAL: tl.constexpr, RECIP: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    idx = offs[:, None] * BLOCK + offs[None, :]
+    tl.store(P + idx, block_probs(tl.load(S + idx), offs, offs < n, qk_scale, IS_CAUSAL, RECIP))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 63, 64])
+def test_probs(n, causal):
+    """``_probs``: ``p * inv`` is the softmax (base 2, ``qk_scale`` = scale * log2 e) of the scores
+    over the block's ``n`` keys (and the causal triangle), for every row (rows past ``n`` too:
+    their outputs are masked at the store) as a torch softmax and ``block_probs`` have it; ``p``
+    is 1 at each row's maximum and 0 off the mask, ``inv`` its rows' reciprocal sums."""
+    g = torch.Generator().manual_seed(n)
+    s = torch.randn(BLOCK_M, BLOCK_M, generator=g) * 4
+    scale = 0.125
+    p, inv = probs(s, n, scale * LOG2E, causal, BLOCK_M, LAYOUT)
+    rows, cols = torch.arange(BLOCK_M)[:, None], torch.arange(BLOCK_M)[None, :]
+    valid = ((cols < n) & ((rows >= cols) if causal else True)).expand(BLOCK_M, BLOCK_M)
+    want = torch.softmax((s.double() * scale).masked_fill(~valid, float("-inf")), dim=1)
+    torch.testing.assert_close((p * inv[:, None]).double(), want, rtol=0, atol=2e-6)
+    assert (p[~valid] == 0).all()
+    assert torch.equal(p.max(dim=1).values, torch.ones(BLOCK_M))
+    torch.testing.assert_close(inv, 1.0 / p.sum(1), rtol=1e-6, atol=0)
+    for recip in (False, True):
+        triton_p = torch.empty(BLOCK_M, BLOCK_M)
+        _probs_triton[(1,)](s, triton_p, n, scale * LOG2E, BLOCK_M, causal, recip)
+        torch.testing.assert_close(p * inv[:, None], triton_p, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- stores
+def _sentinel(shape, dtype=torch.float16) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def _assert_only_rows(out: torch.Tensor, writes: torch.Tensor, head: int, start: int, n: int, want) -> None:
+    """``out[start:start+n, head]`` is ``want``, written once each; nothing else was written."""
+    expected = torch.zeros_like(writes)
+    expected[start:start + n, head] = 1
+    assert torch.equal(writes, expected)
+    torch.testing.assert_close(out[start:start + n, head].float(), want.float(), rtol=0, atol=2e-3)
+    assert out.isnan().sum() == out.numel() - n * out.shape[-1]
+
+
+@pytest.mark.parametrize("start,n", [(0, 64), (70, 1), (5, 37)])
+def test_store_via(start, n):
+    """``_store_via`` and ``_store_halves_via`` store a tile's first ``n`` rows to rows
+    ``start .. start + n`` of one head (through the shared buffer), and nothing else."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(BLOCK_M, 128, generator=g)
+    for halves in (False, True):
+        out = _sentinel((200, 3, 128))
+        memory = gs.Memory(out, "O")
+        ptr = gs.Pointer(memory) + 2 * out.stride(1)
+        buf = gs.shared(_sentinel((BLOCK_M, 128)))
+        if halves:
+            store_halves_via(buf, ptr, x[:, :64], x[:, 64:], start, n, out.stride(0), BLOCK_M, 128)
+        else:
+            store_via(buf, ptr, x, start, n, out.stride(0), BLOCK_M, 128)
+        _assert_only_rows(out, memory.writes_as_tensor(), 2, start, n, x[:n])
+
+
+@pytest.mark.parametrize("has_pos", [False, True])
+@pytest.mark.parametrize("start,n,first_row", [(0, 64, 0), (70, 1, 4096), (5, 37, 64)])
+def test_unrotate_store(start, n, first_row, has_pos):
+    """``_unrotate_store`` (the rotary D128 backward, one query head per kv head): rows ``start ..
+    start + n`` of the head get ``reference.apply_rotary(inverse=True)`` of the float32 halves
+    times ``scale`` (at the block's positions, 32 rows at a time), and nothing else is written."""
+    half, scale = 64, 0.0884
+    g = torch.Generator().manual_seed(start + n)
+    a, b = torch.randn(BLOCK_M, half, generator=g), torch.randn(BLOCK_M, half, generator=g)
+    pos = _positions("int", 200, top=5000)
+    out = _sentinel((200, 2, 2 * half))
+    memory = gs.Memory(out, "DQ")
+    ptr = gs.Pointer(memory) + out.stride(1)
+    bufs = [gs.shared(_sentinel((BLOCK_M, 2 * half))) for _ in range(2)]
+    unrotate_store(*bufs, a, b, ptr, gs.pointer(pos), start, n, first_row, math.log2(10000.0), scale, out.stride(0),
+                   BLOCK_M, half, has_pos)
+    at = pos[start:start + n] if has_pos else torch.arange(first_row, first_row + n)
+    angles = reference.rotary_angles(at, 10000.0, 2 * half, torch.float64)
+    grad = torch.cat([a, b], 1)[:n].double()[:, None, :]
+    want = reference.apply_rotary(grad, angles, 2 * half, False, inverse=True)[:, 0] * scale
+    _assert_only_rows(out, memory.writes_as_tensor(), 1, start, n, want)
+
+
+# ----------------------------------------------------------------------------- whole kernels
+def _strides(**tensors) -> dict:
+    return {f"stride_{name}{axis}": s for name, t in tensors.items() for axis, s in zip("thd", t.stride())}
+
+
+class _Case:
+    """Inputs of one kernel launch, in the launchers' contract (``sm90.block`` docstring), and the
+    reference's arguments."""
+
+    def __init__(self, lengths, heads, kv_heads, dim, rotary, has_pos, causal, block_size=64, dtype=torch.float16,
+                 offsets_dtype=torch.int32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        total = sum(lengths)
+        self.offsets = _offsets(lengths, offsets_dtype)
+        self.q, self.k, self.v, self.do = (
+            torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads, heads))
+        self.sched = Schedule(self.offsets, total, block_size, None)
+        pos = torch.randint(0, 5000, (total,), generator=g, dtype=torch.int32) if has_pos else None
+        scale, theta = dim ** -0.5, 10000.0
+        self.kv_heads = kv_heads
+        self.values = dict(
+            Q=self.q, K=self.k, V=self.v, DO=self.do, Sched=self.sched.table,
+            Pos=pos if has_pos else self.sched.table, slots=self.sched.programs, num_seqs=self.sched.num_seqs,
+            block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
+            kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=BLOCK_M, BLOCK_D=dim,
+            ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal, INLINE_SEQS=self.sched.inline_seqs,
+        )
+        self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, dim if rotary else 0,
+                          False)
+
+    def forward(self, kernel, grid, **constexprs):
+        o = _sentinel(self.q.shape, self.q.dtype)
+        run = gs.launch(kernel, grid, **self.values, O=o, **_strides(q=self.q, k=self.k, v=self.v, o=o),
+                        **constexprs)
+        assert torch.equal(run.writes("O"), torch.ones(o.shape, dtype=torch.int32))
+        want = reference.attention_forward(self.q, self.k, self.v, *self.reference)
+        _assert_close(o, want)
+
+    def backward(self, kernel, grid):
+        dq, dk, dv = (_sentinel(x.shape, x.dtype) for x in (self.q, self.k, self.v))
+        strides = _strides(q=self.q, k=self.k, v=self.v, do=self.do, dq=dq, dk=dk, dv=dv)
+        run = gs.launch(kernel, grid, **self.values, DQ=dq, DK=dk, DV=dv, **strides)
+        want = reference.attention_backward(self.do, self.q, self.k, self.v, *self.reference)
+        for name, got, ref in zip(("DQ", "DK", "DV"), (dq, dk, dv), want):
+            assert torch.equal(run.writes(name), torch.ones(got.shape, dtype=torch.int32)), name
+            _assert_close(got, ref, name)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str = "O") -> None:
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err < (3e-3 if got.dtype == torch.float16 else 2e-2), f"{name}: relative error {err:.2e}"
+
+
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5]
+KERNEL_CASES = {
+    # name: (_Case arguments, keywords)
+    "d64": ((EDGE_LENGTHS, 2, 2, 64, False, False, False), {}),
+    "d128_gqa_causal": ((EDGE_LENGTHS, 4, 2, 128, False, False, True), {}),
+    "d64_block32_mqa": ((EDGE_LENGTHS, 3, 1, 64, False, False, True), dict(block_size=32)),
+    "d128_rope": ((EDGE_LENGTHS, 2, 2, 128, True, False, False), {}),
+    "d128_rope_pos_causal_int64_offsets": ((EDGE_LENGTHS, 2, 2, 128, True, True, True),
+                                           dict(offsets_dtype=torch.int64)),
+    "d64_rope_causal": ((EDGE_LENGTHS, 2, 2, 64, True, False, True), {}),
+    "d128_rope_gqa_pos": ((EDGE_LENGTHS, 4, 2, 128, True, True, False), {}),
+    "d64_rope_gqa_block50_bf16": ((EDGE_LENGTHS, 4, 2, 64, True, False, True),
+                                  dict(block_size=50, dtype=torch.bfloat16)),
+    "d64_rope_table": (([0] * 510 + [65, 64, 1, 70], 1, 1, 64, True, False, True), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_hopper_kernels(name):
+    """The ``hopper`` forward and backward kernels, whole, on jagged batches with empty, 1-row,
+    ragged and full blocks: ``reference.attention_forward`` / ``attention_backward`` within half
+    precision, every element of O, dQ, dK, dV stored exactly once (no row of another block, no
+    padding slot stores). The forward also runs its kv-head loop (``HEAD_LOOP``: rotary, one query
+    head per kv head); the rotary D128 backward with one query head per kv head rotates back
+    through shared memory (``_unrotate_store``), the others in registers."""
+    args, keywords = KERNEL_CASES[name]
+    case = _Case(*args, **keywords)
+    programs, kv_heads = case.sched.programs, case.kv_heads
+    case.forward(HOPPER_FWD, (programs, kv_heads), HEAD_LOOP=False)
+    if case.values["ROT_DIM"] and case.values["GROUPS"] == 1:
+        case.forward(HOPPER_FWD, (programs, 1), HEAD_LOOP=True)
+    case.backward(HOPPER_BWD, (programs, kv_heads))
+
+
+WS_CASES = {
+    "d64": ((EDGE_LENGTHS, 2, 2, 64, False, False, False), {}),
+    "d128_causal": ((EDGE_LENGTHS, 2, 2, 128, False, False, True), {}),
+    "d128_rope": ((EDGE_LENGTHS, 2, 2, 128, True, False, True), {}),
+    "d64_rope_pos_int64_offsets": ((EDGE_LENGTHS, 2, 2, 64, True, True, False), dict(offsets_dtype=torch.int64)),
+    "d64_table": (([0] * 510 + [64, 1, 130, 5], 1, 1, 64, False, False, False), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(WS_CASES))
+def test_hopper_ws_kernels(name):
+    """The experimental ``hopper_ws`` kernels, whole, on a persistent grid of 3 programs (each
+    with several tiles, so the 2-stage ring wraps): the loader's TMA boxes for full blocks and
+    bare arrivals for the others, the compute partition's masked copies, the TMA and masked
+    stores; the mbarriers' arrivals and bytes balance, every barrier is invalidated
+    (``_drop_slots``), and the results match the reference, each element stored once."""
+    args, keywords = WS_CASES[name]
+    case = _Case(*args, **keywords)
+    case.forward(WS_FWD, (3,))
+    case.backward(WS_BWD, (3,))
