@@ -265,9 +265,9 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
         return x, offsets, JaggedLayout("tensor")
     if isinstance(x, torch.fx.Proxy):
         raise TypeError(
-            "got a torch.fx Proxy: symbolic tracing reached inside a blockattn_layers module, whose input "
-            "kind is only known at run time; trace the module as a leaf (torchrec's pipeline tracer does "
-            "so for every module without a sharded child)"
+            "got a torch.fx Proxy: to_values_offsets (every blockattn_layers module calls it) is being traced "
+            "symbolically, but the kind of its input is only known at run time; call it inside a module the "
+            "tracer keeps as a leaf (torchrec's pipeline tracer keeps every module without a sharded child)"
         )
     x = resolve_awaitable(x)
     if offsets is not None:

@@ -268,3 +268,57 @@ def test_torchrec_kinds_refuse_offsets_argument():
     jt = JaggedTensor(values=torch.randn(2, 3), lengths=torch.tensor([2]))
     with pytest.raises(TypeError, match="offsets must be None"):
         to_values_offsets(jt, torch.tensor([0, 2]))
+
+
+# ----------------------------------------------------------------------------- torchrec lazy awaitables
+def _counting_awaitable(result):
+    pytest.importorskip("torchrec")
+    from torchrec.distributed.types import LazyAwaitable
+
+    class Counting(LazyAwaitable):
+        def __init__(self):
+            super().__init__()
+            self.waits = 0
+
+        def _wait_impl(self):
+            self.waits += 1
+            return result
+
+    return Counting()
+
+
+def test_lazy_awaitable_is_waited_once_and_flattened_as_its_result():
+    JaggedTensor, _ = _jt_types()
+    d = {
+        "clicks": JaggedTensor(values=torch.randn(4, 3), lengths=torch.tensor([1, 3])),
+        "views": JaggedTensor(values=torch.randn(2, 3), lengths=torch.tensor([2, 0])),
+    }
+    awaitable = _counting_awaitable(d)
+    values, offsets, layout = to_values_offsets(awaitable)
+    assert torch.equal(values, torch.cat([d["clicks"].values(), d["views"].values()]))
+    assert offsets.tolist() == [0, 1, 4, 6, 6] and layout.kind == "dict"
+    out = layout.wrap(values + 1)
+    assert type(out) is dict and list(out) == ["clicks", "views"]
+    to_values_offsets(awaitable)
+    assert awaitable.waits == 1  # cached on the awaitable, as torchrec's own lazy wait does
+    jt = d["views"]
+    assert to_values_offsets(_counting_awaitable(jt))[2].kind == "jagged_tensor"
+
+
+def test_dict_of_lazy_awaitables_and_nested_awaitables_resolve():
+    from blockattn_layers.jagged import resolve_awaitable
+
+    JaggedTensor, _ = _jt_types()
+    jt = JaggedTensor(values=torch.randn(3, 2), lengths=torch.tensor([3]))
+    resolved = resolve_awaitable({"a": _counting_awaitable(jt)})
+    assert resolved["a"] is jt
+    assert resolve_awaitable(_counting_awaitable(_counting_awaitable(jt))) is jt
+    plain = {"a": jt}
+    assert resolve_awaitable(plain) is plain
+
+
+def test_fx_proxy_gets_a_hint_to_trace_the_module_as_a_leaf():
+    graph = torch.fx.Graph()
+    proxy = torch.fx.Proxy(graph.placeholder("x"))
+    with pytest.raises(TypeError, match="leaf"):
+        to_values_offsets(proxy)
