@@ -155,10 +155,11 @@ def _run_rank(args: argparse.Namespace, device: torch.device, config: DemoConfig
 
 def run(args: argparse.Namespace) -> int:
     """The distributed demo on this rank; returns the exit status."""
-    # Notices from torch.fx (is_fx_tracing, which torchrec calls) and from the DDP arguments torchrec
-    # passes: neither is about this demo.
+    # Notices from torch.fx (is_fx_tracing, which torchrec calls) and torchrec's deprecations and
+    # planner advice (how to build a Topology, its memory estimates): none is about this demo.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated", category=FutureWarning)
+    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
     begin = time.perf_counter()
     try:
         device = init_distributed(args.device)

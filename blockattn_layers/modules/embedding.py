@@ -15,15 +15,25 @@ class JaggedSequenceEncoder(nn.Module):
     returns the dict with the same keys and lengths. torchrec stays at this boundary: nothing
     below sees its types.
 
+    Under torchrec's ``DistributedModelParallel`` this is the sparse + sequence part of the model:
+    DMP shards ``embedding_collection``, whose forward then returns an
+    ``EmbeddingCollectionAwaitable`` (its output all-to-all still in flight); the encoder waits on
+    it when it needs the embeddings. The forward only calls the two submodules, so
+    ``TrainPipelineSparseDist``'s tracer follows it to the sharded collection, fed straight from
+    the model's input, and pipelines the collection's input all-to-all (the encoder, which has
+    no sharded child, stays a leaf of that trace).
+
     Args:
-        embedding_collection: a ``torchrec.EmbeddingCollection`` (or anything mapping a
-            ``KeyedJaggedTensor`` to ``Dict[str, JaggedTensor]``).
+        embedding_collection: a ``torchrec.EmbeddingCollection``, sharded or not (or anything
+            mapping a ``KeyedJaggedTensor`` to ``Dict[str, JaggedTensor]`` or a torchrec
+            ``LazyAwaitable`` of one).
         encoder: a module taking that dict (``forward(dict, positions=None, *, cpu_offsets, max_seqlen)``).
 
     Forward:
         ``forward(features, positions=None, *, cpu_offsets=None, max_seqlen=None)``. ``positions``
         (rotary encoders only) is a ``Dict[str, JaggedTensor]`` of e.g. event times with the
-        features' keys and lengths, or a ``[T]`` tensor in the order of the embedded dict's keys.
+        features' keys and lengths, or a ``[T]`` tensor in the order of the embedded dict's keys
+        (a sharded collection may order its keys by sharding: under DMP give the dict).
         ``cpu_offsets``/``max_seqlen`` describe the concatenation of all features' sequences.
 
     Example:
