@@ -76,10 +76,22 @@ def test_demo_runs_without_torchrec(tmp_path):
     assert "held-out AUC" in result.stdout
 
 
+def test_distributed_demo_without_torchrec_says_so(tmp_path):
+    code = "import sys; sys.modules['torchrec'] = None; from blockattn_layers.cli import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "demo", "--distributed", "--config", _tiny_config(tmp_path), "--steps", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0 and "demo --distributed needs torchrec" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--backend", "nope"], "backend must be one of"),
     (["--config", "no/such/demo.yaml"], "No such file"),
-], ids=["unknown-backend", "missing-config"])
+    (["--sharding", "row_wise"], "need --distributed"),
+    (["--checkpoint", "ckpt"], "need --distributed"),
+], ids=["unknown-backend", "missing-config", "sharding-alone", "checkpoint-alone"])
 def test_demo_bad_arguments_exit_with_a_message(args, message):
     result = subprocess.run(
         [sys.executable, "-m", "blockattn_layers", "demo", "--device", "cpu", "--steps", "1", *args],

@@ -212,11 +212,3 @@ def test_distributed_demo_trains_checkpoints_and_resumes(tmp_path):
                        "--resume", checkpoint, "--steps", "4", timeout=180)
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"resumed from {checkpoint} after step 20" in second.stdout
-
-
-def test_distributed_options_need_distributed():
-    result = subprocess.run(
-        [sys.executable, "-m", "blockattn_layers", "demo", "--sharding", "row_wise", "--steps", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode != 0 and "need --distributed" in result.stderr

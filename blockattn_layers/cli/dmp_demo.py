@@ -7,7 +7,8 @@ next batch's id all-to-all with this batch's forward and backward. Every rank dr
 users. Rank 0 prints the plan, a progress bar, the loss (the mean over ranks), the speed and a
 held-out AUC; ``--checkpoint DIR`` saves the state at the end, ``--resume DIR`` starts from one.
 
-GPUs with NCCL when CUDA is available, else the CPU with gloo (``--device`` overrides).
+GPUs with NCCL when CUDA is available, else the CPU with gloo (``--device`` overrides). The
+model trains in fp32 (the config's ``train.amp`` applies to the single-process demo only).
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _header(config: DemoConfig, device: torch.device, sharded: ShardedTraining, 
     print(f"  features {', '.join(FEATURES)}: KeyedJaggedTensor -> sharded EmbeddingCollection -> "
           f"{config.encoder.num_layers} x JaggedTransformerEncoderLayer(d_model={layer.d_model}, "
           f"block_size={layer.block_size}) -> mean pooling -> MLP -> BCE")
-    print(f"  sharding {sharding!r}; TrainPipelineSparseDist; tables: Adagrad fused into the backward, "
+    print(f"  sharding {sharding!r}; TrainPipelineSparseDist; fp32; tables: Adagrad fused into the backward, "
           "dense: Adam (DDP)")
     for line in describe_plan(sharded.plan):
         print(f"    {line}")

@@ -1,7 +1,8 @@
 """The click model under torchrec ``DistributedModelParallel``: process group, batches, sharding, optimizers.
 
-Used by ``demo --distributed`` (see :mod:`.dmp_demo`) and its tests. This module imports
-torchrec; nothing else in the package imports it, so the package still works without torchrec.
+Used by ``demo --distributed`` (see :mod:`.dmp_demo`) and its tests. This module, and the two
+that use it (:mod:`.dmp_demo`, :mod:`.dmp_checkpoint`), import torchrec; ``demo`` imports them
+only with ``--distributed``, and the rest of the package never imports torchrec.
 
 - :func:`init_distributed`: the default process group from torchrun's environment, NCCL on
   ``cuda:LOCAL_RANK`` when CUDA is available, else gloo on the CPU.
@@ -140,13 +141,13 @@ def sharding_plan(module: nn.Module, kind: str, device: torch.device) -> Shardin
         return planner.collective_plan(module, [sharder], dist.GroupMember.WORLD)
     path = embedding_collection_path(module)
     collection = module.get_submodule(path)
-    generators = {
+    sharding_of = {
         "table_wise": lambda i: table_wise(rank=i % world, compute_kernel=FUSED),
         "row_wise": lambda i: row_wise(compute_kernel=FUSED),
         "column_wise": lambda i: column_wise(ranks=list(range(world)), compute_kernel=FUSED),
     }[kind]
     tables = [config.name for config in collection.embedding_configs()]
-    per_table = {name: generators(i) for i, name in enumerate(tables)}
+    per_table = {name: sharding_of(i) for i, name in enumerate(tables)}
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     plan = construct_module_sharding_plan(
         collection, per_table, sharder=sharder, local_size=local_world, world_size=world, device_type=device.type,
