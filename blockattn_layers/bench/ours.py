@@ -71,13 +71,15 @@ def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
     def skip(case: Case, cfg: RunConfig) -> Optional[str]:
         from blockattn_layers.kernels.block import variants
 
+        refused = backend_skip(case, cfg)
+        if refused:
+            return refused
         reasons = spec.variant_reasons(_request(case, cfg))
         if reasons.get(variant) == [] and variants.forced() is None:
-            return "the 'triton' row runs this variant here"
-        why = [r for r in reasons.get(variant, []) if not r.startswith(("a variant before", "auto takes", "experimental"))]
-        if why:
-            return "; ".join(why)
-        return backend_skip(case, cfg)
+            return f"the '{spec.name}' row runs this variant here"
+        ignored = ("a variant before", "auto takes", "experimental")
+        why = [r for r in reasons.get(variant, []) if not r.startswith(ignored)]
+        return "; ".join(why) or None
 
     return skip
 

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         )
         request = _request(config, device)
         backend = select_backend(config.train.backend, request).name
-    except (OSError, RuntimeError, ValueError) as err:
+    except (OSError, RuntimeError, TypeError, ValueError) as err:
         raise SystemExit(f"demo: {err}")
     data_cfg, train_cfg = config.data, config.train
     problem = torchrec_problem()

@@ -114,7 +114,8 @@ def load_demo_config(path: Optional[str] = None, *, cuda: bool = False, **overri
 
     ``cuda=True`` applies the file's ``cuda`` section. ``overrides`` are ``train`` or ``data``
     fields (``steps=20``, ``batch_size=64``, ``cpu_threads=2``); ``None`` values are ignored.
-    ``backend`` also becomes the encoder layers' backend. Bad settings raise ``ValueError``.
+    ``backend`` also becomes the encoder layers' backend. Bad settings raise ``ValueError`` (a
+    wrong value) or ``TypeError`` (a wrong type).
     """
     data = _read(path)
     unknown = sorted(set(data) - set(_SECTIONS) - {"cuda"})

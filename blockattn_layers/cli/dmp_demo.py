@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             args.config, cuda=device.type == "cuda", steps=args.steps, backend=args.backend,
             batch_size=args.batch_size, seed=args.seed, cpu_threads=args.threads,
         )
-    except (OSError, RuntimeError, ValueError) as err:
+    except (OSError, RuntimeError, TypeError, ValueError) as err:
         raise SystemExit(f"demo: {err}")
     if device.type == "cpu" and config.train.cpu_threads:
         torch.set_num_threads(config.train.cpu_threads)
