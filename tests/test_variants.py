@@ -10,7 +10,6 @@ import blockattn_layers as bl
 from blockattn_layers.dispatch import AttentionRequest, explain_variants
 from blockattn_layers.kernels.block import plan, variants
 from blockattn_layers.kernels.common.meta import sm_count
-from blockattn_layers.runtime import caches
 
 
 def _facts(device="cuda", major=9, dtype=torch.bfloat16, head_dim=128, groups=1, block_size=64, rot=0,
@@ -105,14 +104,24 @@ def test_unknown_variant_names_raise(monkeypatch):
         variants.forced()
 
 
-def test_forcing_a_variant_forgets_every_host_cache(restore_auto):
-    probe = caches.HostCache("test_probe")
-    probe.put("key", 1)
-    variants.force_variant("simple")
-    assert "key" not in probe
-    with variants.forced_variant("hopper"):
-        assert variants.forced() is variants.HOPPER
-    assert variants.forced() is variants.SIMPLE
+def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
+    """Remembered forward launches are keyed by the forced variant too, so forcing one neither
+    reuses another's launch nor needs the caches emptied (the bench interleaves forced rows)."""
+    from blockattn_layers.kernels.block import fwd
+    from blockattn_layers.kernels.common.schedule import Schedule
+
+    q = torch.empty(70, 2, 64, dtype=torch.float16)
+    sched = Schedule(torch.tensor([0, 30, 70]), 70, 64, None)
+
+    def signature():
+        return fwd._signature(q, q, q, sched.table, sched, 64, 0, False, False, False, (True,) * 6)
+
+    seen = {signature()}
+    for name in ("simple", "hopper", "hopper_ws"):
+        with variants.forced_variant(name):
+            assert variants.forced() is variants.VARIANTS[name]
+            seen.add(signature())
+    assert variants.forced() is None and signature() in seen and len(seen) == 4
 
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):

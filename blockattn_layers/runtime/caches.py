@@ -5,10 +5,10 @@ package remembers that work by signature. Every such memo is a :class:`HostCache
 (by name), bounded (emptied whole when full: a model has a handful of signatures).
 
 The rule: a cache's key holds everything per call that its value depends on (dtypes, shapes,
-strides, alignments, flags, devices). Everything else a value depends on is process state
-that changes only through functions that call :func:`clear_all`: registering a backend
-(``dispatch.register_backend``), forcing a block-kernel variant
-(``kernels.block.variants.force_variant``). Tests that patch such state call it too.
+strides, alignments, flags, devices, and the forced block-kernel variant where the value
+depends on it: block plans and remembered forward launches). Everything else a value depends
+on is process state that changes only through functions that call :func:`clear_all`:
+registering a backend (``dispatch.register_backend``). Tests that patch such state call it too.
 
 The caches (``names()``): the validated calls of ``block_attention`` (``call_plans``), the
 dispatcher's backend choices (``backend_choices``), the block kernels' launch plans

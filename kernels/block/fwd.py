@@ -28,7 +28,7 @@ from ..common.schedule import Schedule, block_of_program
 from ..common.tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
 from .bwd import PlannedBackward, plan_backward
 from .plan import block_grid, block_plan
-from .variants import call_facts, choose
+from .variants import call_facts, choose, forced_name
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
@@ -203,11 +203,10 @@ def _signature(q, k, v, pos, sched: Schedule, block_size, rot, interleaved, has_
     """Everything a forward launch's kernel and its non-address arguments depend on, besides the
     sizes the kernels take at run time (T, B, the grid): what the variant choice, ``block_plan``
     and the launcher's key are computed from, so equal signatures launch the same compiled kernel
-    with the same stride arguments (o's follow from q's shape). (A forced variant is process
-    state: forcing one forgets the remembered launches.)"""
+    with the same stride arguments (o's follow from q's shape), the forced variant included."""
     return (q.device, q.dtype, k.dtype, v.dtype, pos.dtype, sched.table.dtype, q.shape[1:], k.shape[1:],
             q.stride(), k.stride(), v.stride(), block_size, rot, interleaved, has_pos, causal, sched.inline_seqs,
-            input_precision(q.dtype), aligned)
+            input_precision(q.dtype), forced_name(), aligned)
 
 
 def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,

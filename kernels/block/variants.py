@@ -27,8 +27,6 @@ from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequen
 
 import torch
 
-from blockattn_layers.runtime import caches
-
 from ..common.launch import Launcher
 from ..common.meta import major_of
 
@@ -203,11 +201,17 @@ def forced() -> Optional[Variant]:
     return _FORCED[0]
 
 
+def forced_name() -> Optional[str]:
+    """The forced variant's name, or None for ``auto`` (a cache key's part)."""
+    variant = forced()
+    return None if variant is None else variant.name
+
+
 def force_variant(name: str) -> None:
-    """Force the variant ``name`` for every later call (``"auto"``: none). Forgets every
-    host-side cache (``runtime.caches``), whose entries hold the previous choice."""
+    """Force the variant ``name`` for every later call (``"auto"``: none). The host-side caches
+    whose entries depend on the choice hold the forced variant in their keys (block plans: the
+    variant; remembered forward launches: the forced variant), so nothing is forgotten."""
     _FORCED[:] = [_check_name(name, "force_variant(name)"), True]
-    caches.clear_all()
 
 
 @contextlib.contextmanager
