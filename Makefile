@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # numpy<2.4: the Triton 3.6 interpreter (used by the CPU tests) fails on numpy 2.4 scalar conversion.
 CPU_PINS := torch==2.13.0+cpu triton==3.6.0 fbgemm-gpu-cpu==1.8.0 "numpy<2.4"
+# Where pip finds torch==2.13.0+cpu: this machine's pip configuration has it; elsewhere pass
+# TORCH_INDEX="--extra-index-url https://download.pytorch.org/whl/cpu" (PyTorch's CPU wheels).
+TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
@@ -16,7 +19,7 @@ TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q setuptools wheel
-	$(PIP) install -q $(CPU_PINS) $(TORCHREC_DEPS) $(TEST_DEPS) pyyaml
+	$(PIP) install -q $(TORCH_INDEX) $(CPU_PINS) $(TORCHREC_DEPS) $(TEST_DEPS) pyyaml
 	$(PIP) install -q --no-deps torchrec==1.8.0
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -67,5 +67,5 @@ register_backend(BackendSpec(
     extra_reasons=_flash_reasons,
     description="multi-tile Triton kernels with an online softmax (block_size > 128 or None = full "
     "attention), FA2-style deterministic backward; CUDA sm_80+, or CPU tensors under TRITON_INTERPRET=1 "
-    "(by name only). On the H200: full attention 1.35-1.36x FA2 varlen forward, 1.26-1.27x backward",
+    "(by name only). On the H200: full attention 1.35x FA2 varlen forward, 1.27-1.28x backward",
 ))
