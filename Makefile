@@ -47,7 +47,7 @@ gpu-check:
 	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py
 	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
-		tests/test_triton_gpu.py tests/test_planned_backward.py
+		tests/test_triton_gpu.py tests/test_prepared_backward.py
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 clean:

@@ -78,9 +78,9 @@ class BackendSpec:
     ``forward`` and ``backward`` implement the registered ops ``blockattn::attention_fwd`` /
     ``attention_bwd`` (:mod:`blockattn_layers.ops.library`) on this backend: ``forward`` returns
     ``(out, lse)``, ``lse`` None unless the kind saves it (``ops.library.saves_lse``), and
-    ``backward`` gets ``out`` and ``lse`` back (None where not saved). ``forward_planned``, if
+    ``backward`` gets ``out`` and ``lse`` back (None where not saved). ``forward_prepared``, if
     set, is ``forward`` for single-tile kinds that also returns the backward's launch prepared
-    on the caller's thread (``(out, plan)``, plan None or with ``plan.launch(grad_out, q, k, v)``
+    on the caller's thread (``(out, prepared)``, prepared None or with ``prepared.launch(grad_out, q, k, v)``
     returning the gradients or None). ``variant_reasons``, for a backend whose kernels come in
     variants, gives each variant's reasons not to run a request (empty: it runs; see
     :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
@@ -103,7 +103,7 @@ class BackendSpec:
     rotary: bool = True
     extra_reasons: Optional[Callable[[AttentionRequest], List[str]]] = field(default=None)
     description: str = ""
-    forward_planned: Optional[Callable] = None
+    forward_prepared: Optional[Callable] = None
     variant_reasons: Optional[Callable[[AttentionRequest], Dict[str, List[str]]]] = None
 
     def not_supported_reasons(self, req: AttentionRequest) -> List[str]:
@@ -207,23 +207,13 @@ def select_backend(backend: Union[str, Backend], req: AttentionRequest) -> Backe
     return spec
 
 
-def selection_key(backend: Union[str, Backend], q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple:
-    """What :func:`select_for_call` remembers a choice by."""
-    return (backend, _call_key(q, k, params))
-
-
-def still_selected(key: tuple, spec: BackendSpec) -> bool:
-    """Whether ``spec`` is still the remembered choice for ``key`` (no backend registered since)."""
-    return _SELECTED.get(key) is spec
-
-
 def select_for_call(backend: Union[str, Backend], q: torch.Tensor, k: torch.Tensor,
                     params: AttentionParams) -> BackendSpec:
     """:func:`select_backend` for a validated call, remembered per call key (host time matters)."""
     if not isinstance(backend, (str, enum.Enum)) or torch.compiler.is_compiling():
         # (Under torch.compile, a cache mutated by the first call would only add a recompile.)
         return select_backend(backend, AttentionRequest.from_call(q, k, params))
-    key = selection_key(backend, q, k, params)
+    key = (backend, _call_key(q, k, params))
     spec = _SELECTED.get(key)
     if spec is None:
         spec = select_backend(backend, AttentionRequest._from_key(key[1]))

@@ -57,7 +57,7 @@ GRAD_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 class AttentionProbe:
     """While active, wraps every registered backend's implementations to watch the attention calls.
 
-    Each forward and backward call (the prepared backward launch of ``forward_planned`` too)
+    Each forward and backward call (the prepared backward launch of ``forward_prepared`` too)
     checks its tensors' devices and the current CUDA device, and runs under sync-debug
     ``"error"`` on CUDA. ``calls`` counts ``(direction, backend)`` pairs, ``dtypes`` holds the q
     dtypes seen and ``problems`` lists violations.
@@ -74,10 +74,10 @@ class AttentionProbe:
     def __enter__(self) -> "AttentionProbe":
         self._saved = registered_backends()
         for spec in self._saved:
-            planned = None if spec.forward_planned is None else self._wrap_planned(spec)
+            prepared = None if spec.forward_prepared is None else self._wrap_prepared(spec)
             register_backend(dataclasses.replace(
                 spec, forward=self._wrap(spec.name, "forward", spec.forward),
-                backward=self._wrap(spec.name, "backward", spec.backward), forward_planned=planned))
+                backward=self._wrap(spec.name, "backward", spec.backward), forward_prepared=prepared))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -123,15 +123,15 @@ class AttentionProbe:
 
         return run
 
-    def _wrap_planned(self, spec):
-        probe, forward = self, self._wrap(spec.name, "forward", lambda *args: spec.forward_planned(*args))
+    def _wrap_prepared(self, spec):
+        probe, forward = self, self._wrap(spec.name, "forward", lambda *args: spec.forward_prepared(*args))
 
-        class Plan:
-            def __init__(self, plan):
-                self.plan = plan
+        class Prepared:
+            def __init__(self, prepared):
+                self.prepared = prepared
 
             def launch(self, grad_out, q, k, v):
-                grads = probe._watched(spec.name, "backward", self.plan.launch, (grad_out, q, k, v),
+                grads = probe._watched(spec.name, "backward", self.prepared.launch, (grad_out, q, k, v),
                                        (grad_out, q, k, v))
                 if grads is None:
                     probe.calls["backward", spec.name] -= 1  # the ordinary backward runs and counts
@@ -140,8 +140,8 @@ class AttentionProbe:
                 return grads
 
         def run(*args):
-            out, plan = forward(*args)
-            return out, None if plan is None else Plan(plan)
+            out, prepared = forward(*args)
+            return out, None if prepared is None else Prepared(prepared)
 
         return run
 

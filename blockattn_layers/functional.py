@@ -6,7 +6,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ._call_plan import plan_call
+from ._checked_calls import checked_call
 from ._validation import autocast_enabled
 from .dispatch import Backend
 from .ops import attention
@@ -50,7 +50,7 @@ def block_attention(
             default: each token's index inside its sequence.
         rotary_dim: rotate only the first ``rotary_dim`` channels (even, <= D); default D.
         rotary_interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rotary_dim/2])``.
-        cpu_offsets: optional host copy of ``offsets`` (lets backends plan without device work).
+        cpu_offsets: optional host copy of ``offsets`` (lets backends schedule without device work).
         max_seqlen: optional host int, the longest sequence.
         backend: ``"auto"``, ``"reference"``, ``"triton"`` or a :class:`Backend`.
         validate: check offset values (start 0, non-decreasing, end T). ``None`` checks CPU
@@ -68,7 +68,7 @@ def block_attention(
         torch.Size([70, 4, 32])
     """
     q, k, v = _autocast_inputs(q, k, v)
-    params, spec = plan_call(
+    params, spec = checked_call(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
         cpu_offsets, max_seqlen, backend, validate,
     )

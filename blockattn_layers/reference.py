@@ -69,7 +69,7 @@ def apply_rotary(x: Tensor, angles: Tensor, rotary_dim: int, interleaved: bool, 
     return torch.cat((out, rest), dim=-1)
 
 
-# ----------------------------------------------------------------------------- planning
+# ----------------------------------------------------------------------------- block groups
 @dataclass
 class BlockGroup:
     """Blocks that share one padded tile length: start token and length of each block."""
@@ -80,7 +80,7 @@ class BlockGroup:
 
 
 def _host_offsets(offsets: Tensor, cpu_offsets: Optional[Tensor]) -> Optional[Tensor]:
-    """The offsets to plan from on the host: ``offsets`` themselves on the CPU (a ``cpu_offsets``
+    """The offsets to group blocks from on the host: ``offsets`` themselves on the CPU (a ``cpu_offsets``
     hint is only ever a copy of them), else the hint."""
     if offsets.device.type == "cpu":
         return offsets.to(torch.int64)
@@ -105,7 +105,7 @@ def _blocks_host(host: Tensor, block_size: int, device: torch.device) -> List[Bl
 
 
 def _blocks_device(offsets: Tensor, total_tokens: int, block_size: int) -> List[BlockGroup]:
-    """Sync-free plan: an upper bound on the number of blocks, extra blocks get length 0."""
+    """Sync-free grouping: an upper bound on the number of blocks, extra blocks get length 0."""
     offsets = offsets.to(torch.int64)
     num_seqs = offsets.numel() - 1
     bound = min(total_tokens, -(-total_tokens // block_size) + num_seqs)
@@ -148,13 +148,13 @@ def _sequences_host(host: Tensor, device: torch.device) -> List[BlockGroup]:
     return groups
 
 
-def plan_blocks(
+def group_blocks(
     offsets: Tensor, total_tokens: int, block_size: Optional[int],
     cpu_offsets: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
 ) -> List[BlockGroup]:
     """Cut the jagged batch into groups of equally padded blocks.
 
-    With host offsets (CPU tensors, or ``cpu_offsets``) the plan is exact. Without them,
+    With host offsets (CPU tensors, or ``cpu_offsets``) the grouping is exact. Without them,
     block attention uses a sync-free upper bound; full attention pads every sequence to
     ``max_seqlen`` if given, and otherwise reads the offsets to the host once (the only
     case in which this path synchronizes; GPU batches normally take the Triton backend).
@@ -221,7 +221,7 @@ def _scores(qc: Tensor, kc: Tensor, c: _Chunk, scale: float, causal: bool) -> Te
     mask = c.valid[:, None, None, :]
     if causal:
         mask = mask & torch.ones(c.tile, c.tile, dtype=torch.bool, device=s.device).tril()
-    # finfo.min rather than -inf: a block of length 0 (sync-free plans) gives a uniform row, not NaN.
+    # finfo.min rather than -inf: a block of length 0 (sync-free groupings) gives a uniform row, not NaN.
     return s.masked_fill(~mask, torch.finfo(s.dtype).min)
 
 
@@ -274,7 +274,8 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
     vr = v.to(dtype)
     out = torch.zeros(total + 1, num_heads, head_dim, dtype=dtype, device=q.device)
     lse = torch.zeros(total + 1, num_heads, dtype=torch.float32, device=q.device) if with_lse else None
-    for starts, lengths, tile in iter_chunks(plan_blocks(offsets, total, block_size, cpu_offsets, max_seqlen), num_heads):
+    block_groups = group_blocks(offsets, total, block_size, cpu_offsets, max_seqlen)
+    for starts, lengths, tile in iter_chunks(block_groups, num_heads):
         c = _chunk(starts, lengths, tile, total)
         s = _scores(_gather(qr, c, 1), _gather(kr, c, groups), c, scale, causal)
         o = torch.matmul(torch.softmax(s, dim=-1), _gather(vr, c, groups))  # [n, H, tile, D]
@@ -301,7 +302,8 @@ def attention_backward(
     dq = torch.zeros(total + 1, num_heads, head_dim, dtype=dtype, device=q.device)
     dk = torch.zeros(total + 1, kv_heads, head_dim, dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)
-    for starts, lengths, tile in iter_chunks(plan_blocks(offsets, total, block_size, cpu_offsets, max_seqlen), num_heads):
+    block_groups = group_blocks(offsets, total, block_size, cpu_offsets, max_seqlen)
+    for starts, lengths, tile in iter_chunks(block_groups, num_heads):
         c = _chunk(starts, lengths, tile, total)
         qc, kc, vc = _gather(qr, c, 1), _gather(kr, c, groups), _gather(vr, c, groups)
         p = _probs(qc, kc, c, scale, causal)

@@ -211,7 +211,8 @@ def builds(capability: int) -> Iterator[Build]:
 def compile_build(build: Build, capability: int) -> str:
     """PTX of one build."""
     signature, attrs = _signature(build.kernel, build.dtype, build.constexprs)
-    source = GluonASTSource if GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction) else ASTSource
+    gluon = GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction)
+    source = GluonASTSource if gluon else ASTSource
     src = source(fn=build.kernel, signature=signature, constexprs=build.constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=build.options)
     return compiled.asm["ptx"]

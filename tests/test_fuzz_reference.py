@@ -2,7 +2,7 @@
 
 Draws length distributions (many empty / single-token sequences, block multiples +-1), block
 sizes (including None), GQA/MQA head layouts, causal, scale, every rotary variant, offsets
-dtypes, and the planning paths (host plan, sync-free device plan, small memory budget).
+dtypes, and the planning paths (host grouping, sync-free device grouping, small memory budget).
 """
 from __future__ import annotations
 
@@ -66,28 +66,28 @@ def cases(draw):
         elif pos_kind == "timestamps":
             kw["positions"] = 1000 + torch.rand(T, generator=g, dtype=torch.float64) * 5000
     offsets_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
-    plan = draw(st.sampled_from(["host", "host", "cpu_offsets", "device", "device_max_seqlen", "small_budget"]))
+    grouping = draw(st.sampled_from(["host", "host", "cpu_offsets", "device", "device_max_seqlen", "small_budget"]))
     seed = draw(st.integers(0, 2 ** 16))
-    return lengths, H, h_kv, D, block_size, kw, offsets_dtype, plan, seed
+    return lengths, H, h_kv, D, block_size, kw, offsets_dtype, grouping, seed
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_fuzz_reference_matches_oracle(case):
-    lengths, H, h_kv, D, block_size, kw, offsets_dtype, plan, seed = case
+    lengths, H, h_kv, D, block_size, kw, offsets_dtype, grouping, seed = case
     q, k, v, offsets = make_jagged(lengths, H, h_kv, D, torch.float64, seed, offsets_dtype=offsets_dtype,
                                    requires_grad=True)
     g = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     extra = {}
     patches = []
     longest = max(lengths, default=0)
-    if plan == "cpu_offsets":
+    if grouping == "cpu_offsets":
         extra = dict(cpu_offsets=offsets.clone(), max_seqlen=longest)
-    elif plan in ("device", "device_max_seqlen"):
+    elif grouping in ("device", "device_max_seqlen"):
         patches.append(mock.patch.object(reference, "_host_offsets", lambda o, c: None))
-        if plan == "device_max_seqlen":
+        if grouping == "device_max_seqlen":
             extra = dict(max_seqlen=longest + 3)
-    elif plan == "small_budget":
+    elif grouping == "small_budget":
         patches.append(mock.patch.object(reference, "SCORE_BUDGET", 64))
 
     saved = [x.detach().clone() for x in (q, k, v, offsets)]

@@ -16,7 +16,7 @@ LAYERS = [
     ("kernels", "reference", "_params", "runtime"),
     ("dispatch",),
     ("ops", "_validation"),
-    ("_call_plan",),
+    ("_checked_calls",),
     ("functional", "jagged"),
     ("modules",),
     ("config",),

@@ -64,7 +64,7 @@ def _check_curves(reference, triton, rtol):
         assert abs(r - t) <= rtol * abs(r), f"step {step}: reference {r:.6g} vs triton {t:.6g}"
 
 
-@pytest.mark.skipif(TRITON_MISSING, reason="blockattn_layers.ops.backends.triton_block (the Triton backend) is not in this tree")
+@pytest.mark.skipif(TRITON_MISSING, reason="the Triton backend (ops.backends.triton_block) is not in this tree")
 def test_loss_curves_match_reference_vs_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     result = subprocess.run(

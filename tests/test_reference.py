@@ -394,14 +394,14 @@ def _no_host(monkeypatch):
 ])
 @pytest.mark.parametrize("lengths", [LENGTHS, [0, 0, 5], [128, 1]])
 def test_sync_free_device_plan(monkeypatch, block_size, extra, lengths):
-    """Without host offsets the plan is an upper bound with empty blocks; results are the same."""
+    """Without host offsets the grouping is an upper bound with empty blocks; results are the same."""
     q, k, v, offsets = make_jagged(lengths, 4, 2, 8, torch.float64, 8, requires_grad=True)
     kw = dict(causal=True, rope_theta=10000.0, rotary_dim=4, **extra)
     g = grad_out(q.shape)
     host, host_g = forward_backward(lambda a, b, c: ref(a, b, c, offsets, block_size, **kw), q, k, v, g)
     calls = _no_host(monkeypatch)
     dev, dev_g = forward_backward(lambda a, b, c: ref(a, b, c, offsets, block_size, **kw), q, k, v, g)
-    assert len(calls) == 2  # forward and backward both planned without host offsets
+    assert len(calls) == 2  # forward and backward both prepared without host offsets
     torch.testing.assert_close(dev, host, rtol=1e-13, atol=1e-14)
     for a, b in zip(dev_g, host_g):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
@@ -410,7 +410,7 @@ def test_sync_free_device_plan(monkeypatch, block_size, extra, lengths):
 
 
 def test_sync_free_attention_forward_direct(monkeypatch):
-    """``reference.attention_forward`` itself, device plan vs host plan, float32 and float16."""
+    """``reference.attention_forward`` itself, device grouping vs host grouping, float32 and float16."""
     for dtype in (torch.float32, torch.float16):
         q, k, v, offsets = make_jagged(LENGTHS, 2, 1, 8, dtype, 9)
         args = (q, k, v, offsets, 32, 0.4, True, 100.0, None, 8, True)
@@ -441,8 +441,8 @@ def test_device_plan_covers_exactly_the_host_blocks(lengths, block_size):
     for g in dev_groups:
         assert g.tile >= int(g.lengths.max()) and g.tile <= max(T, 1)
         assert bool((g.starts >= 0).all()) and bool((g.starts < max(T, 1)).all())
-    # the host plan of full attention covers every non-empty sequence once, tiles >= lengths
-    seqs = reference.plan_blocks(offsets, T, None)
+    # the host grouping of full attention covers every non-empty sequence once, tiles >= lengths
+    seqs = reference.group_blocks(offsets, T, None)
     got = sorted((s, n) for g in seqs for s, n in zip(g.starts.tolist(), g.lengths.tolist()))
     assert got == sorted((lo, hi - lo) for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist()) if hi > lo)
     assert all(g.tile >= int(g.lengths.max()) for g in seqs)
@@ -467,7 +467,7 @@ def test_memory_chunking(monkeypatch, budget, block_size):
     monkeypatch.setattr(reference, "SCORE_BUDGET", budget)
     monkeypatch.setattr(reference, "_chunk", counting_chunk)
     out, grads = forward_backward(lambda a, b, c: ref(a, b, c, offsets, block_size, **kw), q, k, v, g)
-    n_units = sum(g_.starts.numel() for g_ in reference.plan_blocks(offsets, T_ALL, block_size))
+    n_units = sum(g_.starts.numel() for g_ in reference.group_blocks(offsets, T_ALL, block_size))
     assert len(chunks) > 2 and sum(chunks) == 2 * n_units  # forward + backward, every block once each
     torch.testing.assert_close(out, base, rtol=1e-13, atol=1e-14)
     for a, b in zip(grads, base_g):

@@ -6,9 +6,9 @@ dispatch modes (``FlopCounterMode``, user fake modes) it calls the registered op
 (:mod:`.library`), whose autograd and FLOP formulas then apply. For plain tensors in eager mode
 it calls the backend's implementation directly through a ``torch.autograd.Function``: the
 custom-op wrappers' host work is about half the host time of a call, which is what small
-batches pay for. A backend with ``forward_planned`` prepares its backward's launch in the
+batches pay for. A backend with ``forward_prepared`` prepares its backward's launch in the
 forward, on the caller's thread; the autograd engine runs the backward on its device thread
-and launches that plan where it holds.
+and launches that where it holds.
 """
 from __future__ import annotations
 
@@ -84,28 +84,28 @@ class _EagerAttention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-class _PlannedAttention(_EagerAttention):
+class _PreparedAttention(_EagerAttention):
     """:class:`_EagerAttention` with the backward's launch prepared by the forward (single-tile
     kinds: nothing but q, k, v is saved)."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, spec, args):
-        out, ctx.plan = spec.forward_planned(q, k, v, offsets, *args)
+        out, ctx.prepared = spec.forward_prepared(q, k, v, offsets, *args)
         _save(ctx, spec, q, k, v, offsets, args, None, None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.plan is not None and type(grad_out) is torch.Tensor:
+        if ctx.prepared is not None and type(grad_out) is torch.Tensor:
             q, k, v = ctx.saved_tensors[:3]
-            grads = ctx.plan.launch(grad_out, q, k, v)
+            grads = ctx.prepared.launch(grad_out, q, k, v)
             if grads is not None:
                 return (*grads, None, None, None)
         return _EagerAttention.backward(ctx, grad_out)
 
 
 _eager_apply = raw_apply(_EagerAttention)
-_planned_apply = raw_apply(_PlannedAttention)
+_prepared_apply = raw_apply(_PreparedAttention)
 
 
 def backend_name(backend) -> str:
@@ -121,8 +121,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: Attentio
     if not plain_eager(q, k, v):
         return library.attention_fwd(q, k, v, offsets, *args, backend_name(backend))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if spec.forward_planned is not None and not library.saves_lse(args[0]):
-            return _planned_apply(q, k, v, offsets, spec, args)
+        if spec.forward_prepared is not None and not library.saves_lse(args[0]):
+            return _prepared_apply(q, k, v, offsets, spec, args)
         return _eager_apply(q, k, v, offsets, spec, args)
     # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
     return spec.forward(q, k, v, offsets, *args)[0]

@@ -10,9 +10,9 @@ depends on it: block plans and remembered forward launches). Everything else a v
 on is process state that changes only through functions that call :func:`clear_all`:
 registering a backend (``dispatch.register_backend``). Tests that patch such state call it too.
 
-The caches (``names()``): the validated calls of ``block_attention`` (``call_plans``), the
+The caches (``names()``): the validated calls of ``block_attention`` (``checked_calls``), the
 dispatcher's backend choices (``backend_choices``), the block kernels' launch plans
-(``block_plans``), forward launches remembered by signature (``block_forwards``), the planned
+(``block_plans``), forward launches remembered by signature (``block_forwards``), the prepared
 backward's templates (``block_backwards``), and each kernel launcher's compiled entries
 (``launcher:<kernel>``).
 """

@@ -207,7 +207,7 @@ def _contiguous_strides(shape) -> tuple:
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-class PlannedBackward:
+class PreparedBackward:
     """The backward launch of one forward call, prepared by the forward.
 
     PyTorch's autograd engine runs the backward of CUDA tensors on its device thread. On the
@@ -217,7 +217,7 @@ class PlannedBackward:
     the caller's thread, finds the compiled kernel, the grid and every scalar argument of the
     backward; :meth:`launch` only allocates the gradients and launches (fwd+bwd 11-34 us
     faster, PERF_NOTES). It serves the common case: the saved q, k, v are the very tensors
-    planned for (no saved-tensor hooks replaced them) and dO is contiguous with 16-byte aligned
+    prepared for (no saved-tensor hooks replaced them) and dO is contiguous with 16-byte aligned
     rows; otherwise it returns None and the caller takes the ordinary path.
 
     It holds weak references to q, k, v (the strong ones are the autograd context's, which
@@ -234,7 +234,7 @@ class PlannedBackward:
             keep, entry, launcher, grid, device, tail, do_strides)
 
     def launch(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """``(dq, dk, dv)``, or None where the plan does not hold for these tensors."""
+        """``(dq, dk, dv)``, or None where the preparation does not hold for these tensors."""
         rq, rk, rv = self.refs
         if rq() is not q or rk() is not k or rv() is not v or do.stride() != self.do_strides:
             return None
@@ -252,19 +252,19 @@ class PlannedBackward:
 
 
 # forward launch key -> (compiled backward, its launcher, launch options, stride arguments, variant) of
-# its backward; the forward's key fixes them all (see ``plan_backward``). Key None: the last
-# (forward key, template) planned. A forward remembered by its signature passes the same key object
+# its backward; the forward's key fixes them all (see ``prepare_backward``). Key None: the last
+# (forward key, template) prepared. A forward remembered by its signature passes the same key object
 # on every call, found there by identity without hashing the key (``block.fwd._forward``).
 _TEMPLATES = HostCache("block_backwards")
 _NO_LAST = (None, None)
 
 
-def plan_backward(
+def prepare_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, fwd_key: Optional[tuple], block_size: int,
     scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
     rotary_dim: int, rotary_interleaved: bool,
-) -> Optional[PlannedBackward]:
-    """The :class:`PlannedBackward` of a forward call, or None where it cannot be prepared.
+) -> Optional[PreparedBackward]:
+    """The :class:`PreparedBackward` of a forward call, or None where it cannot be prepared.
 
     ``fwd_key`` is the forward launch's key (``Launcher.__call__``; None where the forward did not
     launch direct on the current device, e.g. with 64-bit addressing). It fixes the backward's
@@ -273,7 +273,7 @@ def plan_backward(
     dv follow from it and ``GROUPS``), and no int the backward specializes on varies per call.
     So the backward's part that does not change per call is looked up once per forward key.
     The first backward of a signature compiles its kernel through the ordinary path; until then
-    there is nothing to plan.
+    there is nothing to prepare.
     """
     if fwd_key is None or sched.programs == 0:
         return None
@@ -296,7 +296,7 @@ def plan_backward(
     )
     grid = block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"])
     grid = (grid[0], grid[1] if len(grid) > 1 else 1)
-    return PlannedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
+    return PreparedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
                            strides[9:12])
 
 

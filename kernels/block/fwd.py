@@ -26,7 +26,7 @@ from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ..common.schedule import Schedule, block_of_program
 from ..common.tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
-from .bwd import PlannedBackward, plan_backward
+from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan
 from .variants import call_facts, choose, forced_name
 
@@ -173,13 +173,13 @@ def block_attention_fwd(
                     rotary_interleaved, cpu_offsets, False)[0]
 
 
-def block_attention_fwd_planned(
+def block_attention_fwd_prepared(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
     scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
     rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, Optional[PlannedBackward]]:
+) -> Tuple[torch.Tensor, Optional[PreparedBackward]]:
     """:func:`block_attention_fwd`, and the launch of its backward prepared on this thread
-    (:class:`~blockattn_layers.kernels.block.bwd.PlannedBackward`, or None)."""
+    (:class:`~blockattn_layers.kernels.block.bwd.PreparedBackward`, or None)."""
     return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
                     rotary_interleaved, cpu_offsets, True)
 
@@ -187,7 +187,7 @@ def block_attention_fwd_planned(
 class _Remembered:
     """A forward launch remembered by its signature (``_signature``): the compiled kernel's entry
     (``Launcher.compiled``), the stride arguments, the grid's kv-head extent, its launcher, and the
-    launch key, which plans the backward (``plan_backward``)."""
+    launch key, from which the backward is prepared (``prepare_backward``)."""
 
     __slots__ = ("entry", "strides", "grid_heads", "launcher", "key")
 
@@ -210,7 +210,7 @@ def _signature(q, k, v, pos, sched: Schedule, block_size, rot, interleaved, has_
 
 
 def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-             rotary_interleaved, cpu_offsets, plan: bool) -> tuple:
+             rotary_interleaved, cpu_offsets, prepare: bool) -> tuple:
     """The forward launch. Calls of a signature seen before (``_signature``, 32-bit offsets, a
     direct launch on the current device) skip the variant choice, the launch plan and the
     launcher's key, host time that a small batch pays on every call (H200 host, small shape,
@@ -246,9 +246,9 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
         launch(sched.programs, seen.grid_heads, 1, seen.launcher.stream(device), *head, *ptrs, sched.programs,
                sched.num_seqs, block_size, qk_scale, log2_theta, kv_heads, *seen.strides, *consts)
         launched = seen.key
-    if not plan:
+    if not prepare:
         return o, None
-    return o, plan_backward(q, k, v, sched, launched, block_size, scale, causal, rope_theta, positions, rotary_dim,
+    return o, prepare_backward(q, k, v, sched, launched, block_size, scale, causal, rope_theta, positions, rotary_dim,
                             rotary_interleaved)
 
 

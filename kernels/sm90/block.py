@@ -1,10 +1,10 @@
 """Block-attention forward and backward for Hopper (sm_90), written in Gluon: the ``hopper`` variant.
 
 Same contract and positional arguments as ``block.fwd`` / ``block.bwd`` (so the launchers,
-launch plans and the planned backward serve both; the constexprs are the subset these kernels
-use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dim 64 or 128, blocks of at most 64 rows, no rotary or rotary on all
-channels in split halves (positions given or implicit), 16-byte aligned rows with unit channel
-stride, 32-bit offsets. One program per (block, kv head) and its ``GROUPS`` query heads.
+launch plans and the prepared backward serve both; the constexprs are the subset these kernels
+use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dim 64 or 128, blocks
+of at most 64 rows, no rotary or rotary on all channels in split halves (positions given or
+implicit), 16-byte aligned rows with unit channel stride, 32-bit offsets. One program per (block, kv head) and its ``GROUPS`` query heads.
 
 What Gluon allows that the Triton kernels could not get from the compiler:
 - every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,

@@ -3,8 +3,8 @@
 For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
 backward that recomputes the probabilities from q, k, v. The block-kernel variants (simple,
 hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
-choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Kernel sizes are run-time arguments, so
-batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
+choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``.
+Kernel sizes are run-time arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
 interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.block.bwd import block_attention_bwd
-from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_planned
+from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_prepared
 from blockattn_layers.kernels.common.meta import MAX_TILE
 
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
@@ -37,13 +37,13 @@ def _forward(
     ), None
 
 
-def _forward_planned(
+def _forward_prepared(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ):
-    """:func:`_forward` returning ``(out, plan)``: its backward's launch, prepared on this thread."""
-    return block_attention_fwd_planned(
+    """:func:`_forward` returning ``(out, prepared)``: its backward's launch, prepared on this thread."""
+    return block_attention_fwd_prepared(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,
     )
@@ -91,7 +91,7 @@ register_backend(BackendSpec(
     name="triton",
     forward=_forward,
     backward=_backward,
-    forward_planned=_forward_planned,
+    forward_prepared=_forward_prepared,
     priority=10,
     devices=triton_devices,
     auto_devices=frozenset({"cuda"}),

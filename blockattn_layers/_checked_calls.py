@@ -1,27 +1,27 @@
 """Validated calls remembered by their signature, for the host time of small batches.
 
-:func:`plan_call` returns the normalized :class:`AttentionParams` and the backend of a
+:func:`checked_call` returns the normalized :class:`AttentionParams` and the backend of a
 ``block_attention`` call. Checks and backend selection read only each tensor's type, shape,
 dtype and device and the other arguments' values, so a call that matches an earlier one in
 all of those (each scalar with its type: ``True`` is not taken for ``1``) reuses its result.
 Calls that check tensor *values* (offsets on the CPU or ``validate=True``; ``cpu_offsets``
-unless ``validate=False``) and calls traced by ``torch.compile`` take the full path. A
-remembered backend is used only while backend selection would still give it (registering a
-backend forgets every choice).
+unless ``validate=False``) and calls traced by ``torch.compile`` take the full path. The
+entries are a ``runtime.caches.HostCache``: registering a backend forgets them with every other
+cached choice.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
 
 from ._params import AttentionParams
 from ._validation import validate_attention_args
-from .dispatch import BackendSpec, select_for_call, selection_key, still_selected
+from .dispatch import BackendSpec, select_for_call
+from .runtime.caches import HostCache
 
-_MAX_PLANS = 256
-# signature -> (params without the call's tensors, backend, its selection key)
-_PLANS: Dict[tuple, Tuple[AttentionParams, BackendSpec, tuple]] = {}
+# signature -> (params without the call's tensors, backend)
+_CALLS = HostCache("checked_calls")
 
 
 def _tensor_key(x) -> tuple:
@@ -41,7 +41,7 @@ def _key(q, k, v, offsets, positions, cpu_offsets, scalars: tuple) -> tuple:
     )
 
 
-def plan_call(
+def checked_call(
     q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
     cpu_offsets, max_seqlen, backend, validate,
 ) -> Tuple[AttentionParams, BackendSpec]:
@@ -59,11 +59,11 @@ def plan_call(
                    validate)
         try:
             key = _key(q, k, v, offsets, positions, cpu_offsets, scalars)
-            plan = _PLANS.get(key)
+            entry = _CALLS.get(key)
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what is wrong
-            key = plan = None
-        if plan is not None and still_selected(plan[2], plan[1]):
-            params, spec, _ = plan
+            key = entry = None
+        if entry is not None:
+            params, spec = entry
             if positions is not None or cpu_offsets is not None:
                 params = params._replace(positions=positions, cpu_offsets=cpu_offsets)
             return params, spec
@@ -74,7 +74,5 @@ def plan_call(
     )
     spec = select_for_call(backend, q, k, params)
     if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = (params._replace(positions=None, cpu_offsets=None), spec, selection_key(backend, q, k, params))
+        _CALLS.put(key, (params._replace(positions=None, cpu_offsets=None), spec))
     return params, spec

@@ -1,7 +1,7 @@
-"""The backward launch prepared by the forward (``block.bwd.PlannedBackward``): the eager
+"""The backward launch prepared by the forward (``block.bwd.PreparedBackward``): the eager
 backward takes it where it holds and gives the same bits as the ordinary path; where it does
 not hold (strided dO, saved-tensor hooks, first call of a signature) the ordinary path runs.
-The autograd plumbing is checked on the CPU with a stand-in plan; the launches on the GPU."""
+The autograd plumbing is checked on the CPU with a stand-in preparation; the launches on the GPU."""
 import pytest
 import torch
 
@@ -13,24 +13,24 @@ from blockattn_layers.runtime import caches
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _pair(plan_result, calls):
-    """An entry point over a doubling 'attention' backend whose plan returns ``plan_result``."""
+def _pair(result, calls):
+    """An entry point over a doubling 'attention' backend whose preparation returns ``result``."""
 
-    class Plan:
+    class Prepared:
         def launch(self, grad_out, q, k, v):
             calls.append((grad_out, q, k, v))
-            return plan_result
+            return result
 
     def forward(q, k, v, offsets, *rest):
         return 2 * q, None
 
-    def forward_planned(q, k, v, offsets, *rest):
-        return forward(q, k, v, offsets, *rest)[0], Plan()
+    def forward_prepared(q, k, v, offsets, *rest):
+        return forward(q, k, v, offsets, *rest)[0], Prepared()
 
     def backward(grad_out, q, k, v, out, lse, offsets, *rest):
         return 2 * grad_out, torch.zeros_like(k), torch.zeros_like(v)
 
-    spec = bl.BackendSpec(name="doubling", forward=forward, backward=backward, forward_planned=forward_planned,
+    spec = bl.BackendSpec(name="doubling", forward=forward, backward=backward, forward_prepared=forward_prepared,
                           priority=0, devices=None, auto_devices=None, dtypes=frozenset({torch.float32}))
     params = AttentionParams(*_REST)
     return lambda q, k, v, offsets: entry.attention(q, k, v, offsets, params, spec, "doubling")
@@ -45,12 +45,12 @@ def _leaves():
 
 def test_backward_takes_the_plan_where_it_holds():
     calls = []
-    planned = tuple(torch.full((5, 2, 4), float(i)) for i in (7, 8, 9))
-    attention = _pair(planned, calls)
+    prepared = tuple(torch.full((5, 2, 4), float(i)) for i in (7, 8, 9))
+    attention = _pair(prepared, calls)
     q, k, v = _leaves()
     grads = torch.autograd.grad(attention(q, k, v, torch.tensor([0, 5])), (q, k, v), torch.ones(5, 2, 4))
     assert len(calls) == 1 and calls[0][1] is q and calls[0][2] is k and calls[0][3] is v
-    for g, want in zip(grads, planned):
+    for g, want in zip(grads, prepared):
         assert torch.equal(g, want)
 
 
@@ -64,7 +64,7 @@ def test_backward_falls_back_where_the_plan_does_not_hold():
     assert torch.equal(dq, 2 * grad_out) and not dk.any() and not dv.any()
 
 
-# ------------------------------------------------------- CPU: the plan's launch arguments
+# ------------------------------------------------------- CPU: the prepared launch's arguments
 def _ordinary_launch(monkeypatch, do, q, k, v, offsets, **kw):
     """What the ordinary backward passes to its launcher: ``(grid, args, meta, key)``."""
     from blockattn_layers.kernels.block import bwd as block_bwd
@@ -95,8 +95,8 @@ def _tensors(args):
 
 
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
-def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table):
-    """On the CPU, with the launches recorded: the plan's launch gets the ordinary backward's
+def test_prepared_launch_passes_the_ordinary_arguments(monkeypatch, table):
+    """On the CPU, with the launches recorded: the prepared launch gets the ordinary backward's
     grid and arguments (tensors as their addresses, the fresh gradient buffers aside), and the
     compiled kernel it asks for is looked up under the ordinary launch's specialization (the
     stand-ins for dO and the gradients have their dtypes and strides)."""
@@ -129,7 +129,8 @@ def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table):
     monkeypatch.setattr(block_bwd.launch_bwd, "goes_direct", lambda device: True)
     monkeypatch.setattr(block_bwd.launch_bwd, "stream", lambda device: 99)
     caches.clear_all()
-    plan = block_bwd.plan_backward(q, k, v, sched, ("a forward key",), 48, 0.3, True, 500.0, positions, 16, False)
+    prepared = block_bwd.prepare_backward(q, k, v, sched, ("a forward key",), 48, 0.3, True, 500.0, positions, 16,
+                                          False)
     # the schedule's table is the ordinary call's own (the table variant allocates a new one)
     args = (*args[:7], sched.table, args[8] if kw["positions"] is not None else sched.table, *args[9:])
     (stand_in, plan_key, aligned), = looked_up
@@ -138,7 +139,7 @@ def test_planned_launch_passes_the_ordinary_arguments(monkeypatch, table):
     assert [t.dtype for t in _tensors(stand_in)] == [t.dtype for t in _tensors(args)]
     assert aligned == tuple(t.data_ptr() % 16 == 0 for t in _tensors(args))
 
-    grads = plan.launch(do, q, k, v)
+    grads = prepared.launch(do, q, k, v)
     (call,) = launched
     assert call[:5] == (grid[0], grid[1] if len(grid) > 1 else 1, 1, 99, "head") and call[-1] == "consts"
     passed = call[5:-1]
@@ -160,15 +161,15 @@ def test_plan_does_not_hold_for_other_tensors_or_a_strided_grad(monkeypatch):
     caches.clear_all()
     offsets = torch.tensor([0, 5, 70])
     q, k, v = (torch.randn(70, 2, 16) for _ in range(3))
-    plan = block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), ("key",), 64, 0.25, False,
+    prepared = block_bwd.prepare_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), ("key",), 64, 0.25, False,
                                    None, None, 0, False)
     do = torch.randn(70, 2, 16)
-    assert plan.launch(do, q.clone(), k, v) is None
-    assert plan.launch(do.transpose(0, 1).contiguous().transpose(0, 1), q, k, v) is None
-    assert plan.launch(torch.ones(1, 1, 1).expand(70, 2, 16), q, k, v) is None
+    assert prepared.launch(do, q.clone(), k, v) is None
+    assert prepared.launch(do.transpose(0, 1).contiguous().transpose(0, 1), q, k, v) is None
+    assert prepared.launch(torch.ones(1, 1, 1).expand(70, 2, 16), q, k, v) is None
     assert not launched
-    assert plan.launch(do, q, k, v) is not None and len(launched) == 1
-    assert block_bwd.plan_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), None, 64, 0.25, False,
+    assert prepared.launch(do, q, k, v) is not None and len(launched) == 1
+    assert block_bwd.prepare_backward(q, k, v, _schedule.Schedule(offsets, 70, 64, None), None, 64, 0.25, False,
                                    None, None, 0, False) is None
 
 
@@ -183,18 +184,18 @@ def _inputs(lengths, heads, kv_heads, dim, dtype=torch.float16, seed=0):
 
 
 def _spy(monkeypatch):
-    """Count the planned launches that gave gradients."""
-    from blockattn_layers.kernels.block.bwd import PlannedBackward
+    """Count the prepared launches that gave gradients."""
+    from blockattn_layers.kernels.block.bwd import PreparedBackward
 
     used = []
-    launch = PlannedBackward.launch
+    launch = PreparedBackward.launch
 
     def spy(self, *args):
         grads = launch(self, *args)
         used.append(grads is not None)
         return grads
 
-    monkeypatch.setattr(PlannedBackward, "launch", spy)
+    monkeypatch.setattr(PreparedBackward, "launch", spy)
     return used
 
 
@@ -215,8 +216,8 @@ PLANNED_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", PLANNED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_planned_backward_gives_the_ordinary_bits(monkeypatch, case, table):
-    """GQA, edge lengths; the in-kernel schedule and the block table (kept alive by the plan:
+def test_prepared_backward_gives_the_ordinary_bits(monkeypatch, case, table):
+    """GQA, edge lengths; the in-kernel schedule and the block table (kept alive by the preparation:
     memory is reused and scribbled on between forward and backward)."""
     from blockattn_layers.kernels.block import fwd as block_fwd
     from blockattn_layers.kernels.common import schedule as _schedule
@@ -234,17 +235,17 @@ def test_planned_backward_gives_the_ordinary_bits(monkeypatch, case, table):
     out = bl.block_attention(*leaves, offsets, backend="triton", **case)
     for _ in range(4):
         torch.empty(1 << 20, device="cuda").fill_(float("nan"))
-    planned = (out, *torch.autograd.grad(out, leaves, grad_out))
-    assert used[-1] is True, "the second call's backward takes its plan"
-    monkeypatch.setattr(block_fwd, "plan_backward", lambda *a: None)
+    prepared = (out, *torch.autograd.grad(out, leaves, grad_out))
+    assert used[-1] is True, "the second call's backward takes its preparation"
+    monkeypatch.setattr(block_fwd, "prepare_backward", lambda *a: None)
     ordinary = _run(qkv, offsets, grad_out, **case)
-    for a, b in zip(planned, ordinary):
+    for a, b in zip(prepared, ordinary):
         assert torch.equal(a, b)
 
 
 @cuda
 @pytest.mark.gpu
-def test_planned_backward_falls_back_on_strided_grad_and_saved_tensor_hooks(monkeypatch):
+def test_prepared_backward_falls_back_on_strided_grad_and_saved_tensor_hooks(monkeypatch):
     """A dO that is not contiguous (``out.sum()``'s expanded ones) and saved-tensor hooks that
     replace q, k, v both take the ordinary path, with the same results."""
     qkv, offsets = _inputs([5, 64, 0, 130, 1], 4, 2, 64)
@@ -268,9 +269,9 @@ def test_planned_backward_falls_back_on_strided_grad_and_saved_tensor_hooks(monk
 
 @cuda
 @pytest.mark.gpu
-def test_planned_backward_follows_the_input_strides(monkeypatch):
+def test_prepared_backward_follows_the_input_strides(monkeypatch):
     """Inputs of the same shapes, first contiguous, then views into one packed ``[T, 3H, D]``
-    tensor (other strides, so another forward key and backward plan): each planned backward
+    tensor (other strides, so another forward key and prepared backward): each prepared backward
     gives the ordinary path's bits."""
     from blockattn_layers.kernels.block import fwd as block_fwd
 
@@ -280,13 +281,13 @@ def test_planned_backward_follows_the_input_strides(monkeypatch):
     views = packed[:, :2], packed[:, 2:4], packed[:, 4:]
     grad_out = torch.randn_like(q)
     used = _spy(monkeypatch)
-    planner = block_fwd.plan_backward
+    planner = block_fwd.prepare_backward
     for qkv in ((q, k, v), views, (q, k, v), views):
         _run(qkv, offsets, grad_out, block_size=64, causal=True)
-        monkeypatch.setattr(block_fwd, "plan_backward", planner)
-        planned = _run(qkv, offsets, grad_out, block_size=64, causal=True)
+        monkeypatch.setattr(block_fwd, "prepare_backward", planner)
+        prepared = _run(qkv, offsets, grad_out, block_size=64, causal=True)
         assert used[-1] is True
-        monkeypatch.setattr(block_fwd, "plan_backward", lambda *a: None)
+        monkeypatch.setattr(block_fwd, "prepare_backward", lambda *a: None)
         ordinary = _run(qkv, offsets, grad_out, block_size=64, causal=True)
-        for a, b in zip(planned, ordinary):
+        for a, b in zip(prepared, ordinary):
             assert torch.equal(a, b)

@@ -1,4 +1,4 @@
-"""Calls remembered by signature (``_call_plan``) are checked and computed like fresh ones."""
+"""Calls remembered by signature (``_checked_calls``) are checked and computed like fresh ones."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import blockattn_layers as bl
 import blockattn_layers.dispatch as dispatch
-from blockattn_layers import _call_plan
+from blockattn_layers import _checked_calls
 from tests.test_validation import SCALAR_CASES, TENSOR_CASES, call, inputs
 
 # Caught only by checks of offset values, which validate=False turns off.
@@ -22,12 +22,12 @@ _CASES = {**TENSOR_CASES, **SCALAR_CASES}
 def test_bad_argument_after_a_remembered_call(case):
     """A call that differs from a remembered valid one in one bad argument still raises."""
     exc, pattern, over = _CASES[case]
-    _call_plan._PLANS.clear()
+    _checked_calls._CALLS.clear()
     with pytest.raises(exc, match=pattern):
         call(validate=False, **over)
     call(validate=False)
     call(validate=False, rope_theta=1e4)
-    assert _call_plan._PLANS, "valid calls with validate=False are remembered"
+    assert _checked_calls._CALLS, "valid calls with validate=False are remembered"
     with pytest.raises(exc, match=pattern):
         call(validate=False, **over)
 
@@ -57,7 +57,7 @@ def test_remembered_call_uses_this_calls_tensors(monkeypatch):
     """positions and cpu_offsets come from each call, not from the call that was remembered."""
     pos = [torch.arange(12) * 3, torch.arange(12).flip(0)]
     outs = [call(validate=False, rope_theta=100.0, positions=p) for p in pos]
-    _call_plan._PLANS.clear()
+    _checked_calls._CALLS.clear()
     fresh = call(validate=False, rope_theta=100.0, positions=pos[1])
     torch.testing.assert_close(outs[1], fresh, rtol=0, atol=0)
     assert not torch.allclose(outs[0], outs[1])
