@@ -1,5 +1,5 @@
 """blockattn-layers: block-diagonal self-attention over jagged sequences for ranking models."""
-from .dispatch import AttentionRequest, Backend, BackendSpec, explain, registered_backends
+from .dispatch import AttentionRequest, Backend, BackendSpec, explain, explain_variants, registered_backends
 from .config import EncoderConfig, EncoderLayerConfig, build_encoder, list_presets, load_config
 from .functional import block_attention, jagged_attention
 from .jagged import (
@@ -28,6 +28,7 @@ __all__ = [
     "block_attention",
     "build_encoder",
     "explain",
+    "explain_variants",
     "from_torch_encoder",
     "jagged_attention",
     "jagged_to_padded",
