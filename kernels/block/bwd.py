@@ -27,8 +27,9 @@ from ..common.meta import LOG2E, empty_grads, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ..common.schedule import Schedule, block_of_program
 from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
+from . import self_check
 from .plan import block_grid, block_plan
-from .variants import call_facts, choose
+from .variants import SIMPLE, call_facts, choose
 
 
 @triton.jit
@@ -181,10 +182,9 @@ def block_attention_bwd(
     # (dk, dv: contiguous, no more elements than dq.)
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, do, dq)
-    variant = choose(call_facts(q, k, block_size, rot, rotary_interleaved, int64), q, (q, k, v, do))
-    launcher = variant.kernels()[1]
-    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
-                              sched.inline_seqs, int64, variant, launcher)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64)
+    variant = choose(facts, q, (q, k, v, do))
+    flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
     args = (
         q, k, v, do, dq, dk, dv, sched.table,
         positions if positions is not None else sched.table,
@@ -192,8 +192,28 @@ def block_attention_bwd(
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
     )
-    launcher(block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"]), args, meta, q, key)
+    launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
+    if self_check.pending(variant, facts.major, key) and self_check.capturing():
+        variant = SIMPLE  # no host sync while capturing: the verified kernels run
+        launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
+    launcher(grid, args, meta, q, key)
+    if self_check.pending(variant, facts.major, key):
+        want = empty_grads(q, k, v)
+        simple, simple_meta, simple_key, simple_grid = _plan(SIMPLE, q, k, sched.programs, *flags)
+        simple(simple_grid, (*args[:4], *want, *args[7:]), simple_meta, q, simple_key)
+        described = self_check.describe(q, k, block_size, rot, rotary_interleaved, positions is not None, causal,
+                                        True)
+        if not self_check.agrees(variant, key, described, (dq, dk, dv), want, ("dq", "dk", "dv")):
+            return want
     return dq, dk, dv
+
+
+def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:
+    """``(launcher, meta, key, grid)`` of ``variant``'s backward launch."""
+    launcher = variant.kernels()[1]
+    meta, _, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, True, inline_seqs, int64,
+                              variant, launcher)
+    return launcher, meta, key, block_grid(programs, k.shape[1], q.device, True, variant, meta["BLOCK_D"])
 
 
 launch_bwd = Launcher(_block_bwd_kernel)
@@ -307,10 +327,12 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     yet."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
-    variant = choose(call_facts(q, k, block_size, rot, rotary_interleaved, False), q, (q, k, v))
-    launcher = variant.kernels()[1]
-    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, True,
-                              sched.inline_seqs, False, variant, launcher)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, False)
+    variant = choose(facts, q, (q, k, v))
+    launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
+                                   positions is not None, causal, sched.inline_seqs, False)
+    if self_check.pending(variant, facts.major, key):
+        return None  # the first backward of the plan is checked on the ordinary path
     pos = positions if positions is not None else sched.table
     q_strides, kv_strides = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
     strides = (*q.stride(), *k.stride(), *v.stride(), *q_strides, *q_strides, *kv_strides, *kv_strides)

@@ -26,9 +26,10 @@ from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
 from ..common.schedule import Schedule, block_of_program
 from ..common.tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
+from . import self_check
 from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan
-from .variants import call_facts, choose, forced_name
+from .variants import SIMPLE, call_facts, choose, forced_name
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
 # once per block (H200, D64/H4: forward 1.46 -> 1.27 ms). There the loop fits 128 registers
@@ -255,20 +256,41 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
 def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, rot, interleaved, has_pos, causal,
                     int64, sig) -> Optional[tuple]:
     """The forward launch through the variant choice, the launch plan and the launcher; remembers
-    it under ``sig`` (if given) where it went direct. Returns the launcher's key (or None)."""
-    kv_heads = k.shape[1]
-    variant = choose(call_facts(q, k, block_size, rot, interleaved, int64), q, (q, k, v))
-    launcher = variant.kernels()[0]
-    meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, sched.inline_seqs,
-                                 int64, variant, launcher)
+    it under ``sig`` (if given) where it went direct. Returns the launcher's key (or None). A
+    variant with no hardware run on this GPU generation is checked against the simple kernels at
+    the first launch of each plan (``self_check``), and not remembered before it has agreed."""
+    facts = call_facts(q, k, block_size, rot, interleaved, int64)
+    variant = choose(facts, q, (q, k, v))
+    flags = (block_size, rot, interleaved, has_pos, causal, sched.inline_seqs, int64)
+    launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
-    args = (q, k, v, o, sched.table, pos, sched.programs, sched.num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    args = (q, k, v, o, sched.table, pos, sched.programs, sched.num_seqs, block_size, qk_scale, log2_theta, k.shape[1],
             *strides)
-    grid = block_grid(sched.programs, 1 if loop else kv_heads, q.device, False, variant, meta["BLOCK_D"])
+    if self_check.pending(variant, facts.major, key):
+        if self_check.capturing():  # no host sync while capturing: the verified kernels run
+            launcher, meta, key, grid = _plan(SIMPLE, q, k, sched.programs, *flags)
+        else:
+            launcher(grid, args, meta, q, key)
+            want = empty_contiguous(o)
+            simple, simple_meta, simple_key, simple_grid = _plan(SIMPLE, q, k, sched.programs, *flags)
+            simple(simple_grid, (*args[:3], want, *args[4:]), simple_meta, q, simple_key)
+            described = self_check.describe(q, k, block_size, rot, interleaved, has_pos, causal, False)
+            if not self_check.agrees(variant, key, described, (o,), (want,), ("out",)):
+                o.copy_(want)
+            return None
     launched = launcher(grid, args, meta, q, key)
     if sig is not None and launched is not None and not variant.persistent:
         _REMEMBERED.put(sig, _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched))
     return launched
+
+
+def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:
+    """``(launcher, meta, key, grid)`` of ``variant``'s forward launch."""
+    launcher = variant.kernels()[0]
+    meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, inline_seqs, int64,
+                                 variant, launcher)
+    grid = block_grid(programs, 1 if loop else k.shape[1], q.device, False, variant, meta["BLOCK_D"])
+    return launcher, meta, key, grid
 
 
 launch_fwd = Launcher(_block_fwd_kernel)

@@ -29,6 +29,7 @@ import torch
 
 from ..common.launch import Launcher
 from ..common.meta import major_of
+from . import self_check
 
 
 class CallFacts(NamedTuple):
@@ -60,7 +61,10 @@ class Variant(NamedTuple):
     ``kernels``: returns its ``(forward, backward)`` launchers, imported at first use;
     ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
-    tile rows; ``maxnreg``: a register cap for every launch.
+    tile rows; ``maxnreg``: a register cap for every launch; ``verified_on``: the generations
+    where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
+    elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
+    use (``block.self_check``).
     """
 
     name: str
@@ -74,6 +78,7 @@ class Variant(NamedTuple):
     programs_per_sm: Optional[Dict[Tuple[bool, bool], int]] = None
     block_m: Optional[int] = None
     maxnreg: Optional[int] = None
+    verified_on: Optional[FrozenSet[int]] = None
 
 
 # What the sm_90 Gluon kernels take: 16-bit dtypes, these head dims, blocks of at most 64 rows.
@@ -128,6 +133,39 @@ def _hopper_layout_reasons(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> 
     return ["rows not 16-byte aligned with unit channel stride"]
 
 
+# What the sm_100 Gluon kernels take (``sm100.block``).
+SM100_MAX_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=1)
+def sm100_import_error() -> Optional[str]:
+    """Why the sm_100 Gluon kernels cannot be imported with this Triton, or None."""
+    try:
+        from ..sm100 import block  # noqa: F401
+    except (ImportError, AttributeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _sm100_call_reasons(facts: CallFacts) -> List[str]:
+    reasons = []
+    if facts.device_type != "cuda" or facts.major != 10:
+        reasons.append("needs an sm_100 GPU")
+    if facts.dtype not in HOPPER_DTYPES:
+        reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
+    if facts.head_dim not in HOPPER_HEAD_DIMS:
+        reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
+    if facts.block_size > SM100_MAX_BLOCK:
+        reasons.append(f"block_size {facts.block_size} > {SM100_MAX_BLOCK}")
+    if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
+        reasons.append("rotary other than split halves over all channels")
+    if facts.int64:
+        reasons.append("64-bit addressing")
+    if not reasons and sm100_import_error() is not None:
+        reasons.append(f"sm_100 kernels unavailable ({sm100_import_error()})")
+    return reasons
+
+
 def _hopper_ws_call_reasons(facts: CallFacts) -> List[str]:
     reasons = _hopper_call_reasons(facts)
     if facts.groups != 1:
@@ -154,6 +192,12 @@ def _hopper_kernels() -> Tuple[Launcher, Launcher]:
     return block.launch_fwd, block.launch_bwd
 
 
+def _sm100_kernels() -> Tuple[Launcher, Launcher]:
+    from ..sm100 import block
+
+    return block.launch_fwd, block.launch_bwd
+
+
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
     from ..experimental import sm90_ws
 
@@ -166,7 +210,7 @@ SIMPLE = Variant(
 HOPPER = Variant(
     "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
-    _hopper_kernels, block_m=64)
+    _hopper_kernels, block_m=64, verified_on=frozenset({9}))
 HOPPER_WS = Variant(
     "hopper_ws", "experimental Gluon for sm_90, persistent and warp-specialized (a TMA loader warp, 2 stages); "
     "slower than hopper on every measured shape", frozenset({9}), True, _hopper_ws_call_reasons,
@@ -174,16 +218,35 @@ HOPPER_WS = Variant(
     # 8 warps launched at 128 registers (the compute warpgroup raises its own): at most 2 programs
     # per SM; shared memory (2 stages) allows 1 backward at D = 128 (139 KB).
     programs_per_sm={(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1},
-    block_m=64, maxnreg=128)
+    block_m=64, maxnreg=128, verified_on=frozenset({9}))
 
-VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_WS)}
+SM100 = Variant(
+    "sm100", "Gluon for sm_100, persistent and warp-specialized: TMA loads, tcgen05 MMA into tensor "
+    "memory, load / MMA / softmax partitions; compile-checked, never run on hardware here",
+    frozenset({10}), False, _sm100_call_reasons, _hopper_ws_layout_reasons, _sm100_kernels, persistent=True,
+    programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
+    verified_on=frozenset())
+
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SM100, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
+_UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"
 # [forced variant name or None, checked]: the environment's until ``force_variant``.
 _FORCED: list = [os.environ.get(_ENVIRONMENT, "auto"), False]
+_UNVERIFIED = [os.environ.get(_UNVERIFIED_ENVIRONMENT, "0") not in ("", "0")]
 _WARNED: set = set()
+
+
+def allow_unverified(allow: bool = True) -> None:
+    """Let ``auto`` take variants with no recorded hardware run on the GPU's generation (they are
+    self-checked at first use); ``BLOCKATTN_UNVERIFIED_KERNELS=1`` in the environment does too."""
+    _UNVERIFIED[0] = bool(allow)
+
+
+def unverified_allowed() -> bool:
+    return _UNVERIFIED[0]
 
 
 def _check_name(name: str, origin: str) -> Optional[Variant]:
@@ -225,11 +288,24 @@ def forced_variant(name: str):
         force_variant("auto" if before is None else before.name)
 
 
+def _state_reasons(variant: Variant, facts: CallFacts, by_auto: bool) -> List[str]:
+    """Reasons of the process's state: disabled by its self-check, or (for ``auto``) no recorded
+    hardware run on this generation without the opt-in."""
+    why = self_check.disabled(variant.name)
+    if why is not None:
+        return [f"disabled: disagreed with the verified kernels at first use ({why})"]
+    if by_auto and facts.major is not None and self_check.unverified(variant, facts.major) and not _UNVERIFIED[0]:
+        return [f"no hardware run recorded on sm_{facts.major}x: auto takes it only with "
+                f"{_UNVERIFIED_ENVIRONMENT}=1 (then self-checked at first use)"]
+    return []
+
+
 def _auto(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
     for variant in AUTO_ORDER:
         if variant.generations is not None and facts.major not in variant.generations:
             continue
-        if not variant.call_reasons(facts) and not variant.layout_reasons(q, tensors):
+        if (not variant.call_reasons(facts) and not _state_reasons(variant, facts, True)
+                and not variant.layout_reasons(q, tensors)):
             return variant
     return SIMPLE
 
@@ -238,7 +314,8 @@ def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -
     """The variant that computes this call: the forced one where it admits the call, else auto's."""
     variant = forced()
     if variant is not None:
-        reasons = variant.call_reasons(facts) + variant.layout_reasons(q, tensors)
+        reasons = (variant.call_reasons(facts) + _state_reasons(variant, facts, False)
+                   + variant.layout_reasons(q, tensors))
         if not reasons:
             return variant
         _warn_once(variant.name, reasons)
@@ -263,7 +340,7 @@ def explain(facts: CallFacts) -> Dict[str, List[str]]:
     reasons: Dict[str, List[str]] = {}
     taken = False
     for variant in order:
-        why = list(variant.call_reasons(facts))
+        why = list(variant.call_reasons(facts)) or _state_reasons(variant, facts, variant is not chosen)
         if variant is not chosen:
             if variant.experimental:
                 why.append(f"experimental: runs only when forced ({_ENVIRONMENT}={variant.name})")
