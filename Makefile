@@ -48,6 +48,7 @@ gpu-check:
 		tests/test_triton_gpu.py
 	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py tests/test_prepared_backward.py
+	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 clean:

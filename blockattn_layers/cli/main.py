@@ -1,8 +1,9 @@
-"""``python -m blockattn_layers {demo,bench,info}``.
+"""``python -m blockattn_layers {demo,bench,info,verify-arch}``.
 
 ``demo`` trains a small click model on synthetic jagged histories (see :mod:`.demo`); ``bench``
 hands every later argument to ``python -m blockattn_layers.bench`` (``bench --help`` lists
-them); ``info`` prints versions, the device and the backend ``auto`` picks for typical inputs.
+them); ``info`` prints versions, the device and the backend ``auto`` picks for typical inputs;
+``verify-arch`` checks and times every kernel variant of this GPU (see :mod:`.verify_arch`).
 """
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ _DESCRIPTION = (
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m blockattn_layers", description=_DESCRIPTION)
-    commands = p.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+    commands = p.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,verify-arch}")
     demo.add_arguments(commands.add_parser("demo", help="train a click model on synthetic data and report"))
     commands.add_parser("bench", help="benchmark the backends (args go to python -m blockattn_layers.bench)",
                         add_help=False)
     commands.add_parser("info", help="versions, device, and what backend='auto' picks")
+    from .verify_arch import add_arguments as verify_arguments
+
+    verify_arguments(commands.add_parser("verify-arch", help="check every kernel variant of this GPU against the "
+                                         "float64 reference and time it; writes a report"))
     return p
 
 
@@ -41,4 +46,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         from .info import run as run_info
 
         return run_info()
+    if args.command == "verify-arch":
+        from .verify_arch import run as run_verify
+
+        return run_verify(args)
     return demo.run(args)
