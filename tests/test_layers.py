@@ -50,8 +50,9 @@ def _layer(module: str):
     parts = module.split(".")
     if parts[0] != PACKAGE:
         return None
-    top = parts[1].replace(".py", "") if len(parts) > 1 else "__init__"
-    return RANK[top]
+    top = parts[1] if len(parts) > 1 else "__init__"
+    # ``from blockattn_layers import name`` of a name that is no module: the package's __init__
+    return RANK.get(top, RANK["__init__"])
 
 
 def test_every_top_level_module_has_a_layer():

@@ -25,8 +25,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from .. import block_attention, reference
+from .. import reference
 from ..bench.env import device_name, git_commit, measure_bandwidth
+from ..functional import block_attention
 from ..kernels.block import self_check, variants
 from ..kernels.common.meta import major_of
 
