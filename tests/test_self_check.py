@@ -132,3 +132,33 @@ def test_auto_takes_an_unverified_variant_only_with_the_opt_in(monkeypatch):
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     assert variants.explain(facts)["unrecorded"] == [] and variants.choose(facts, q, (q,)) is variant
     assert self_check.unverified(variant, 10) and not self_check.unverified(variants.HOPPER, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_wrong_stand_in_on_the_gpu(stand_in):
+    """The same stand-ins on the hardware: the wrong forward and the wrong backward are caught,
+    the verified results returned."""
+    test_a_wrong_forward_is_caught_disabled_and_replaced(stand_in)
+    test_a_wrong_backward_is_caught_at_the_first_backward(stand_in)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_capture_runs_the_verified_kernels(stand_in):
+    """No host sync while a CUDA graph is captured: an unchecked signature runs the simple kernels
+    (right results), and the variant is neither checked nor disabled."""
+    stand_in("wrong_captured", fwd_factor=1.5)
+    (q, k, v), offsets = _inputs(4)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.graph(graph, stream=stream):
+            out = bl.block_attention(q, k, v, offsets, 16, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _oracle(q, k, v, offsets)) < 1e-5
+    assert self_check.disabled("wrong_captured") is None and not self_check._PASSED
