@@ -55,14 +55,32 @@ def check_against_oracle(q, k, v, offsets, fwd_factor=2.0, grad_factor=3.0, floo
     d = [x.double() for x in (q, k, v)]
     oracle = reference.attention_forward(*d, offsets, *ref_args)
     oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *ref_args)
-    naive = reference.attention_forward(q, k, v, offsets, *ref_args, dtype=q.dtype)
-    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *ref_args, dtype=q.dtype)
+    naive, naive_grads = _naive(q, k, v, offsets, grad_out, params)
     assert torch.isfinite(out).all()
     err, base = rel(out, oracle), rel(naive, oracle)
     assert err <= max(fwd_factor * base, floor), f"forward error {err:.3e} vs naive {base:.3e}"
     for name, g_, o_, n_ in zip("qkv", grads, oracle_grads, naive_grads):
         err, base = rel(g_, o_), rel(n_, o_)
         assert err <= max(grad_factor * base, 1.5 * floor), f"d{name} error {err:.3e} vs naive {base:.3e}"
+
+
+def _naive(q, k, v, offsets, grad_out, params):
+    """The same attention computed naively in q's dtype: the bound a kernel's error is held to.
+    Rotary is applied in float64 first (the kernels rotate in float32), so that the naive error
+    is attention's in that dtype, not the rotation angles' (fp16 angles of positions in the
+    thousands would make every bound loose)."""
+    ref_args = (params.block_size, params.scale, params.causal)
+    if params.rope_theta is None:
+        out = reference.attention_forward(q, k, v, offsets, *ref_args, dtype=q.dtype)
+        return out, reference.attention_backward(grad_out, q, k, v, offsets, *ref_args, dtype=q.dtype)
+    pos = params.positions if params.positions is not None else reference.sequence_positions(offsets, q.shape[0])
+    angles = reference.rotary_angles(pos, params.rope_theta, params.rotary_dim, torch.float64)
+    rotate = dict(rotary_dim=params.rotary_dim, interleaved=params.rotary_interleaved)
+    qr, kr = (reference.apply_rotary(x.double(), angles, **rotate).to(q.dtype) for x in (q, k))
+    out = reference.attention_forward(qr, kr, v, offsets, *ref_args, dtype=q.dtype)
+    dq, dk, dv = reference.attention_backward(grad_out, qr, kr, v, offsets, *ref_args, dtype=q.dtype)
+    dq, dk = (reference.apply_rotary(g.double(), angles, inverse=True, **rotate) for g in (dq, dk))
+    return out, (dq, dk, dv)
 
 
 CASES = [
