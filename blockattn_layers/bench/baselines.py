@@ -31,25 +31,27 @@ _FRACTION_OF_FREE = 0.5  # a padded baseline runs only if its tensors fit in thi
 
 
 class FlashVarlen(torch.autograd.Function):
-    """FA2 varlen (``torch.ops.aten._flash_attention_*``) with ``cu`` as both cu_seqlens."""
+    """FA2 varlen (``torch.ops.aten._flash_attention_*``) with ``cu`` as both cu_seqlens; k, v may
+    have fewer heads than q (GQA, native in FA2)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float,
+                causal: bool = False) -> Tensor:
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, False, False, scale=scale,
+            q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale,
         )
         ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.max_len, ctx.scale, ctx.causal = max_len, scale, causal
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, False,
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, ctx.causal,
             rng_state, unused, scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _scale(case: Case) -> float:
@@ -65,29 +67,53 @@ def fa2_varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     scale = _scale(case)
 
     def forward():
-        return FlashVarlen.apply(inp.q, inp.k, inp.v, inp.bounds, inp.max_unit, scale)
+        return FlashVarlen.apply(inp.q, inp.k, inp.v, inp.bounds, inp.max_unit, scale, case.causal)
 
     return Prepared(forward, _qkv(inp), inp.grad_out)
 
 
 # ----------------------------------------------------------------------------- SDPA on the block view
-def _sdpa_block_view(backend: SDPBackend):
-    """SDPA with one backend forced, on the dense ``[n_blocks, H, block, D]`` view (aligned lengths)."""
+def _sdpa_block_view(backend: SDPBackend, rotary: bool = False):
+    """SDPA with one backend forced, on the dense ``[n_blocks, H, block, D]`` view (aligned lengths);
+    causal inside each block, GQA through ``enable_gqa``; ``rotary``: q, k rotated first (compiled)."""
 
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
         T, H, D, bs = case.total, case.num_heads, case.head_dim, case.block_size
+        gqa = case.kv_heads != H
+        rotate = _rotary_prelude(case, inp, compiled=True) if rotary else None
 
         def view(x: Tensor) -> Tensor:
-            return x.view(T // bs, bs, H, D).transpose(1, 2)
+            return x.view(T // bs, bs, x.shape[1], D).transpose(1, 2)
 
         def forward():
+            q, k = rotate(inp.q, inp.k) if rotate is not None else (inp.q, inp.k)
+            extra = dict(enable_gqa=True) if gqa else {}
             with sdpa_kernel([backend]):
-                o = F.scaled_dot_product_attention(view(inp.q), view(inp.k), view(inp.v), scale=_scale(case))
+                o = F.scaled_dot_product_attention(view(q), view(k), view(inp.v), scale=_scale(case),
+                                                   is_causal=case.causal, **extra)
             return o.transpose(1, 2).reshape(T, H, D)
 
         return Prepared(forward, _qkv(inp), inp.grad_out)
 
     return setup
+
+
+def _mha_only(case: Case, cfg: RunConfig) -> Optional[str]:
+    """Baselines not wired for causal masking or GQA say so instead of computing something else."""
+    if case.causal or case.kv_heads != case.num_heads:
+        return "causal / GQA not wired for this baseline"
+    return None
+
+
+def _both(*checks):
+    def skip(case: Case, cfg: RunConfig) -> Optional[str]:
+        for check in checks:
+            reason = check(case, cfg)
+            if reason:
+                return reason
+        return None
+
+    return skip
 
 
 def _needs_aligned(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -220,15 +246,19 @@ def eager(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     index = torch.where(valid, starts[:, None] + slot[None, :], starts[:, None]).flatten().to(device)
     keep = torch.nonzero(valid.flatten()).flatten().to(device)  # valid slots, in token order
     key_masked = (~valid)[:, None, None, :].to(device)
+    if case.causal:  # key slot after the query slot
+        key_masked = key_masked | torch.ones(bs, bs, dtype=torch.bool, device=device).triu(1)[None, None]
     aligned = case.aligned
+    groups = H // case.kv_heads
 
     def blocks(x: Tensor) -> Tensor:
         x = x if aligned else x.index_select(0, index)
-        return x.view(nb, bs, H, D).transpose(1, 2)
+        x = x.view(nb, bs, x.shape[1], D).transpose(1, 2)
+        return x.repeat_interleave(groups, dim=1) if x.shape[1] != H else x
 
     def forward():
         s = torch.matmul(blocks(inp.q), blocks(inp.k).transpose(-1, -2)) * _scale(case)
-        if not aligned:
+        if not aligned or case.causal:
             s = s.masked_fill(key_masked, float("-inf"))
         o = torch.matmul(s.softmax(dim=-1), blocks(inp.v)).transpose(1, 2).reshape(nb * bs, H, D)
         return o if aligned else o.index_select(0, keep)
@@ -243,14 +273,24 @@ def _eager_fits(case: Case, cfg: RunConfig) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- rotary + FA2
-def rotate_qk(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor):
-    """Rotary (half-split pairs) on q and k in float32, cos/sin from positions on every call."""
+def rotate_qk(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor, interleaved: bool = False):
+    """Rotary on the first ``2 * len(inv_freq)`` channels of q and k (the rest pass unchanged) in
+    float32, cos/sin from positions on every call; pairs ``(x[i], x[i + r/2])`` or, interleaved,
+    ``(x[2i], x[2i+1])``. k may have fewer heads than q (GQA)."""
     angles = positions.float()[:, None] * inv_freq[None, :]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    rot = 2 * inv_freq.shape[0]
 
     def rotate(x: Tensor) -> Tensor:
-        a, b = x.float().chunk(2, dim=-1)
-        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
+        xr = x[..., :rot].float()
+        if interleaved:
+            a, b = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        else:
+            a, b = xr.chunk(2, dim=-1)
+            out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        out = out.to(x.dtype)
+        return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
     return rotate(q), rotate(k)
 
@@ -260,20 +300,57 @@ def _compiled_rotate():
     return torch.compile(rotate_qk, dynamic=False)
 
 
+def _rotary_prelude(case: Case, inp: Inputs, compiled: bool):
+    """``(q, k) -> (q, k)`` rotated as ``case`` asks (rotary_dim, interleaved; theta per channel pair)."""
+    rot = case.head_dim if case.rotary_dim is None else case.rotary_dim
+    i = torch.arange(rot // 2, dtype=torch.float64)
+    inv_freq = (case.rope_theta ** (-2.0 * i / rot)).to(inp.q.device, torch.float32)
+    rotate = _compiled_rotate() if compiled else rotate_qk
+    interleaved = bool(case.rotary_interleaved)
+    return lambda q, k: rotate(q, k, inp.positions, inv_freq, interleaved)
+
+
 def _rotary_fa2(compiled: bool):
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
-        D, scale = case.head_dim, _scale(case)
-        i = torch.arange(D // 2, dtype=torch.float64)
-        inv_freq = (case.rope_theta ** (-2.0 * i / D)).to(inp.q.device, torch.float32)
-        rotate = _compiled_rotate() if compiled else rotate_qk
+        scale = _scale(case)
+        rotate = _rotary_prelude(case, inp, compiled)
 
         def forward():
-            q, k = rotate(inp.q, inp.k, inp.positions, inv_freq)
-            return FlashVarlen.apply(q, k, inp.v, inp.bounds, inp.max_unit, scale)
+            q, k = rotate(inp.q, inp.k)
+            return FlashVarlen.apply(q, k, inp.v, inp.bounds, inp.max_unit, scale, case.causal)
 
         return Prepared(forward, _qkv(inp), inp.grad_out)
 
     return setup
+
+
+# ----------------------------------------------------------------------------- FlashAttention-4 varlen
+@functools.lru_cache(maxsize=None)
+def _fa4():
+    """``flash_attn.cute.flash_attn_varlen_func`` or the import's error (PERFORMANCE.md says how to carry it)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as err:  # ImportError, or a CuTe DSL that fails to load
+        return None, f"flash_attn.cute not importable ({type(err).__name__}: {str(err)[:120]})"
+    return flash_attn_varlen_func, None
+
+
+def _fa4_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    return _fa4()[1]
+
+
+def fa4_varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
+    """FlashAttention-4 (CuTe DSL) varlen, cu_seqlens = unit bounds; GQA and causal native."""
+    attend = _fa4()[0]
+    scale = _scale(case)
+
+    def forward():
+        res = attend(inp.q, inp.k, inp.v, cu_seqlens_q=inp.bounds, cu_seqlens_k=inp.bounds,
+                     max_seqlen_q=inp.max_unit, max_seqlen_k=inp.max_unit, softmax_scale=scale,
+                     causal=case.causal)
+        return res[0] if isinstance(res, tuple) else res  # (out, lse) in recent versions
+
+    return Prepared(forward, _qkv(inp), inp.grad_out)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -297,6 +374,10 @@ def _rotary(case: Case) -> bool:
     return _attention(case) and case.rope_theta is not None
 
 
+def _rotary_block(case: Case) -> bool:
+    return _rotary(case) and case.block_size is not None
+
+
 BASELINES = [
     Method("fa2_varlen", "baseline", fa2_varlen, _plain,
            description="aten._flash_attention_forward/backward, cu_seqlens = unit bounds"),
@@ -306,13 +387,20 @@ BASELINES = [
            description="SDPA CUDNN_ATTENTION on the [n_blocks, H, block, D] view"),
     Method("sdpa_meff", "baseline", _sdpa_block_view(SDPBackend.EFFICIENT_ATTENTION), _block, skip=_needs_aligned,
            description="SDPA EFFICIENT_ATTENTION on the [n_blocks, H, block, D] view"),
-    Method("pad_flash", "baseline", _padded_sdpa(SDPBackend.FLASH_ATTENTION, masked=False), _full, skip=_padded_fits,
+    Method("rope_comp+cudnn", "baseline", _sdpa_block_view(SDPBackend.CUDNN_ATTENTION, rotary=True), _rotary_block,
+           skip=_needs_aligned, description="rotary under torch.compile + SDPA CUDNN_ATTENTION on the block view"),
+    Method("fa4_varlen", "baseline", fa4_varlen, _plain, skip=_fa4_skip,
+           description="FlashAttention-4 flash_attn.cute.flash_attn_varlen_func, cu_seqlens = unit bounds"),
+    Method("pad_flash", "baseline", _padded_sdpa(SDPBackend.FLASH_ATTENTION, masked=False), _full,
+           skip=_both(_mha_only, _padded_fits),
            description="SDPA FLASH_ATTENTION on padded [B, H, max_len, D], no mask (speed bound)"),
-    Method("pad_cudnn", "baseline", _padded_sdpa(SDPBackend.CUDNN_ATTENTION, masked=False), _full, skip=_padded_fits,
+    Method("pad_cudnn", "baseline", _padded_sdpa(SDPBackend.CUDNN_ATTENTION, masked=False), _full,
+           skip=_both(_mha_only, _padded_fits),
            description="SDPA CUDNN_ATTENTION on padded [B, H, max_len, D], no mask (speed bound)"),
     Method("pad_meff_mask", "baseline", _padded_sdpa(SDPBackend.EFFICIENT_ATTENTION, masked=True), _full,
-           skip=_padded_fits, description="SDPA EFFICIENT_ATTENTION on padded [B, H, max_len, D], key-padding mask"),
-    Method("nested_sdpa", "baseline", nested_sdpa, _plain,
+           skip=_both(_mha_only, _padded_fits),
+           description="SDPA EFFICIENT_ATTENTION on padded [B, H, max_len, D], key-padding mask"),
+    Method("nested_sdpa", "baseline", nested_sdpa, _plain, skip=_mha_only,
            description="SDPA on jagged nested tensors (offsets = unit bounds)"),
     Method("eager", "baseline", eager, _block, skip=_eager_fits, gpu_only=False,
            description="matmul + softmax on the padded block view"),
@@ -320,6 +408,6 @@ BASELINES = [
            description="rotary in eager PyTorch (float32) + FA2 varlen"),
     Method("rope_comp+fa2", "baseline", _rotary_fa2(compiled=True), _rotary,
            description="rotary under torch.compile + FA2 varlen"),
-    Method("flex", "baseline", flex, _block,
+    Method("flex", "baseline", flex, _block, skip=_mha_only,
            description="compiled flex_attention, packed [1, H, T, D], block mask from a unit-id mask_mod"),
 ]

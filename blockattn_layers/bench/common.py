@@ -39,6 +39,35 @@ class Case:
     graphed: bool = False
     # Timed in this many rounds, the methods interleaved, each mode's median reported (host-bound cases).
     rounds: int = 1
+    # k / v heads (None = num_heads; fewer = GQA / MQA), causal masking inside each unit, and the
+    # rotary form: rotate the first ``rotary_dim`` channels (None = all), pairs interleaved or split.
+    num_kv_heads: Optional[int] = None
+    causal: bool = False
+    rotary_dim: Optional[int] = None
+    rotary_interleaved: bool = False
+    # A grid point's coordinates (bench/grid.py), e.g. (("block", 64), ("dim", 128), ...); None elsewhere.
+    coords: Optional[Tuple[Tuple[str, object], ...]] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def rotary_form(self) -> str:
+        """``none``, ``split``, ``interleaved`` or ``partial`` (fewer channels than D rotated)."""
+        if self.rope_theta is None:
+            return "none"
+        if self.rotary_dim is not None and self.rotary_dim < self.head_dim:
+            return "partial" + ("-interleaved" if self.rotary_interleaved else "")
+        return "interleaved" if self.rotary_interleaved else "split"
+
+    @property
+    def compile_key(self) -> Optional[tuple]:
+        """Cases with the same key may share torch.compile'd graphs (grid points only: other cases
+        reset the compiled graphs before each case)."""
+        if self.coords is None:
+            return None
+        return (self.total, self.num_heads, self.kv_heads, self.head_dim, self.rotary_form, self.rotary_dim)
 
     @property
     def batch(self) -> int:
@@ -77,12 +106,20 @@ class Case:
 
     def describe(self) -> str:
         block = "full" if self.block_size is None else f"block {self.block_size}"
-        rope = f", rope {self.rope_theta:g}" if self.rope_theta is not None else ""
+        rope = ""
+        if self.rope_theta is not None:
+            rope = f", rope {self.rope_theta:g}"
+            if self.rotary_form != "split":
+                rot = self.head_dim if self.rotary_dim is None else self.rotary_dim
+                rope += f" {self.rotary_form} (rotary_dim {rot})"
+        if self.causal:
+            rope += ", causal"
         if self.layer is not None:
             cfg = self.layer
             heads = f"d_model {cfg.d_model}, nhead {cfg.nhead}, ffn {cfg.dim_feedforward}"
         else:
-            heads = f"H {self.num_heads}, D {self.head_dim}"
+            kv = f"/{self.kv_heads} kv" if self.kv_heads != self.num_heads else ""
+            heads = f"H {self.num_heads}{kv}, D {self.head_dim}"
         graph = ", timed as CUDA-graph replays" if self.graphed else ""
         if self.rounds > 1:
             graph += f", median of {self.rounds} rounds with the methods interleaved"
@@ -95,7 +132,8 @@ class Inputs:
 
     ``q, k, v`` are leaves that require grad; ``bounds`` (int32) are the attention units'
     boundaries (block starts, or sequence starts for full attention) and ``max_unit`` the
-    longest unit; ``positions`` (int32) each token's index inside its sequence.
+    longest unit; ``positions`` (int32) each token's index inside its sequence. ``k, v`` have
+    ``case.kv_heads`` heads.
     """
 
     q: Tensor
@@ -112,20 +150,19 @@ class Inputs:
 def make_inputs(case: Case, device: torch.device, dtype: torch.dtype, seed: int) -> Inputs:
     """Seeded random ``q, k, v`` (leaves) and output gradient for ``case``."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (case.total, case.num_heads, case.head_dim)
-
-    def rand(requires_grad: bool) -> Tensor:
+    def rand(requires_grad: bool, heads: int) -> Tensor:
+        shape = (case.total, heads, case.head_dim)
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
         return x.requires_grad_(requires_grad)
 
-    q, k, v = rand(True), rand(True), rand(True)
+    q, k, v = rand(True, case.num_heads), rand(True, case.kv_heads), rand(True, case.kv_heads)
     host = case.offsets
     bounds = case.unit_bounds()
     max_unit = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
     seq = torch.repeat_interleave(torch.arange(case.batch), case.lengths)
     positions = torch.arange(case.total) - host[:-1][seq]
     return Inputs(
-        q=q, k=k, v=v, grad_out=rand(False), offsets=host.to(device, torch.int32), cpu_offsets=host,
+        q=q, k=k, v=v, grad_out=rand(False, case.num_heads), offsets=host.to(device, torch.int32), cpu_offsets=host,
         bounds=bounds.to(device, torch.int32), max_unit=max_unit, positions=positions.to(device, torch.int32),
     )
 

@@ -18,13 +18,14 @@ REFERENCE_MAX_TOKENS = 1 << 18
 def _request(case: Case, cfg: RunConfig) -> blockattn_layers.AttentionRequest:
     """The dispatcher's view of a case, built from a one-token stand-in of its tensors."""
     q = torch.empty(1, case.num_heads, case.head_dim, device=cfg.device, dtype=cfg.dtype)
+    k = torch.empty(1, case.kv_heads, case.head_dim, device=cfg.device, dtype=cfg.dtype)
     offsets = torch.tensor([0, 1], device=cfg.device, dtype=torch.int32)
     params = validate_attention_args(
-        q, q, q, offsets, case.block_size, scale=None, causal=False, rope_theta=case.rope_theta,
-        positions=None, rotary_dim=None, rotary_interleaved=False, cpu_offsets=None, max_seqlen=None,
-        validate=False,
+        q, k, k, offsets, case.block_size, scale=None, causal=case.causal, rope_theta=case.rope_theta,
+        positions=None, rotary_dim=case.rotary_dim, rotary_interleaved=case.rotary_interleaved, cpu_offsets=None,
+        max_seqlen=None, validate=False,
     )
-    return blockattn_layers.AttentionRequest.from_call(q, q, params)
+    return blockattn_layers.AttentionRequest.from_call(q, k, params)
 
 
 def _skip(spec: blockattn_layers.BackendSpec):
@@ -42,7 +43,8 @@ def _skip(spec: blockattn_layers.BackendSpec):
 
 def _setup(name: str):
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
-        kwargs = dict(rope_theta=case.rope_theta, backend=name)
+        kwargs = dict(rope_theta=case.rope_theta, backend=name, causal=case.causal, rotary_dim=case.rotary_dim,
+                      rotary_interleaved=case.rotary_interleaved)
         if cfg.host_offsets:
             kwargs.update(cpu_offsets=inp.cpu_offsets, max_seqlen=case.max_seqlen)
 

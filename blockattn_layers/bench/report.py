@@ -18,7 +18,9 @@ _SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "f+b"}
 _META_IN_CSV = ("date", "commit", "gpu", "torch", "triton", "python", "cuda", "dtype", "bandwidth_bytes_per_s",
                 "bandwidth_source", "device_name")
 _ROW_FIELDS = ("case", "shape", "method", "kind", "status", "err", "tol")
-_CASE_FIELDS = ("B", "T", "max_len", "H", "D", "block", "rope_theta")
+_CASE_FIELDS = ("B", "T", "max_len", "H", "H_kv", "D", "block", "causal", "rotary", "rotary_dim", "rope_theta")
+# A grid point's coordinates that are not case fields already (bench/grid.py); empty elsewhere.
+_GRID_FIELDS = ("heads", "lengths")
 _PER_MODE = ("ms", "floor_ms", "x_floor", "speedup", "tflops", "peak_mib", "error", "rounds")
 
 
@@ -107,6 +109,8 @@ def format_table(rows: List[Dict[str, object]], summaries: Dict[str, Dict[str, o
 def _flat(row: Dict[str, object], summary: Dict[str, object], meta: Dict[str, object]) -> Dict[str, object]:
     out = {k: row.get(k) for k in _ROW_FIELDS}
     out.update({k: summary.get(k) for k in _CASE_FIELDS})
+    coords = summary.get("grid") or {}
+    out.update({k: coords.get(k) for k in _GRID_FIELDS})
     out["reason"] = row.get("reason")
     for m in MODES:
         for f in _PER_MODE:

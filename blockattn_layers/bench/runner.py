@@ -44,9 +44,11 @@ from .layer import make_layer_inputs
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 5e-3}
-# Floor bytes in units of T * H * D elements: fwd reads q, k, v and writes o; bwd reads q, k, v, do
-# and writes dq, dk, dv.
-FLOOR_TENSORS = {"fwd": 4, "bwd": 7, "fwd+bwd": 11}
+# Floor bytes in units of T * D elements per head: fwd reads q, k, v and writes o; bwd reads q, k, v, do
+# and writes dq, dk, dv. q, o, do, dq have the query heads, k, v, dk, dv the k/v heads (GQA).
+FLOOR_Q_TENSORS = {"fwd": 2, "bwd": 3, "fwd+bwd": 5}
+FLOOR_KV_TENSORS = {"fwd": 2, "bwd": 4, "fwd+bwd": 6}
+FLOOR_TENSORS = {m: FLOOR_Q_TENSORS[m] + FLOOR_KV_TENSORS[m] for m in FLOOR_Q_TENSORS}  # H == H_kv
 # Matmul FLOP per (query, key) pair inside a unit, per head and channel: fwd 2 dots, bwd 5.
 FLOP_PER_PAIR = {"fwd": 4.0, "bwd": 10.0, "fwd+bwd": 14.0}
 _MAX_SETS = 8
@@ -156,7 +158,8 @@ def attention_oracle(case: Case, inp: Inputs) -> Tuple[Tensor, Tuple[Tensor, ...
     q, k, v = (x.detach().float().requires_grad_() for x in (inp.q, inp.k, inp.v))
     out = blockattn_layers.block_attention(
         q, k, v, inp.offsets, case.block_size, rope_theta=case.rope_theta, cpu_offsets=inp.cpu_offsets,
-        max_seqlen=case.max_seqlen, backend="reference",
+        max_seqlen=case.max_seqlen, backend="reference", causal=case.causal, rotary_dim=case.rotary_dim,
+        rotary_interleaved=case.rotary_interleaved,
     )
     grads = torch.autograd.grad(out, (q, k, v), inp.grad_out.float())
     return out.detach(), grads
@@ -174,10 +177,12 @@ def _short(err: BaseException) -> str:
     return text[:400]
 
 
-def _free(device: torch.device) -> None:
-    """Return a finished method's device memory (so the next one's peak is its own)."""
+def _free(device: torch.device, collect: bool = True) -> None:
+    """Return a finished method's device memory (so the next one's peak is its own); ``collect``
+    runs the garbage collector first (about 0.1 s with torch imported)."""
     if device.type == "cuda":
-        gc.collect()
+        if collect:
+            gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -304,13 +309,18 @@ class CaseRunner:
             return {f"{mode}_error": _short(err)}
         finally:
             fn = None
-            _free(self.cfg.device)
+            # Grid points (hundreds of cases) skip the collection between modes: what a mode holds
+            # is freed by reference counting; the row's own free still collects.
+            _free(self.cfg.device, collect=self.case.coords is None)
 
 
 def run_case(case: Case, methods: Sequence[Method], cfg: RunConfig, timing: Timing,
-             modes: Sequence[str] = MODES, seed: int = 0, progress: bool = False) -> List[Dict[str, object]]:
-    """One row per method that applies to ``case`` (compiled graphs are reset per case)."""
-    torch._dynamo.reset()
+             modes: Sequence[str] = MODES, seed: int = 0, progress: bool = False,
+             reset_compiled: bool = True) -> List[Dict[str, object]]:
+    """One row per method that applies to ``case`` (compiled graphs are reset first unless
+    ``reset_compiled`` is False: consecutive grid points of one ``compile_key`` share them)."""
+    if reset_compiled:
+        torch._dynamo.reset()
     runner = CaseRunner(case, cfg, timing, modes, seed)
     rows = []
     # The bwd mode replays a retained graph, which compiled backwards with donated buffers refuse.
@@ -338,16 +348,30 @@ def case_summary(case: Case, dtype: torch.dtype, bandwidth: float) -> Dict[str, 
     """Sizes, floors (ms at ``bandwidth`` bytes/s) and in-unit FLOP of a case; no floors for layers."""
     summary: Dict[str, object] = dict(
         case=case.name, shape=case.shape, describe=case.describe(), B=case.batch, T=case.total,
-        max_len=case.max_seqlen, H=case.num_heads, D=case.head_dim, block=case.block_size,
+        max_len=case.max_seqlen, H=case.num_heads, H_kv=case.kv_heads, D=case.head_dim, block=case.block_size,
+        causal=case.causal, rotary=case.rotary_form, rotary_dim=case.rotary_dim if case.rope_theta else None,
         rope_theta=case.rope_theta, dtype=str(dtype).replace("torch.", ""),
     )
+    if case.coords is not None:
+        summary["grid"] = dict(case.coords)
     if case.layer is None:
-        elems = case.total * case.num_heads * case.head_dim * torch.finfo(dtype).bits // 8
-        pairs = float((case.unit_bounds().diff().double() ** 2).sum())
         for mode in MODES:
-            summary[f"{mode}_floor_ms"] = 1e3 * FLOOR_TENSORS[mode] * elems / bandwidth
-            summary[f"{mode}_flop"] = FLOP_PER_PAIR[mode] * pairs * case.num_heads * case.head_dim
+            summary[f"{mode}_floor_ms"] = 1e3 * floor_bytes(case, dtype, mode) / bandwidth
+            summary[f"{mode}_flop"] = FLOP_PER_PAIR[mode] * attention_pairs(case) * case.num_heads * case.head_dim
     return summary
+
+
+def floor_bytes(case: Case, dtype: torch.dtype, mode: str) -> int:
+    """Bytes a mode must move at least: q-sized tensors at the query heads, k/v-sized ones at the
+    k/v heads (PERFORMANCE.md's floor, GQA counted)."""
+    per_head = case.total * case.head_dim * torch.finfo(dtype).bits // 8
+    return per_head * (FLOOR_Q_TENSORS[mode] * case.num_heads + FLOOR_KV_TENSORS[mode] * case.kv_heads)
+
+
+def attention_pairs(case: Case) -> float:
+    """(query, key) pairs inside the units: ``sum(n^2)``, or ``sum(n (n + 1) / 2)`` when causal."""
+    n = case.unit_bounds().diff().double()
+    return float((n * (n + 1) / 2).sum()) if case.causal else float((n ** 2).sum())
 
 
 def finalize(rows: List[Dict[str, object]], summaries: Dict[str, Dict[str, object]]) -> None:

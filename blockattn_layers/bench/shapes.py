@@ -6,6 +6,7 @@ from typing import Callable, Dict, List
 import torch
 from torch import Tensor
 
+from . import grid
 from .common import Case, LayerConfig
 
 PROD_HEADS = ((2, 128), (4, 64))  # (H, D): the two production head layouts
@@ -99,14 +100,17 @@ SHAPES: Dict[str, Callable[[], List[Case]]] = {
     "block512": block512,
     "layer": layer,
     "tiny": tiny,
+    # Issue 25's shape grid (bench/grid.py): 480 points, not part of 'all'; --grid runs a slice.
+    "grid": grid.cases,
 }
 
 DEFAULT_SHAPES = ("prod", "prod_aligned", "small")
-ALL_SHAPES = tuple(name for name in SHAPES if name != "tiny")
+ALL_SHAPES = tuple(name for name in SHAPES if name not in ("tiny", "grid"))
 
 
 def resolve(spec: str) -> List[str]:
-    """``"prod,small"`` / ``"all"`` / ``"default"`` -> shape names (ValueError on unknown ones)."""
+    """``"prod,small"`` / ``"all"`` / ``"default"`` -> shape names (ValueError on unknown ones);
+    ``all`` leaves out ``tiny`` and ``grid``."""
     names: List[str] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         expanded = {"all": ALL_SHAPES, "default": DEFAULT_SHAPES}.get(part, (part,))
@@ -118,5 +122,13 @@ def resolve(spec: str) -> List[str]:
     return names
 
 
-def build_cases(names: List[str]) -> List[Case]:
-    return [case for name in names for case in SHAPES[name]()]
+def build_cases(names: List[str], grid_selection=None, grid_batch: int = grid.DEFAULT_BATCH,
+                grid_max_len: int = grid.DEFAULT_MAX_LEN) -> List[Case]:
+    """The cases of ``names``; the grid's slice, batch and longest length as given."""
+    out: List[Case] = []
+    for name in names:
+        if name == "grid":
+            out += grid.cases(grid_selection, batch=grid_batch, max_len=grid_max_len)
+        else:
+            out += SHAPES[name]()
+    return out
