@@ -1,5 +1,6 @@
 """Compile every kernel variant (the simple block kernels, and for sm_90 the Gluon hopper kernels
-and the experimental warp-specialized hopper_ws ones; the flash forward, dK/dV and dQ kernels
+and the experimental warp-specialized hopper_ws ones, for sm_100 the warp-specialized Gluon
+``sm100_`` kernels; the flash forward, dK/dV and dQ kernels
 with pointer and tensor-map loads) for a GPU architecture on a machine without a GPU.
 
 ``python -m blockattn_layers.kernels.compile_check --arch sm_100 --out DIR`` writes
@@ -7,16 +8,22 @@ with pointer and tensor-map loads) for a GPU architecture on a machine without a
 generation are in the PTX: ``mma.sync`` (sm_80), ``wgmma`` (sm_90), ``tcgen05.mma`` (sm_100),
 and the tensor-map variants' loads are TMA copies (``cp.async.bulk.tensor``), the hopper kernels
 copy their tiles with asynchronous copies (``cp.async``), and the warp-specialized kernels
-reallocate registers between partitions (``setmaxnreg``). Tiles and launch options are the ones
-the launchers use on that generation.
+reallocate registers between partitions (``setmaxnreg``). The sm_100 Gluon kernels must hold
+``tcgen05.mma``, a tensor-memory load or store, TMA copies, asynchronous copies, mbarrier waits and
+``setmaxnreg``; for each the registers and spills (ptxas -v), shared memory and tensor memory are
+printed, and a build over budget (``Usage.over_budget``) fails. Tiles and launch options are the
+ones the launchers use on that generation.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Dict, Iterator, NamedTuple, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -40,6 +47,10 @@ EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma
 TMA_COPY = "cp.async.bulk.tensor"
 SET_MAX_REGISTERS = "setmaxnreg"
 ASYNC_COPY = "cp.async.cg.shared.global"
+MBARRIER_WAIT = "mbarrier.try_wait"
+# What every sm_100 build's PTX must hold beyond tcgen05.mma: a tensor-memory load or store, TMA
+# copies (full blocks), asynchronous copies (ragged ones), mbarrier waits, register reallocation.
+SM100_REQUIRED = (("tcgen05.ld", "tcgen05.st"), TMA_COPY, ASYNC_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
 _DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
@@ -163,6 +174,40 @@ def _hopper_ws_builds(capability: int) -> Iterator[Build]:
         yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
+def sm100_import_error() -> "str | None":
+    """Why the sm_100 Gluon kernels cannot be imported with this Triton, or None."""
+    try:
+        from .sm100 import block  # noqa: F401
+    except (ImportError, AttributeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+# The sm_100 builds the CI test compiles (a representative subset; the CLI builds them all).
+SM100_CI = ("sm100_fwd_bf16_b128_d128_rope_causal_gqa_inline", "sm100_bwd_bf16_b128_d128_rope_causal_gqa_inline",
+            "sm100_fwd_bf16_b128_d128_table", "sm100_bwd_bf16_b128_d128_table")
+
+
+def _sm100_builds(capability: int) -> Iterator[Build]:
+    """The warp-specialized Gluon kernels for Blackwell (sm_100 only): forward and backward, fp16 /
+    bf16, 128-row tiles at D 64 / 128 (and 64-row tiles at D 128), rotary (given positions under
+    causal, implicit ones otherwise), causal, one or two query heads per kv head, the block table
+    or the in-kernel schedule. Launch options: 4 warps for the default partition, no register cap."""
+    if capability != 100 or sm100_import_error() is not None:
+        return
+    from .sm100.block import _sm100_bwd_kernel, _sm100_fwd_kernel
+
+    for (kind, kernel), dtype, (block, dim), rotary, causal, groups, inline in itertools.product(
+        (("fwd", _sm100_fwd_kernel), ("bwd", _sm100_bwd_kernel)), ("bf16", "fp16"), ((128, 128), (128, 64), (64, 128)),
+        (False, True), (False, True), (1, 2), (False, True),
+    ):
+        constexprs = _block_constexprs(dim, groups, block, dim if rotary else 0, rotary and causal, causal,
+                                       512 if inline else 0)
+        name = (f"sm100_{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+                f"{'_gqa' if groups > 1 else ''}{'_inline' if inline else '_table'}")
+        yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), dict(num_warps=4, num_stages=1))
+
+
 def _flash_builds(capability: int) -> Iterator[Build]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
     on) and half rotary (pointer loads), with the tiles and options of full attention."""
@@ -193,6 +238,8 @@ def required_copies(build: Build) -> Tuple[str, ...]:
     blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
     if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
+    if build.name.startswith("sm100_"):
+        return SM100_REQUIRED
     if build.constexprs.get("TMA"):
         return (TMA_COPY,)
     if build.name.endswith("_hopper"):
@@ -205,17 +252,85 @@ def builds(capability: int) -> Iterator[Build]:
     yield from _block_builds(capability)
     yield from _hopper_builds(capability)
     yield from _hopper_ws_builds(capability)
+    yield from _sm100_builds(capability)
     yield from _flash_builds(capability)
 
 
 def compile_build(build: Build, capability: int) -> str:
     """PTX of one build."""
+    return _compile(build, capability).asm["ptx"]
+
+
+def _compile(build: Build, capability: int):
     signature, attrs = _signature(build.kernel, build.dtype, build.constexprs)
     gluon = GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction)
     source = GluonASTSource if gluon else ASTSource
     src = source(fn=build.kernel, signature=signature, constexprs=build.constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=build.options)
-    return compiled.asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=build.options)
+
+
+# Budgets a build must keep (sm_100, per program): registers per thread, bytes of spill stores
+# (ptxas -v), shared memory (227 KB per block), tensor-memory columns.
+MAX_REGISTERS = 255
+MAX_SPILL_BYTES = 256
+MAX_SHARED = 227 * 1024
+MAX_TMEM_COLUMNS = 512
+
+
+class Usage(NamedTuple):
+    """What a compiled build uses: registers per thread and spill stores (bytes) as ptxas reports
+    them (None where ptxas could not be run), shared memory (bytes), tensor-memory columns."""
+
+    registers: Optional[int]
+    spill_bytes: Optional[int]
+    shared: int
+    tmem_columns: int
+
+    def over_budget(self) -> List[str]:
+        over = []
+        if self.registers is not None and self.registers > MAX_REGISTERS:
+            over.append(f"{self.registers} registers > {MAX_REGISTERS}")
+        if self.spill_bytes is not None and self.spill_bytes > MAX_SPILL_BYTES:
+            over.append(f"{self.spill_bytes} bytes spilled > {MAX_SPILL_BYTES}")
+        if self.shared > MAX_SHARED:
+            over.append(f"{self.shared} bytes of shared memory > {MAX_SHARED}")
+        if self.tmem_columns > MAX_TMEM_COLUMNS:
+            over.append(f"{self.tmem_columns} tensor-memory columns > {MAX_TMEM_COLUMNS}")
+        return over
+
+    def __str__(self) -> str:
+        regs = "?" if self.registers is None else self.registers
+        spill = "?" if self.spill_bytes is None else self.spill_bytes
+        return f"regs {regs} spill {spill} B smem {self.shared} B tmem {self.tmem_columns} cols"
+
+
+def ptxas_usage(ptx: str, capability: int) -> Tuple[Optional[int], Optional[int]]:
+    """``(registers, spill store bytes)`` of a kernel's PTX from the Triton wheel's ptxas (``-v``),
+    or ``(None, None)`` where it cannot be run."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+        path = get_ptxas(capability).path
+        arch = sm_arch_from_capability(capability)
+    except Exception:  # no ptxas in this Triton
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        result = subprocess.run([path, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+                                capture_output=True, text=True)
+    if result.returncode != 0:
+        return None, None
+    regs = re.search(r"Used (\d+) registers", result.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", result.stderr)
+    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else 0)
+
+
+def usage(compiled, capability: int) -> Usage:
+    """Registers, spills, shared memory and tensor memory of a compiled build."""
+    registers, spill = ptxas_usage(compiled.asm["ptx"], capability)
+    meta = compiled.metadata
+    return Usage(registers, spill, int(getattr(meta, "shared", 0) or 0), int(getattr(meta, "tmem_size", 0) or 0))
 
 
 def main(argv=None) -> int:
@@ -232,15 +347,25 @@ def main(argv=None) -> int:
             continue
         count += 1
         try:
-            ptx = compile_build(build, ARCHS[args.arch])
+            compiled = _compile(build, ARCHS[args.arch])
+            ptx = compiled.asm["ptx"]
         except Exception as err:  # report every build that fails, not just the first
             failures.append(f"{build.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
         (args.out / f"{build.name}.ptx").write_text(ptx)
         wanted = EXPECTED[args.arch] + required_copies(build)
-        missing = [ins for ins in wanted if ins not in ptx]
+        missing = [" or ".join(ins) if isinstance(ins, tuple) else ins for ins in wanted
+                   if not any(alt in ptx for alt in (ins if isinstance(ins, tuple) else (ins,)))]
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
+        if build.name.startswith("sm100_"):
+            used = usage(compiled, ARCHS[args.arch])
+            print(f"{build.name}: {used}")
+            over = used.over_budget()
+            if used.registers is None:
+                over.append("ptxas could not report registers")
+            if over:
+                failures.append(f"{build.name}: over budget: {'; '.join(over)}")
     print(f"{args.arch}: {count} variants, {count - len(failures)} without failures, PTX in {args.out}")
     for line in failures:
         print("FAIL", line)

@@ -33,7 +33,13 @@ What it models:
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
   ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
   move a box at once, zero-filled outside the descriptor's shape, TMA stores drop what lies
-  outside it; :func:`launch` checks that a program invalidated every barrier it initialized.
+  outside it; :func:`launch` checks that a program invalidated every barrier it initialized, and
+  invalidating one mid-phase (arrivals or bytes still due) raises;
+- Blackwell: tensor memory is a float32 torch tensor (:class:`TensorMemory`, NaN when allocated,
+  ``slice`` along the last dimension); ``tcgen05_mma`` is a float32 matmul of shared-memory
+  operands into it (``use_acc``, shapes and dtypes checked) that arrives on its ``mbarriers``;
+  ``tcgen05_commit`` arrives on its barrier at once (the products are synchronous);
+  ``TensorMemoryLayout`` and ``get_tmem_reg_layout`` are inert layouts.
 
 What it does not model: anything about timing or concurrency inside a program (no warps or
 threads within a partition; the async copies, wgmma and TMA are synchronous, so a missing
@@ -55,6 +61,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import triton.language as tl
 from triton.experimental.gluon import language as _real_gl
+from triton.experimental.gluon.language.nvidia import blackwell as _real_blackwell
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as _real_async_copy
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier as _real_ampere_mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared as _real_fence
@@ -64,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma as _r
 from triton.runtime.jit import ConstexprFunction, JITFunction
 
 __all__ = [
-    "DType", "GTensor", "Launch", "Layout", "Memory", "Pointer", "SharedTile", "function", "launch", "pointer",
+    "DType", "GTensor", "Launch", "Layout", "Memory", "Pointer", "SharedTile", "TensorMemory", "function", "launch", "pointer",
     "program", "record_asm", "scalar", "shared", "tensor",
 ]
 
@@ -488,8 +495,14 @@ def _mbarrier_init(bar: SharedTile, count) -> None:
 
 
 def _mbarrier_invalidate(bar: SharedTile) -> None:
+    """Invalidate a barrier; one left in the middle of a phase (arrivals or TMA bytes still due, or
+    bytes announced and never paid) means the arrivals and bytes did not balance, and raises."""
     with _STATE.cond:
-        _barrier(bar, "invalidate").valid = False
+        state = _barrier(bar, "invalidate")
+        if state.pending != state.count or state.tx != 0:
+            raise RuntimeError(f"mbarrier invalidated mid-phase: {state.count - state.pending} of {state.count} "
+                               f"arrivals, {state.tx} TMA bytes due")
+        state.valid = False
 
 
 def _arrive(state: _Barrier, count: int) -> None:
@@ -575,6 +588,71 @@ def _tma_store(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
     _store(ptrs, src.data, inside)
 
 
+# ----------------------------------------------------------------------------- Blackwell: tensor memory, tcgen05
+class TensorMemory:
+    """A tensor-memory descriptor: a float32 torch tensor (``slice`` along the last dimension, as
+    Gluon's), NaN when allocated, so an accumulation onto what no product wrote shows."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def dtype(self) -> DType:
+        return DType(self.data.dtype)
+
+    @property
+    def shape(self) -> list:
+        return list(self.data.shape)
+
+    def load(self, layout=None) -> GTensor:
+        return self.data.clone().as_subclass(GTensor)
+
+    def store(self, value, pred=True) -> None:
+        value = torch.as_tensor(value)
+        if list(value.shape) != self.shape or value.dtype != self.data.dtype:
+            raise TypeError(f"tensor-memory store of {value.dtype}{list(value.shape)} to {self.data.dtype}{self.shape}")
+        if bool(pred):
+            self.data.copy_(value)
+
+    def index(self, i) -> "TensorMemory":
+        return TensorMemory(self.data[int(i)])
+
+    def slice(self, start, length) -> "TensorMemory":
+        return TensorMemory(self.data.narrow(self.data.dim() - 1, int(start), int(length)))
+
+
+def _allocate_tensor_memory(element_ty, shape, layout=None, value=None) -> TensorMemory:
+    memory = TensorMemory(_undefined(tuple(shape), _torch_dtype(element_ty)).as_subclass(torch.Tensor))
+    if value is not None:
+        memory.store(value)
+    return memory
+
+
+def _tcgen05_mma(a, b, acc, *, use_acc=True, pred=True, mbarriers=None, mbarrier_preds=None) -> None:
+    """``acc = a @ b (+ acc)``: operands in shared memory of one dtype, the accumulator in tensor
+    memory (shapes checked); done at once, then each of ``mbarriers`` arrived on."""
+    if not isinstance(a, SharedTile) or not isinstance(b, (SharedTile, TensorMemory)):
+        raise TypeError("tcgen05_mma: operand a in shared memory, b in shared or tensor memory")
+    if not isinstance(acc, TensorMemory):
+        raise TypeError("tcgen05_mma: the accumulator must be tensor memory")
+    if a.data.dtype != b.data.dtype:
+        raise TypeError(f"tcgen05_mma of {a.data.dtype} and {b.data.dtype} operands")
+    (m, k), (k2, n) = a.data.shape, b.data.shape
+    if k != k2 or list(acc.data.shape) != [m, n]:
+        raise TypeError(f"tcgen05_mma of [{m}, {k}] x [{k2}, {n}] into {list(acc.data.shape)}")
+    if bool(pred):
+        product = torch.matmul(a.data.float(), b.data.float())
+        acc.data.copy_(product + acc.data if bool(use_acc) else product)
+    for i, bar in enumerate(mbarriers or ()):
+        if mbarrier_preds is None or bool(mbarrier_preds[i]):
+            _mbarrier_arrive(bar)
+
+
+def _tcgen05_commit(barrier) -> None:
+    """Arrive once on ``barrier`` when the products issued before are done (at once here)."""
+    _mbarrier_arrive(barrier)
+
+
 # ----------------------------------------------------------------------------- warp specialization
 def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> None:
     """The first partition here, the workers in threads, all of one program."""
@@ -641,8 +719,17 @@ tma = _namespace(
     async_copy_shared_to_global=_tma_store, store_wait=_nothing,
 )
 
+blackwell = _namespace(
+    "gluon_shim.blackwell", TensorMemoryLayout=_layout("TensorMemoryLayout"),
+    allocate_tensor_memory=_allocate_tensor_memory, get_tmem_reg_layout=_layout("TmemRegLayout"),
+    tcgen05_mma=_tcgen05_mma, tcgen05_commit=_tcgen05_commit, mbarrier=mbarrier, tma=tma, fence_async_shared=_nothing,
+)
+
 _REPLACEMENTS = {
-    id(_real_gl): language, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
+    id(_real_gl): language, id(_real_blackwell.tma): tma, id(_real_blackwell.TensorMemoryLayout): blackwell.TensorMemoryLayout,
+    id(_real_blackwell.allocate_tensor_memory): _allocate_tensor_memory,
+    id(_real_blackwell.get_tmem_reg_layout): blackwell.get_tmem_reg_layout,
+    id(_real_blackwell.tcgen05_mma): _tcgen05_mma, id(_real_blackwell.tcgen05_commit): _tcgen05_commit, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
     id(_real_ampere_mbarrier): mbarrier, id(_real_tma): tma,
     id(_real_fence): _nothing, id(_real_wgmma): _warpgroup_mma,
 }
@@ -695,7 +782,7 @@ def _rebind(fn: types.FunctionType) -> types.FunctionType:
 
 def _argument(value, name: str):
     """A call's argument as Gluon sees it: tensors as they are, numbers as 0-d tensors."""
-    if isinstance(value, (Pointer, SharedTile, Layout, DType)):
+    if isinstance(value, (Pointer, SharedTile, TensorMemory, Layout, DType)):
         return value
     if isinstance(value, torch.Tensor):
         return tensor(value)

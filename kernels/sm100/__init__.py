@@ -1,0 +1,1 @@
+"""Gluon kernels for Blackwell (sm_100): the warp-specialized block-attention kernels (``block``)."""
