@@ -184,8 +184,8 @@ def sm100_import_error() -> "str | None":
 
 
 # The sm_100 builds the CI test compiles (a representative subset; the CLI builds them all).
-SM100_CI = ("sm100_fwd_bf16_b128_d128_rope_causal_gqa_inline", "sm100_bwd_bf16_b128_d128_rope_causal_gqa_inline",
-            "sm100_fwd_bf16_b128_d128_table", "sm100_bwd_bf16_b128_d128_table")
+SM100_CI = ("sm100_fwd_bf16_m128_d128_rope_causal_gqa_inline", "sm100_bwd_bf16_m128_d128_rope_causal_gqa_inline",
+            "sm100_fwd_bf16_m128_d128_table", "sm100_bwd_bf16_m128_d128_table")
 
 
 def _sm100_builds(capability: int) -> Iterator[Build]:
@@ -203,7 +203,7 @@ def _sm100_builds(capability: int) -> Iterator[Build]:
     ):
         constexprs = _block_constexprs(dim, groups, block, dim if rotary else 0, rotary and causal, causal,
                                        512 if inline else 0)
-        name = (f"sm100_{kind}_{dtype}_b{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+        name = (f"sm100_{kind}_{dtype}_m{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
                 f"{'_gqa' if groups > 1 else ''}{'_inline' if inline else '_table'}")
         yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), dict(num_warps=4, num_stages=1))
 
@@ -337,13 +337,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ARCHS), required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="", help="compile only variants whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="compile only variants whose name contains this (or one of these, comma-separated)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
     count = 0
     for build in builds(ARCHS[args.arch]):
-        if args.only not in build.name:
+        if not any(part in build.name for part in args.only.split(",")):
             continue
         count += 1
         try:

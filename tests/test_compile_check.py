@@ -120,3 +120,43 @@ def test_register_caps():
                  (meta(128, 128), "simple", True, 9, 2),
                  (meta(64, 64, groups=4), "simple", True, 9, 2)]:
         assert max_registers(*args) is None, args
+
+
+def test_sm100_kernels_compile(tmp_path):
+    """The warp-specialized Gluon kernels for sm_100 (a representative subset here: bf16, 128-row
+    tiles, D 128, forward and backward, plain with the block table and rotary + causal + GQA with
+    the in-kernel schedule; ``compile_check --arch sm_100 --only sm100_`` builds all 192): tcgen05
+    products, tensor-memory loads, TMA copies, asynchronous copies for ragged blocks, mbarrier
+    waits, register reallocation; registers, spills, shared and tensor memory reported and within
+    budget. Other generations have no sm100 builds."""
+    from blockattn_layers.kernels.compile_check import SM100_CI
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sm_100"
+    cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_100", "--out", str(out),
+           "--only", ",".join(SM100_CI)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ptx = {p.stem: p.read_text() for p in out.glob("*.ptx")}
+    assert set(ptx) == set(SM100_CI)
+    for name, text in ptx.items():
+        for instruction in ("tcgen05.mma", "tcgen05.ld", "tcgen05.commit", "cp.async.bulk.tensor.2d.shared::cluster.global",
+                            "cp.async.bulk.tensor.2d.global.shared", "cp.async.cg.shared.global", "tensormap.replace",
+                            "mbarrier.try_wait", "setmaxnreg"):
+            assert instruction in text, (name, instruction)
+        line = next(line for line in result.stdout.splitlines() if line.startswith(name + ":"))
+        assert "regs ?" not in line and "tmem" in line, line
+    for arch in ("sm_80", "sm_90"):
+        cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", arch, "--out",
+               str(tmp_path / arch), "--only", "sm100_"]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 1 and f"{arch}: 0 variants" in result.stdout
+
+
+def test_budget_overruns_fail():
+    """A build over any budget (registers, spills, shared memory, tensor-memory columns) fails."""
+    from blockattn_layers.kernels.compile_check import MAX_SHARED, Usage
+
+    assert Usage(255, 0, MAX_SHARED, 512).over_budget() == []
+    for used in (Usage(256, 0, 0, 0), Usage(128, 257, 0, 0), Usage(128, 0, MAX_SHARED + 1, 0), Usage(128, 0, 0, 513)):
+        assert len(used.over_budget()) == 1, used

@@ -243,24 +243,6 @@ def _prepare_q(qa, qb, dot, Q, DO, h, start, n, sin, cos, stride_qt, stride_qh, 
 
 
 @gluon.jit
-def _store_piece(buf, desc, ptr, x, start, n, col, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
-    """Store the ``[BLOCK_M, WIDTH]`` result ``x`` to rows ``start .. start + n`` through the dead
-    shared tile ``buf``: by a TMA store (waited for) for a full block, else in 16-byte row chunks
-    with a row mask."""
-    gl.thread_barrier()  # every warp is done with buf
-    buf.store(x.to(buf.dtype))
-    if n == BLOCK_M:
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(desc, [start, col], buf)
-        tma.store_wait(0)
-    else:
-        gl.thread_barrier()
-        _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _sin_cos_cols(Pos, start, n, first_row, log2_theta, COL0: gl.constexpr, COLS: gl.constexpr,
                   BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
     """``sm90.rotary.sin_cos`` of the rotary pairs ``COL0 .. COL0 + COLS`` only (the same values)."""
@@ -282,7 +264,10 @@ def _sin_cos_cols(Pos, start, n, first_row, log2_theta, COL0: gl.constexpr, COLS
 def _angles_again(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
                   HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
     """``sin_cos`` computed again, ``first_row`` and ``log2_theta`` through an opaque copy: the
-    compiler would otherwise reuse the first computation's values and keep them live."""
+    compiler would otherwise reuse the first computation's values and keep them live (implicit
+    positions only: with given ones the plain recomputation spills less)."""
+    if HAS_POS:
+        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, LAYOUT)
     first_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [first_row], dtype=gl.int32, is_pure=False,
                                           pack=1)
     log2_theta = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [log2_theta], dtype=gl.float32, is_pure=False,
