@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,7 +38,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
 from .block.plan import head_loop, max_registers
-from .block.variants import HOPPER, HOPPER_WS, SIMPLE, gluon_import_error
+from .block.variants import HOPPER, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
 from .flash.bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
 from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
 from .flash.schedule import flash_tiles
@@ -52,6 +53,7 @@ MBARRIER_WAIT = "mbarrier.try_wait"
 # copies (full blocks), asynchronous copies (ragged ones), mbarrier waits, register reallocation.
 SM100_REQUIRED = (("tcgen05.ld", "tcgen05.st"), TMA_COPY, ASYNC_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
 _DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
 
@@ -174,15 +176,6 @@ def _hopper_ws_builds(capability: int) -> Iterator[Build]:
         yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
 
-def sm100_import_error() -> "str | None":
-    """Why the sm_100 Gluon kernels cannot be imported with this Triton, or None."""
-    try:
-        from .sm100 import block  # noqa: F401
-    except (ImportError, AttributeError) as err:
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
 # The sm_100 builds the CI test compiles (a representative subset; the CLI builds them all).
 SM100_CI = ("sm100_fwd_bf16_m128_d128_rope_causal_gqa_inline", "sm100_bwd_bf16_m128_d128_rope_causal_gqa_inline",
             "sm100_fwd_bf16_m128_d128_table", "sm100_bwd_bf16_m128_d128_table")
@@ -190,7 +183,7 @@ SM100_CI = ("sm100_fwd_bf16_m128_d128_rope_causal_gqa_inline", "sm100_bwd_bf16_m
 
 def _sm100_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized Gluon kernels for Blackwell (sm_100 only): forward and backward, fp16 /
-    bf16, 128-row tiles at D 64 / 128 (and 64-row tiles at D 128), rotary (given positions under
+    bf16, 128- and 64-row tiles at D 64 / 128, rotary (given positions under
     causal, implicit ones otherwise), causal, one or two query heads per kv head, the block table
     or the in-kernel schedule. Launch options: 4 warps for the default partition, no register cap."""
     if capability != 100 or sm100_import_error() is not None:
@@ -198,9 +191,14 @@ def _sm100_builds(capability: int) -> Iterator[Build]:
     from .sm100.block import _sm100_bwd_kernel, _sm100_fwd_kernel
 
     for (kind, kernel), dtype, (block, dim), rotary, causal, groups, inline in itertools.product(
-        (("fwd", _sm100_fwd_kernel), ("bwd", _sm100_bwd_kernel)), ("bf16", "fp16"), ((128, 128), (128, 64), (64, 128)),
+        (("fwd", _sm100_fwd_kernel), ("bwd", _sm100_bwd_kernel)), ("bf16", "fp16"),
+        ((128, 128), (128, 64), (64, 128), (64, 64)),
         (False, True), (False, True), (1, 2), (False, True),
     ):
+        facts = CallFacts("cuda", 10, _TORCH_DTYPES[dtype], dim, groups, block, dim if rotary else 0, False, False,
+                          rotary and causal)
+        if SM100.call_reasons(facts):
+            continue  # not admitted (the variant's declaration says why)
         constexprs = _block_constexprs(dim, groups, block, dim if rotary else 0, rotary and causal, causal,
                                        512 if inline else 0)
         name = (f"sm100_{kind}_{dtype}_m{block}_d{dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"

@@ -13,8 +13,8 @@ from blockattn_layers.kernels.common.meta import sm_count
 
 
 def _facts(device="cuda", major=9, dtype=torch.bfloat16, head_dim=128, groups=1, block_size=64, rot=0,
-           interleaved=False, int64=False):
-    return variants.CallFacts(device, major, dtype, head_dim, groups, block_size, rot, interleaved, int64)
+           interleaved=False, int64=False, has_pos=False):
+    return variants.CallFacts(device, major, dtype, head_dim, groups, block_size, rot, interleaved, int64, has_pos)
 
 
 @pytest.fixture
@@ -172,3 +172,22 @@ def test_plans_of_the_sm90_variants():
         sms = sm_count(q.device)
         assert plan.block_grid(1000, 2, q.device, backward, variants.HOPPER_WS, dim) == (sms * per_sm,)
         assert plan.block_grid(1, 2, q.device, backward, variants.HOPPER_WS, dim) == (2,)
+
+
+def test_sm100_admission_plan_and_opt_in(monkeypatch):
+    sm100 = variants.SM100
+    assert sm100.call_reasons(_facts(major=10)) == [] and sm100.call_reasons(_facts(major=10, block_size=33)) == []
+    for bad, words in [(dict(block_size=32), "block_size 32 outside [33, 128]"), (dict(block_size=129), "129"),
+                       (dict(rot=64), "rotary"),
+                       (dict(block_size=128, rot=128, groups=2), "implicit positions")]:
+        assert any(words in r for r in sm100.call_reasons(_facts(**dict(dict(major=10), **bad)))), bad
+    assert any("sm_100" in r for r in sm100.call_reasons(_facts(major=9)))
+    assert sm100.call_reasons(_facts(major=10, block_size=128, rot=128, groups=2, has_pos=True)) == []
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    for backward in (False, True):
+        meta, loop, _ = plan.block_plan(q, q, 128, 0, False, False, False, backward, 0, False, sm100,
+                                        sm100.kernels()[backward])
+        assert meta["num_warps"] == 4 and meta["BLOCK_M"] == 128 and "maxnreg" not in meta and not loop
+    monkeypatch.setattr(variants, "_UNVERIFIED", [False])
+    assert any("no hardware run recorded on sm_10x" in r for r in variants.explain(_facts(major=10))["sm100"])
+    assert variants.choose(_facts(major=10), q, (q,)) is variants.SIMPLE

@@ -182,7 +182,7 @@ def block_attention_bwd(
     # (dk, dv: contiguous, no more elements than dq.)
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, do, dq)
-    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None)
     variant = choose(facts, q, (q, k, v, do))
     flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
     args = (
@@ -327,7 +327,7 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     yet."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
-    facts = call_facts(q, k, block_size, rot, rotary_interleaved, False)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None)
     variant = choose(facts, q, (q, k, v))
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)

@@ -259,7 +259,7 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
     it under ``sig`` (if given) where it went direct. Returns the launcher's key (or None). A
     variant with no hardware run on this GPU generation is checked against the simple kernels at
     the first launch of each plan (``self_check``), and not remembered before it has agreed."""
-    facts = call_facts(q, k, block_size, rot, interleaved, int64)
+    facts = call_facts(q, k, block_size, rot, interleaved, int64, has_pos)
     variant = choose(facts, q, (q, k, v))
     flags = (block_size, rot, interleaved, has_pos, causal, sched.inline_seqs, int64)
     launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)

@@ -106,6 +106,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     major = device_major(device) if on_cuda else 9
     loop = not backward and head_loop(meta, variant.name)
     meta["HEAD_LOOP"] = loop
+    if variant.num_warps is not None:
+        meta["num_warps"] = variant.num_warps
     regs = max_registers(meta, variant, backward, major, dtype.itemsize)
     if regs:
         meta["maxnreg"] = regs

@@ -45,13 +45,15 @@ class CallFacts(NamedTuple):
     rot: int
     interleaved: bool
     int64: bool
+    has_pos: bool = False
 
 
 def call_facts(q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool,
-               int64: bool) -> CallFacts:
-    """What the variant choice reads of a call, short of the tensors' layout."""
+               int64: bool, has_pos: bool = False) -> CallFacts:
+    """What the variant choice reads of a call, short of the tensors' layout (``has_pos``: rotary
+    positions given)."""
     return CallFacts(q.device.type, major_of(q) if q.is_cuda else None, q.dtype, q.shape[2], q.shape[1] // k.shape[1],
-                     block_size, rot, interleaved, int64)
+                     block_size, rot, interleaved, int64, has_pos)
 
 
 class Variant(NamedTuple):
@@ -61,7 +63,8 @@ class Variant(NamedTuple):
     ``kernels``: returns its ``(forward, backward)`` launchers, imported at first use;
     ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
-    tile rows; ``maxnreg``: a register cap for every launch; ``verified_on``: the generations
+    tile rows; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
+    kernels' default partition, where they fix it; ``verified_on``: the generations
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
     use (``block.self_check``).
@@ -79,6 +82,7 @@ class Variant(NamedTuple):
     block_m: Optional[int] = None
     maxnreg: Optional[int] = None
     verified_on: Optional[FrozenSet[int]] = None
+    num_warps: Optional[int] = None
 
 
 # What the sm_90 Gluon kernels take: 16-bit dtypes, these head dims, blocks of at most 64 rows.
@@ -133,8 +137,9 @@ def _hopper_layout_reasons(q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> 
     return ["rows not 16-byte aligned with unit channel stride"]
 
 
-# What the sm_100 Gluon kernels take (``sm100.block``).
-SM100_MAX_BLOCK = 128
+# What the sm_100 Gluon kernels take (``sm100.block``): tcgen05 tiles of 64 or 128 rows, so the
+# block's tile (its next power of two) must be one of those.
+SM100_BLOCKS = (33, 128)
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,10 +160,15 @@ def _sm100_call_reasons(facts: CallFacts) -> List[str]:
         reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
     if facts.head_dim not in HOPPER_HEAD_DIMS:
         reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
-    if facts.block_size > SM100_MAX_BLOCK:
-        reasons.append(f"block_size {facts.block_size} > {SM100_MAX_BLOCK}")
+    low, high = SM100_BLOCKS
+    if not low <= facts.block_size <= high:
+        reasons.append(f"block_size {facts.block_size} outside [{low}, {high}] (64- or 128-row tiles)")
     if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
         reasons.append("rotary other than split halves over all channels")
+    elif (facts.rot and not facts.has_pos and facts.groups > 1 and facts.block_size > 64
+          and facts.head_dim == 128):
+        reasons.append("rotary at implicit positions with grouped-query heads, D128 and 128-row tiles "
+                       "(those builds spill 0.5-0.9 KB)")
     if facts.int64:
         reasons.append("64-bit addressing")
     if not reasons and sm100_import_error() is not None:
@@ -224,8 +234,9 @@ SM100 = Variant(
     "sm100", "Gluon for sm_100, persistent and warp-specialized: TMA loads, tcgen05 MMA into tensor "
     "memory, load / MMA / softmax partitions; compile-checked, never run on hardware here",
     frozenset({10}), False, _sm100_call_reasons, _hopper_ws_layout_reasons, _sm100_kernels, persistent=True,
+    # Tensor and shared memory (140-225 KB) leave no room for a second program per SM.
     programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
-    verified_on=frozenset())
+    verified_on=frozenset(), num_warps=4)
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS)}
 # auto's preference, fastest first; simple admits every call.
