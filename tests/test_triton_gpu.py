@@ -15,6 +15,7 @@ import torch
 import blockattn_layers as bl
 from blockattn_layers import reference
 from blockattn_layers.kernels.block import variants
+from blockattn_layers.runtime import caches
 
 pytestmark = pytest.mark.gpu
 
@@ -260,6 +261,7 @@ def test_remembered_forward_gives_the_ordinary_bits(monkeypatch):
         return ordinary(*args)
 
     monkeypatch.setattr(block_fwd, "_launch_ordinary", spy)
+    caches.clear_all()  # an earlier test in this process may have remembered these signatures
 
     def inputs(lengths, seed, layout):
         q, k, v, offsets = make_inputs(lengths, 4, 2, 64, torch.float16, seed=seed)
