@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import warnings
 from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
@@ -95,33 +96,47 @@ def _no_reasons(*args) -> List[str]:
     return []
 
 
-@functools.lru_cache(maxsize=1)
-def gluon_import_error() -> Optional[str]:
-    """Why the sm_90 Gluon kernels cannot be imported with this Triton, or None."""
+def _import_error(module: str) -> Optional[str]:
+    """Why ``kernels.<module>`` cannot be imported with this Triton, or None."""
     try:
-        from ..sm90 import block  # noqa: F401
+        importlib.import_module(f"blockattn_layers.kernels.{module}")
     except (ImportError, AttributeError) as err:
         return f"{type(err).__name__}: {err}"
     return None
 
 
-def _hopper_call_reasons(facts: CallFacts) -> List[str]:
+@functools.lru_cache(maxsize=1)
+def gluon_import_error() -> Optional[str]:
+    """Why the sm_90 Gluon kernels cannot be imported with this Triton, or None."""
+    return _import_error("sm90.block")
+
+
+def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], import_error) -> List[str]:
+    """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, D 64 / 128,
+    blocks in ``blocks`` (inclusive), split-half rotary over all channels or none, 32-bit offsets."""
     reasons = []
-    if facts.device_type != "cuda" or facts.major != 9:
-        reasons.append("needs an sm_90 GPU")
+    if facts.device_type != "cuda" or facts.major != major:
+        reasons.append(f"needs an sm_{major}0 GPU")
     if facts.dtype not in HOPPER_DTYPES:
         reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
     if facts.head_dim not in HOPPER_HEAD_DIMS:
         reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
-    if facts.block_size > HOPPER_MAX_BLOCK:
-        reasons.append(f"block_size {facts.block_size} > {HOPPER_MAX_BLOCK}")
+    low, high = blocks
+    if facts.block_size > high:
+        reasons.append(f"block_size {facts.block_size} > {high}")
+    elif facts.block_size < low:
+        reasons.append(f"block_size {facts.block_size} < {low}")
     if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
         reasons.append("rotary other than split halves over all channels")
     if facts.int64:
         reasons.append("64-bit addressing")
-    if not reasons and gluon_import_error() is not None:
-        reasons.append(f"Gluon kernels unavailable ({gluon_import_error()})")
+    if not reasons and import_error() is not None:
+        reasons.append(f"Gluon kernels unavailable ({import_error()})")
     return reasons
+
+
+def _hopper_call_reasons(facts: CallFacts) -> List[str]:
+    return _gluon_call_reasons(facts, 9, (1, HOPPER_MAX_BLOCK), gluon_import_error)
 
 
 def rows_copyable(t: torch.Tensor) -> bool:
@@ -145,34 +160,15 @@ SM100_BLOCKS = (33, 128)
 @functools.lru_cache(maxsize=1)
 def sm100_import_error() -> Optional[str]:
     """Why the sm_100 Gluon kernels cannot be imported with this Triton, or None."""
-    try:
-        from ..sm100 import block  # noqa: F401
-    except (ImportError, AttributeError) as err:
-        return f"{type(err).__name__}: {err}"
-    return None
+    return _import_error("sm100.block")
 
 
 def _sm100_call_reasons(facts: CallFacts) -> List[str]:
-    reasons = []
-    if facts.device_type != "cuda" or facts.major != 10:
-        reasons.append("needs an sm_100 GPU")
-    if facts.dtype not in HOPPER_DTYPES:
-        reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
-    if facts.head_dim not in HOPPER_HEAD_DIMS:
-        reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
-    low, high = SM100_BLOCKS
-    if not low <= facts.block_size <= high:
-        reasons.append(f"block_size {facts.block_size} outside [{low}, {high}] (64- or 128-row tiles)")
-    if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
-        reasons.append("rotary other than split halves over all channels")
-    elif (facts.rot and not facts.has_pos and facts.groups > 1 and facts.block_size > 64
-          and facts.head_dim == 128):
+    reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, sm100_import_error)
+    if (facts.rot == facts.head_dim == 128 and not facts.interleaved and not facts.has_pos and facts.groups > 1
+            and facts.block_size > 64):
         reasons.append("rotary at implicit positions with grouped-query heads, D128 and 128-row tiles "
                        "(those builds spill 0.5-0.9 KB)")
-    if facts.int64:
-        reasons.append("64-bit addressing")
-    if not reasons and sm100_import_error() is not None:
-        reasons.append(f"sm_100 kernels unavailable ({sm100_import_error()})")
     return reasons
 
 
