@@ -12,10 +12,15 @@ A forced variant that cannot compute a call says so in one warning per reason, a
 runs what ``auto`` takes. :func:`explain` gives every variant's reasons for a call, the
 dispatcher's ``explain_variants`` shows them beside the backends.
 
+Each variant also records the GPU generations where it was run and checked on hardware
+(``verified_on``). Elsewhere ``auto`` takes it only after :func:`allow_unverified` (or
+``BLOCKATTN_UNVERIFIED_KERNELS=1``), and it is self-checked at first use (``block.self_check``):
+today the ``sm100`` kernels, which no GPU here could run.
+
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); the persistent Triton variant, slower everywhere, was deleted; the
 warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape,
-are kept as the start of the Blackwell kernels.
+are kept beside the ``sm100`` kernels that grew from their design.
 """
 from __future__ import annotations
 
