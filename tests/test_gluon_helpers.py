@@ -5,7 +5,7 @@ The logic the Gluon code restates from the Triton helpers is compared with those
 Triton's interpreter) and with PyTorch or plain-Python oracles:
 
 - ``_block_of`` (both schedules) with ``common.schedule.block_of_program`` and a Python list of
-  blocks; ``_tile_range`` with the ``persistent_range`` arithmetic and its partition properties;
+  blocks; ``persistent.tile_range`` with the ``persistent_range`` arithmetic and its partition properties;
 - ``sm90.rotary``: ``_reduced`` with ``common.rotary._reduced`` (and its range), ``sin_cos`` /
   ``sin_cos_rows`` with ``common.rotary.block_sin_cos`` and ``reference.rotary_angles``,
   ``rotate_in_place`` with ``reference.apply_rotary``;
@@ -44,6 +44,7 @@ from blockattn_layers.kernels.common import rotary as triton_rotary  # noqa: E40
 from blockattn_layers.kernels.common import schedule as triton_schedule  # noqa: E402
 from blockattn_layers.kernels.common import tiles as triton_tiles  # noqa: E402
 from blockattn_layers.kernels.experimental import sm90_ws  # noqa: E402
+from blockattn_layers.kernels.sm90 import persistent  # noqa: E402
 from blockattn_layers.kernels.sm90 import block as sm90_block  # noqa: E402
 from blockattn_layers.kernels.sm90 import rotary as sm90_rotary  # noqa: E402
 
@@ -64,7 +65,7 @@ reduced = gs.function(sm90_rotary._reduced)
 sin_cos = gs.function(sm90_rotary.sin_cos)
 sin_cos_rows = gs.function(sm90_rotary.sin_cos_rows)
 rotate_in_place = gs.function(sm90_rotary.rotate_in_place)
-tile_range = gs.function(sm90_ws._tile_range)
+tile_range = gs.function(persistent.tile_range)
 HOPPER_FWD, HOPPER_BWD = sm90_block._hopper_fwd_kernel, sm90_block._hopper_bwd_kernel
 WS_FWD, WS_BWD = sm90_ws._hopper_ws_fwd_kernel, sm90_ws._hopper_ws_bwd_kernel
 
@@ -541,7 +542,7 @@ def test_hopper_ws_kernels(name):
     with several tiles, so the 2-stage ring wraps): the loader's TMA boxes for full blocks and
     bare arrivals for the others, the compute partition's masked copies, the TMA and masked
     stores; the mbarriers' arrivals and bytes balance, every barrier is invalidated
-    (``_drop_slots``), and the results match the reference, each element stored once."""
+    (``persistent.drop_ring``), and the results match the reference, each element stored once."""
     args, keywords = WS_CASES[name]
     case = _Case(*args, **keywords)
     case.forward(WS_FWD, (3,))

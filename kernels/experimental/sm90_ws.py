@@ -4,7 +4,7 @@ forced; the design to start the Blackwell kernels from).
 
 Same positional arguments as the other block kernels (the constexprs are the subset these use).
 ``min(#SMs x k, #tiles)`` programs each take a balanced contiguous range of (block, kv head)
-tiles (``_tile_range``). In each program a one-warp loader partition fills a ring of
+tiles (``sm90.persistent.tile_range``). In each program a one-warp loader partition fills a ring of
 ``STAGES`` shared-memory slots while the four-warp compute partition (one warpgroup) works on the
 slot before: the loads of tile i+1 overlap the math of tile i.
 
@@ -39,29 +39,11 @@ from ..sm90.block import (
     _acc_layout, _block_of, _copy_halves, _copy_rows, _probs, _row_layout,
     _smem_layout, _store_halves_via, _store_via,
 )
+from ..sm90.persistent import drop_ring, init_ring, row_map, tile_range
 from ..sm90.rotary import rotate_in_place, sin_cos
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(48)
-# Rows a tensor map may address: only full blocks are copied through them, all inside [0, T).
-_ROWS = gl.constexpr(2**31 - 1)
-
-
-@gluon.jit
-def _tile_range(slots, kv_heads):
-    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
-    (tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
-    tiles = slots.to(gl.int64) * kv_heads
-    lo = gl.program_id(0) * tiles // gl.num_programs(0)
-    hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
-    return lo.to(gl.int32), hi.to(gl.int32)
-
-
-@gluon.jit
-def _row_map(ptr, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes."""
-    return tma.make_tensor_descriptor(ptr, [_ROWS, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
-                                      _smem_layout(WIDTH))
 
 
 @gluon.jit
@@ -116,22 +98,6 @@ def _loader(q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready,
                 tma.async_copy_global_to_shared(do_map, [start, col], bar, do_s.index(s))
         else:
             mbarrier.arrive(bar)
-
-
-@gluon.jit
-def _init_slots(ready, empty):
-    """The slots' barriers, one arrival each (the loader's, or the compute partition's)."""
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-
-
-@gluon.jit
-def _drop_slots(ready, empty):
-    """Invalidate the slots' barriers once both partitions are done."""
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
 
 
 @gluon.jit
@@ -225,11 +191,11 @@ def _hopper_ws_fwd_kernel(
     ROTARY: gl.constexpr = ROT_DIM > 0
     WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
     dtype: gl.constexpr = Q.dtype.element_ty
-    lo, hi = _tile_range(slots, kv_heads)
-    q_map = _row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
-    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
-    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    o_map = _row_map(O, kv_heads, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM)
+    lo, hi = tile_range(slots, kv_heads)
+    q_map = row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    o_map = row_map(O, kv_heads, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM)
     q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     if ROTARY:
@@ -241,7 +207,7 @@ def _hopper_ws_fwd_kernel(
     v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _init_slots(ready, empty)
+    init_ring(ready, empty, STAGES, 1)
     gl.warp_specialize([
         (_fwd_compute, (o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sched, Pos, slots, num_seqs,
                         block_size, qk_scale, log2_theta, kv_heads, lo, hi, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -250,7 +216,7 @@ def _hopper_ws_fwd_kernel(
         (_loader, (q_map, k_map, v_map, v_map, q_s, qb_s, k_s, kb_s, v_s, v_s, ready, empty, Sched, slots, num_seqs,
                    block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS, False)),
     ], [1], [LOADER_REGS])
-    _drop_slots(ready, empty)
+    drop_ring(ready, empty, STAGES)
 
 
 @gluon.jit
@@ -343,14 +309,14 @@ def _hopper_ws_bwd_kernel(
     ROTARY: gl.constexpr = ROT_DIM > 0
     WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
     dtype: gl.constexpr = Q.dtype.element_ty
-    lo, hi = _tile_range(slots, kv_heads)
-    q_map = _row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
-    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
-    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    do_map = _row_map(DO, kv_heads, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM)
-    dq_map = _row_map(DQ, kv_heads, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    dk_map = _row_map(DK, kv_heads, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    dv_map = _row_map(DV, kv_heads, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    lo, hi = tile_range(slots, kv_heads)
+    q_map = row_map(Q, kv_heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    do_map = row_map(DO, kv_heads, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dq_map = row_map(DQ, kv_heads, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dk_map = row_map(DK, kv_heads, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dv_map = row_map(DV, kv_heads, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM)
     q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     if ROTARY:
@@ -364,7 +330,7 @@ def _hopper_ws_bwd_kernel(
     pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], _smem_layout(BLOCK_M))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _init_slots(ready, empty)
+    init_ring(ready, empty, STAGES, 1)
     gl.warp_specialize([
         (_bwd_compute, (dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s, ready, empty, Q, K, V, DO, DQ,
                         DK, DV, Sched, Pos, slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads, lo, hi,
@@ -374,7 +340,7 @@ def _hopper_ws_bwd_kernel(
         (_loader, (q_map, k_map, v_map, do_map, q_s, qb_s, k_s, kb_s, v_s, do_s, ready, empty, Sched, slots,
                    num_seqs, block_size, kv_heads, lo, hi, HEAD_DIM, BLOCK_M, ROTARY, INLINE_SEQS, True)),
     ], [1], [LOADER_REGS])
-    _drop_slots(ready, empty)
+    drop_ring(ready, empty, STAGES)
 
 
 launch_fwd = Launcher(_hopper_ws_fwd_kernel, scratch=True)

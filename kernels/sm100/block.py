@@ -17,7 +17,7 @@ offsets, rows 16-byte aligned with unit channel stride and the heads of a row co
 stride ``HEAD_DIM``: one ``[T, heads * D]`` tensor map covers them).
 
 Schedule: ``min(#SMs x programs_per_sm, tiles)`` programs each take a balanced contiguous range
-of (block, kv head) tiles (``_tile_range``); a tile is one block of one kv head and its
+of (block, kv head) tiles (``sm90.persistent.tile_range``); a tile is one block of one kv head and its
 ``GROUPS`` query heads, a *unit* one query head of a tile. Empty table slots are skipped by every
 partition alike, so their counters agree.
 
@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from ..common.launch import Launcher
 from ..sm90.block import _block_of, _copy_halves, _copy_rows, _probs, _row_layout, _smem_layout, _store_buffer
+from ..sm90.persistent import drop_ring, init_ring, row_map, tile_range
 from ..sm90.rotary import _reduced, rotate_in_place, sin_cos
 
 # Register budgets of the worker partitions (setmaxnreg); the default partition keeps the rest.
@@ -63,8 +64,6 @@ LOADER_REGS = gl.constexpr(120)
 MMA_REGS = gl.constexpr(120)
 EPILOGUE_REGS = gl.constexpr(120)
 BWD_WORKER_REGS = gl.constexpr(128)
-# Rows a tensor map may address: only full blocks are copied through them, all inside [0, T).
-_ROWS = gl.constexpr(2**31 - 1)
 # Shared memory a program may use (sm_100: 227 KB per block), less room for barriers and scratch.
 SMEM_BUDGET = 227 * 1024 - 2048
 
@@ -101,27 +100,10 @@ def _tmem_regs(rows, cols):
 
 
 @gluon.jit
-def _tile_range(slots, kv_heads):
-    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
-    (tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
-    tiles = slots.to(gl.int64) * kv_heads
-    lo = gl.program_id(0) * tiles // gl.num_programs(0)
-    hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
-    return lo.to(gl.int32), hi.to(gl.int32)
-
-
-@gluon.jit
 def _tile(Sched, slots, num_seqs, block_size, t, kv_heads, INLINE_SEQS: gl.constexpr, WARPS: gl.constexpr):
     """``(start, n, first_row)`` (int32) of tile ``t``'s block."""
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, t // kv_heads, INLINE_SEQS, WARPS)
     return start.to(gl.int32), n.to(gl.int32), first_row.to(gl.int32)
-
-
-@gluon.jit
-def _row_map(ptr, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes."""
-    return tma.make_tensor_descriptor(ptr, [_ROWS, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
-                                      _smem_layout(WIDTH))
 
 
 @gluon.jit
@@ -130,20 +112,6 @@ def _tma_tile(desc, a_s, b_s, start, col, bar, ROTARY: gl.constexpr, HALF: gl.co
     tma.async_copy_global_to_shared(desc, [start, col], bar, a_s)
     if ROTARY:
         tma.async_copy_global_to_shared(desc, [start, col + HALF], bar, b_s)
-
-
-@gluon.jit
-def _init_ring(ready, empty, STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=EMPTY_COUNT)
-
-
-@gluon.jit
-def _drop_ring(ready, empty, STAGES: gl.constexpr):
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
 
 
 @gluon.jit
@@ -453,11 +421,11 @@ def _sm100_fwd_kernel(
     WIDTH: gl.constexpr = BLOCK_D // 2 if ROTARY else BLOCK_D
     STAGES: gl.constexpr = fwd_stages(BLOCK_M, BLOCK_D)
     dtype: gl.constexpr = Q.dtype.element_ty
-    lo, hi = _tile_range(slots, kv_heads)
-    q_map = _row_map(Q, kv_heads * GROUPS, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
-    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
-    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    o_map = _row_map(O, kv_heads * GROUPS, stride_ot, BLOCK_M, WIDTH, HEAD_DIM)
+    lo, hi = tile_range(slots, kv_heads)
+    q_map = row_map(Q, kv_heads * GROUPS, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    o_map = row_map(O, kv_heads * GROUPS, stride_ot, BLOCK_M, WIDTH, HEAD_DIM)
     qa_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     if ROTARY:
@@ -478,9 +446,9 @@ def _sm100_fwd_kernel(
     o_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     o_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     hand = gl.allocate_shared_memory(gl.int64, [4, 1], bar_l)  # opnd, s_ready, p_ready, p_free
-    _init_ring(q_ready, q_empty, STAGES, 1)
-    _init_ring(kv_ready, kv_empty, STAGES, 1)
-    _init_ring(o_ready, o_free, 2, 1)
+    init_ring(q_ready, q_empty, STAGES, 1)
+    init_ring(kv_ready, kv_empty, STAGES, 1)
+    init_ring(o_ready, o_free, 2, 1)
     for i in gl.static_range(4):
         mbarrier.init(hand.index(i), count=1)
     opnd, s_ready, p_ready, p_free = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
@@ -498,9 +466,9 @@ def _sm100_fwd_kernel(
         (_fwd_mma, (qa_s, qb_s, ka_s, kb_s, v_s, p_s, s_tm, o_tm, opnd, s_ready, p_ready, p_free, o_ready, o_free,
                     Sched, slots, num_seqs, block_size, kv_heads, lo, hi, GROUPS, ROTARY, INLINE_SEQS, STAGES)),
     ], [4, 1, 1], [EPILOGUE_REGS, LOADER_REGS, MMA_REGS])
-    _drop_ring(q_ready, q_empty, STAGES)
-    _drop_ring(kv_ready, kv_empty, STAGES)
-    _drop_ring(o_ready, o_free, 2)
+    drop_ring(q_ready, q_empty, STAGES)
+    drop_ring(kv_ready, kv_empty, STAGES)
+    drop_ring(o_ready, o_free, 2)
     for i in gl.static_range(4):
         mbarrier.invalidate(hand.index(i))
 
@@ -659,14 +627,14 @@ def _sm100_bwd_kernel(
     SQ_COLS: gl.constexpr = BLOCK_M if BLOCK_M > BLOCK_D else BLOCK_D
     dtype: gl.constexpr = Q.dtype.element_ty
     heads = kv_heads * GROUPS
-    lo, hi = _tile_range(slots, kv_heads)
-    q_map = _row_map(Q, heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
-    k_map = _row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
-    v_map = _row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
-    do_map = _row_map(DO, heads, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM)
-    dq_map = _row_map(DQ, heads, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM)  # (dQ leaves through dO's tile)
-    dk_map = _row_map(DK, kv_heads, stride_dkt, BLOCK_M, WIDTH, HEAD_DIM)
-    dv_map = _row_map(DV, kv_heads, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    lo, hi = tile_range(slots, kv_heads)
+    q_map = row_map(Q, heads, stride_qt, BLOCK_M, WIDTH, HEAD_DIM)
+    k_map = row_map(K, kv_heads, stride_kt, BLOCK_M, WIDTH, HEAD_DIM)
+    v_map = row_map(V, kv_heads, stride_vt, BLOCK_M, BLOCK_D, HEAD_DIM)
+    do_map = row_map(DO, heads, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM)
+    dq_map = row_map(DQ, heads, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM)  # (dQ leaves through dO's tile)
+    dk_map = row_map(DK, kv_heads, stride_dkt, BLOCK_M, WIDTH, HEAD_DIM)
+    dv_map = row_map(DV, kv_heads, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM)
     qa_s = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     ka_s = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_M, WIDTH], _smem_layout(WIDTH))
     if ROTARY:
@@ -690,8 +658,8 @@ def _sm100_bwd_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], bar_l)
     # opnd, s_ready, p_ready, p_free, ds_ready, dq_ready, unit_done, dkv_ready
     hand = gl.allocate_shared_memory(gl.int64, [8, 1], bar_l)
-    _init_ring(q_ready, q_empty, Q_STAGES, 1)
-    _init_ring(kv_ready, kv_empty, KV_STAGES, 1)
+    init_ring(q_ready, q_empty, Q_STAGES, 1)
+    init_ring(kv_ready, kv_empty, KV_STAGES, 1)
     for i in gl.static_range(8):
         mbarrier.init(hand.index(i), count=1)
     gl.warp_specialize([
@@ -711,8 +679,8 @@ def _sm100_bwd_kernel(
                     Sched, slots, num_seqs, block_size, kv_heads, lo, hi,
                     GROUPS, BLOCK_M, BLOCK_D, ROTARY, INLINE_SEQS, KV_STAGES, Q_STAGES)),
     ], [1, 1], [BWD_WORKER_REGS, BWD_WORKER_REGS])
-    _drop_ring(q_ready, q_empty, Q_STAGES)
-    _drop_ring(kv_ready, kv_empty, KV_STAGES)
+    drop_ring(q_ready, q_empty, Q_STAGES)
+    drop_ring(kv_ready, kv_empty, KV_STAGES)
     for i in gl.static_range(8):
         mbarrier.invalidate(hand.index(i))
 

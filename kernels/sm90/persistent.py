@@ -1,0 +1,47 @@
+"""Helpers of the persistent, warp-specialized Gluon block kernels (the experimental sm_90
+``hopper_ws`` kernels and the sm_100 ones): each program's balanced share of the (block, kv
+head) tiles, tensor maps of a ``[T, H * D]`` row view made in the kernel, and rings of
+mbarrier pairs (``ready`` / ``empty``) that hand shared-memory slots between partitions."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from .block import _smem_layout
+
+# Rows a tensor map may address: only full blocks are copied through them, all inside [0, T).
+ROWS = gl.constexpr(2**31 - 1)
+
+
+@gluon.jit
+def tile_range(slots, kv_heads):
+    """This program's contiguous, balanced share ``[lo, hi)`` of the ``slots * kv_heads`` tiles
+    (tile ``t`` is slot ``t // kv_heads`` of kv head ``t % kv_heads``)."""
+    tiles = slots.to(gl.int64) * kv_heads
+    lo = gl.program_id(0) * tiles // gl.num_programs(0)
+    hi = (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
+    return lo.to(gl.int32), hi.to(gl.int32)
+
+
+@gluon.jit
+def row_map(ptr, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes."""
+    return tma.make_tensor_descriptor(ptr, [ROWS, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
+                                      _smem_layout(WIDTH))
+
+
+@gluon.jit
+def init_ring(ready, empty, STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """A ring's barriers: one arrival makes a slot ready, ``EMPTY_COUNT`` make it empty."""
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_COUNT)
+
+
+@gluon.jit
+def drop_ring(ready, empty, STAGES: gl.constexpr):
+    """Invalidate a ring's barriers once every partition is done with them."""
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
