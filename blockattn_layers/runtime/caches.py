@@ -10,7 +10,7 @@ depends on it: block plans and remembered forward launches). Everything else a v
 on is process state that changes only through functions that call :func:`clear_all`:
 registering a backend (``dispatch.register_backend``). Tests that patch such state call it too.
 
-The caches (``names()``): the validated calls of ``block_attention`` (``checked_calls``), the
+The caches, by name: the validated calls of ``block_attention`` (``checked_calls``), the
 dispatcher's backend choices (``backend_choices``), the block kernels' launch plans
 (``block_plans``), forward launches remembered by signature (``block_forwards``), the prepared
 backward's templates (``block_backwards``), and each kernel launcher's compiled entries
@@ -18,7 +18,7 @@ backward's templates (``block_backwards``), and each kernel launcher's compiled 
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List
+from typing import Hashable, List
 
 _CACHES: List["HostCache"] = []
 
@@ -46,10 +46,3 @@ def clear_all() -> None:
     for cache in _CACHES:
         cache.clear()
 
-
-def sizes() -> Dict[str, int]:
-    """Entries per cache name (caches of one name added up)."""
-    out: Dict[str, int] = {}
-    for cache in _CACHES:
-        out[cache.name] = out.get(cache.name, 0) + len(cache)
-    return out

@@ -257,10 +257,6 @@ def allow_unverified(allow: bool = True) -> None:
     _UNVERIFIED[0] = bool(allow)
 
 
-def unverified_allowed() -> bool:
-    return _UNVERIFIED[0]
-
-
 def _check_name(name: str, origin: str) -> Optional[Variant]:
     if name == "auto":
         return None
