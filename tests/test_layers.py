@@ -66,3 +66,17 @@ def test_no_module_imports_a_higher_layer(module, path):
     upward = sorted({target for target in _imports(module, path)
                      if _layer(target) is not None and _layer(target) > own})
     assert not upward, f"{module} (layer {own}) imports {upward}"
+
+
+def test_every_package_is_listed_for_installation():
+    """setup.cfg names every package folder (an editable install would hide a missing one)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    folders = set()
+    for root, prefix in ((ROOT / PACKAGE, PACKAGE), (ROOT / "kernels", f"{PACKAGE}.kernels")):
+        for init in root.rglob("__init__.py"):
+            folders.add(".".join([prefix, *init.parent.relative_to(root).parts]))
+    assert folders <= listed, sorted(folders - listed)
