@@ -3,6 +3,7 @@ the table's and the heat map's marks."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 
@@ -164,3 +165,37 @@ def test_heatmap_from_results(tmp_path, monkeypatch):
     assert sorted(annotations) == sorted(["1.05", "1.43!", "-", "1.20", "1.86", "-"])
     with pytest.raises(ValueError):
         grid.heatmap(str(tmp_path), [], {})
+
+
+def test_precompile_chunks_cover_every_case_once():
+    from blockattn_layers.bench.precompile import chunks
+
+    for n, workers in [(1, 4), (7, 3), (480, 8), (5, 5)]:
+        parts = chunks(n, workers)
+        assert len(parts) == min(n, workers) and all(len(p) > 0 for p in parts)
+        assert [i for p in parts for i in p] == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_precompile_runs_each_compiling_method_and_reports_failures(monkeypatch):
+    from blockattn_layers.bench import precompile
+    from blockattn_layers.bench.common import RunConfig
+
+    cases = grid.cases(grid.parse_slice(["block=16", "dim=32", "heads=8x2", "rotary=none,split", "causal=no"]), 3, 40)
+    cfg = RunConfig(device=torch.device("cpu"), dtype=torch.float32)
+    methods = [m for m in cli.all_methods() if m.name in ("reference", "eager")]
+    assert [m.name for m in methods if precompile.compiling(m)] == ["reference"]
+    # In two spawned processes: every case runs without a failure.
+    seconds, problems = precompile.precompile(cases, [], methods, cfg, workers=2)
+    assert problems == [] and seconds > 0
+    # In this process, with the reference's setup broken: each case's failure is reported.
+    calls = []
+
+    def broken(case, inp, cfg):
+        calls.append(case.name)
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(cli, "all_methods", lambda: [dataclasses.replace(methods[0], setup=broken)])
+    problems = precompile._warm(([(c, ["reference"]) for c in cases], cfg, 0))
+    assert calls == [c.name for c in cases]
+    assert problems == [f"{c.name} reference: RuntimeError: planted" for c in cases]

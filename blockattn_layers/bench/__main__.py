@@ -3,4 +3,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in --precompile's spawned workers, which import this module again
+    sys.exit(main())

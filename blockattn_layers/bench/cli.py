@@ -13,6 +13,7 @@ from .baselines import BASELINES
 from .common import Method, RunConfig
 from .env import bandwidth_text, device_name, floor_bandwidth, metadata
 from .layer import LAYER_METHODS
+from .precompile import precompile
 from .ours import our_methods
 from .report import format_table, plot, write_results
 from .runner import MODES, Timing, case_summary, finalize, run_case
@@ -80,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"sequences per grid point (default {grid.DEFAULT_BATCH}: T ~ 1.0M; fewer for a quick look)")
     p.add_argument("--grid-max-len", type=int, default=grid.DEFAULT_MAX_LEN,
                    help=f"grid lengths are uniform in [1, this] (default {grid.DEFAULT_MAX_LEN}, as prod)")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="first fill the Triton / Inductor disk caches from N processes (one untimed forward and "
+                        "backward of each compiling method per case): a cold grid run compiles every point")
     p.add_argument("--backends", default=None,
                    help="comma list of method names and/or 'ours', 'baselines' (default: all); see --list")
     p.add_argument("--modes", default=None,
@@ -153,6 +157,10 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         print("no CUDA device: GPU-only baselines are skipped; timings are host-clock medians", flush=True)
     cfg = RunConfig(device=device, dtype=dtype, with_reference=args.with_reference, host_offsets=args.host_offsets)
 
+    if args.precompile > 0:
+        warm_s, problems = precompile(cases, methods, gmethods, cfg, args.precompile, args.seed)
+        print(f"precompiled {len(cases)} cases in {args.precompile} processes: {warm_s:.1f} s"
+              + "".join(f"\n  {p}" for p in problems), flush=True)
     start = time.perf_counter()
     rows, summaries = [], {}
     previous_key = None

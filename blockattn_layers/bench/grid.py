@@ -33,7 +33,8 @@ compiled rotary + FA2); add ~0.15 s for the inputs, the float32 oracle and the f
 point is a new specialization of our Triton kernels (head dim, block, causal, group size and
 rotary form are constexprs), the rotary's torch.compile runs once per lengths x heads x D x rotary
 form (45 graphs; consecutive points share them) and FA4's CuTe JIT once per D x heads x causal.
-Run slices (e.g. one rotary form at a time, 120 points) until the cold-compile cost is known.
+``--precompile N`` compiles them first in N processes (``bench/precompile.py``); run slices
+(e.g. one rotary form at a time, 120 points) until the cold-compile cost is known.
 B only sets the GPU time per call: at B=512 (T = 1,066,526) the smallest point (D32, 2x2) moves
 0.55 GB forward (a 0.13 ms floor), above the ~30-60 us host time of a call, and the largest
 (D256, 8x2) 10.9 GB (2.6 ms floor); its float32 oracle needs an estimated 50-60 GB of the H200's 139.
