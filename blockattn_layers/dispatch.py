@@ -160,7 +160,9 @@ def explain(req: AttentionRequest) -> Dict[str, List[str]]:
 
 def explain_variants(req: AttentionRequest) -> Dict[str, Dict[str, List[str]]]:
     """For each backend whose kernels come in variants: every variant's reasons not to run
-    ``req`` (empty list: that variant runs), in the order they are considered."""
+    ``req`` (empty list: that variant runs), in the order they are considered. Where a backend's
+    backward chooses otherwise than its forward, the backward's reasons follow under
+    ``backward: NAME`` keys."""
     return {spec.name: spec.variant_reasons(req) for spec in registered_backends() if spec.variant_reasons is not None}
 
 
@@ -173,8 +175,11 @@ def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> 
     line = f"{spec.name}"
     if spec.variant_reasons is not None:
         variants = spec.variant_reasons(req)
-        running = [name for name, why in variants.items() if not why]
+        running = [name for name, why in variants.items() if not why and not name.startswith("backward: ")]
         line += f", {running[0]} kernels" if running else ", kernel variant chosen per call from the tensors' layout"
+        backward = [name for name, why in variants.items() if not why and name.startswith("backward: ")]
+        if backward:
+            line += f" ({backward[0]} kernels)"
     return line
 
 

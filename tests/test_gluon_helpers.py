@@ -43,6 +43,7 @@ from tests import gluon_shim as gs  # noqa: E402
 from blockattn_layers.kernels.common import rotary as triton_rotary  # noqa: E402
 from blockattn_layers.kernels.common import schedule as triton_schedule  # noqa: E402
 from blockattn_layers.kernels.common import tiles as triton_tiles  # noqa: E402
+from blockattn_layers.kernels.common.meta import tile_extent  # noqa: E402
 from blockattn_layers.kernels.experimental import sm90_ws  # noqa: E402
 from blockattn_layers.kernels.sm90 import persistent  # noqa: E402
 from blockattn_layers.kernels.sm90 import block as sm90_block  # noqa: E402
@@ -411,7 +412,7 @@ def test_store_via(start, n):
         ptr = gs.Pointer(memory) + 2 * out.stride(1)
         buf = gs.shared(_sentinel((BLOCK_M, 128)))
         if halves:
-            store_halves_via(buf, ptr, x[:, :64], x[:, 64:], start, n, out.stride(0), BLOCK_M, 128)
+            store_halves_via(buf, ptr, x[:, :64], x[:, 64:], start, n, out.stride(0), BLOCK_M, 128, 4)
         else:
             store_via(buf, ptr, x, start, n, out.stride(0), BLOCK_M, 128)
         _assert_only_rows(out, memory.writes_as_tensor(), 2, start, n, x[:n])
@@ -432,7 +433,7 @@ def test_unrotate_store(start, n, first_row, has_pos):
     ptr = gs.Pointer(memory) + out.stride(1)
     bufs = [gs.shared(_sentinel((BLOCK_M, 2 * half))) for _ in range(2)]
     unrotate_store(*bufs, a, b, ptr, gs.pointer(pos), start, n, first_row, math.log2(10000.0), scale, out.stride(0),
-                   BLOCK_M, half, has_pos)
+                   BLOCK_M, half, has_pos, 4)
     at = pos[start:start + n] if has_pos else torch.arange(first_row, first_row + n)
     angles = reference.rotary_angles(at, 10000.0, 2 * half, torch.float64)
     grad = torch.cat([a, b], 1)[:n].double()[:, None, :]
@@ -450,7 +451,7 @@ class _Case:
     reference's arguments."""
 
     def __init__(self, lengths, heads, kv_heads, dim, rotary, has_pos, causal, block_size=64, dtype=torch.float16,
-                 offsets_dtype=torch.int32, seed=0):
+                 offsets_dtype=torch.int32, seed=0, int64=False):
         g = torch.Generator().manual_seed(seed)
         total = sum(lengths)
         self.offsets = _offsets(lengths, offsets_dtype)
@@ -464,8 +465,9 @@ class _Case:
             Q=self.q, K=self.k, V=self.v, DO=self.do, Sched=self.sched.table,
             Pos=pos if has_pos else self.sched.table, slots=self.sched.programs, num_seqs=self.sched.num_seqs,
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
-            kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=BLOCK_M, BLOCK_D=dim,
-            ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal, INLINE_SEQS=self.sched.inline_seqs,
+            kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
+            BLOCK_D=tile_extent(dim), ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal,
+            INLINE_SEQS=self.sched.inline_seqs, INT64=int64,
         )
         self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, dim if rotary else 0,
                           False)
@@ -507,6 +509,16 @@ KERNEL_CASES = {
     "d64_rope_gqa_block50_bf16": ((EDGE_LENGTHS, 4, 2, 64, True, False, True),
                                   dict(block_size=50, dtype=torch.bfloat16)),
     "d64_rope_table": (([0] * 510 + [65, 64, 1, 70], 1, 1, 64, True, False, True), {}),
+    # 128-row tiles of two warpgroups; head dims padded to a power of two, or 32 / 256 wide; int64 rows.
+    "d128_block128_causal": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 128, False, False, True), dict(block_size=128)),
+    "d64_block100_rope_gqa": (([0, 1, 99, 100, 101, 250], 4, 2, 64, True, True, False), dict(block_size=100)),
+    "d128_block128_rope": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 128, True, False, False), dict(block_size=128)),
+    "d96_padded_gqa": ((EDGE_LENGTHS, 4, 2, 96, False, False, True), {}),
+    "d80_padded_block128": (([3, 128, 200], 1, 1, 80, False, False, False), dict(block_size=128)),
+    "d32_rope_causal": ((EDGE_LENGTHS, 2, 2, 32, True, False, True), {}),
+    "d256": ((EDGE_LENGTHS, 1, 1, 256, False, False, False), {}),
+    "d256_mqa_block16": ((EDGE_LENGTHS, 2, 1, 256, False, False, True), dict(block_size=16)),
+    "d128_int64_rope_pos": ((EDGE_LENGTHS, 2, 2, 128, True, True, False), dict(int64=True)),
 }
 
 

@@ -95,6 +95,7 @@ CASES = [
     dict(heads=2, kv_heads=2, dim=64, block_size=64, rope_theta=500.0, rotary_dim=32, rotary_interleaved=True, causal=True),
     dict(heads=2, kv_heads=1, dim=128, block_size=64, rope_theta=10000.0, positions="float"),
     dict(heads=2, kv_heads=2, dim=64, block_size=16, rope_theta=10000.0, positions="int"),
+    dict(heads=4, kv_heads=1, dim=64, block_size=128, rope_theta=10000.0, causal=True),
 ]
 
 
@@ -157,6 +158,36 @@ def test_nan_poisoned_memory_beyond_valid_rows():
     grads = torch.autograd.grad(out, (qp, kp, vp), torch.randn_like(out))
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [
+    (2, 2, 128, 128, False), (4, 2, 96, 64, False), (2, 2, 256, 64, False), (2, 2, 32, 128, True),
+    (8, 2, 64, 100, True),
+])
+def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
+    """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
+    other blocks' rows are bitwise those of the clean call."""
+    lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
+    q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
+    token = 3 + block_size + 2  # inside the second block of the second sequence
+    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rotary else None)
+
+    def run(poison):
+        xs = [x.clone() for x in (q, k, v)]
+        if poison:
+            for x in xs:
+                x[token] = float("nan")
+        xs = [x.requires_grad_() for x in xs]
+        out = bl.block_attention(*xs, offsets, backend="triton", **kw)
+        grad_out = torch.ones_like(out)
+        return (out, *torch.autograd.grad(out, xs, grad_out))
+
+    clean, poisoned = run(False), run(True)
+    block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
+    block[3 + block_size: 3 + 2 * block_size] = True
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a[~block], b[~block])
+        assert torch.isnan(b[block]).any()
 
 
 def test_backward_bitwise_deterministic():
@@ -347,16 +378,29 @@ HOPPER_CASES = [
     dict(heads=4, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),
     dict(heads=4, kv_heads=4, dim=64, block_size=48, rope_theta=500.0, positions="int"),
     dict(heads=2, kv_heads=1, dim=64, block_size=64, causal=True, scale=0.3),
+    # 128-row tiles (two warpgroups), padded head dims, D 32 and 256; the grouped-query backward at
+    # D256 runs the simple kernels (the forced variant warns).
+    dict(heads=2, kv_heads=2, dim=128, block_size=128, causal=True),
+    dict(heads=2, kv_heads=2, dim=128, block_size=100, rope_theta=1e4, positions="float"),
+    dict(heads=2, kv_heads=2, dim=64, block_size=128, rope_theta=1e4),
+    dict(heads=4, kv_heads=2, dim=32, block_size=64, rope_theta=1e4, causal=True),
+    dict(heads=4, kv_heads=2, dim=96, block_size=64, causal=True),
+    dict(heads=2, kv_heads=2, dim=80, block_size=128),
+    dict(heads=2, kv_heads=2, dim=32, block_size=64, rope_theta=1e4),
+    dict(heads=2, kv_heads=2, dim=256, block_size=64),
+    dict(heads=2, kv_heads=1, dim=256, block_size=40, causal=True),
 ]
+LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 
 
 @SM90
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=_case_id)
+@pytest.mark.filterwarnings("ignore:block kernels. the forced variant 'hopper' cannot compute:RuntimeWarning")
 def test_hopper_kernels_forced(monkeypatch, case, table):
     """The Gluon kernels take these calls on sm_90 (checked) and match the float64 oracle, fp16
-    and bf16, with the in-kernel schedule or the block table."""
-    _forced_variant_matches_oracle(monkeypatch, "hopper", case, table, EDGE_LENGTHS * 2)
+    and bf16, with the in-kernel schedule or the block table, on lengths around the block size."""
+    _forced_variant_matches_oracle(monkeypatch, "hopper", case, table, EDGE_LENGTHS * 2 + LENGTHS_AROUND_128)
 
 
 def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
@@ -416,16 +460,18 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 @SM90
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
-    environment forces): fp32, 128-row blocks, partial or interleaved rotary, rows not 16-byte
-    aligned, 64-bit offsets."""
+    environment forces): fp32, blocks of 32 or fewer rows or over 128, partial or interleaved
+    rotary, rows not 16-byte aligned; 128-row blocks and 64-bit addressing run hopper."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
     with variants.forced_variant("auto"):
         assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
+        assert _variant(q, k, (q, k, v), 128, 0) == "hopper" and _variant(q, k, (q, k, v), 64, 0, int64=True) == "hopper"
         for q_, tensors, block, rot, interleaved, int64 in [
-                (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 128, 0, False, False),
+                (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
+                (q, (q, k, v), 32, 0, False, False),
                 (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
-                (q, (odd, k, v), 64, 0, False, False), (q, (q, k, v), 64, 0, False, True)]:
+                (q, (odd, k, v), 64, 0, False, False)]:
             assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
         check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
         check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)

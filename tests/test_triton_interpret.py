@@ -60,6 +60,21 @@ def test_edge_lengths(heads, kv_heads, dim, block_size, causal, dtype):
     _check(EDGE_LENGTHS, heads, kv_heads, dim, dtype, block_size=block_size, causal=causal)
 
 
+def test_wide_heads_in_long_blocks_take_the_flash_backward(monkeypatch):
+    """Blocks over 64 rows with head dims over 128 (no block kernel's backward fits one program on
+    the GPU) get the flash kernels' backward on a recomputed output and logsumexp: gradients match
+    the oracle, and the block kernels' backward is not called."""
+    from blockattn_layers.ops.backends import triton_block
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the block kernels' backward ran")
+
+    monkeypatch.setattr(triton_block, "block_attention_bwd", refuse)
+    _check([0, 1, 99, 129, 3], 2, 1, 144, torch.float32, block_size=100, causal=True, rope_theta=1e4)
+    with pytest.raises(AssertionError, match="block kernels' backward ran"):
+        _check([5, 70], 1, 1, 144, torch.float32, block_size=64)
+
+
 @pytest.mark.parametrize(
     "rotary",
     [

@@ -1,6 +1,7 @@
 """The block-kernel variants in the one dispatcher: what each admits, auto's choice, a forced
 variant that cannot serve a call (one warning, the reasons named), and what ``explain`` shows.
 CPU only: the choices are made for hypothetical sm_90 calls where the tensors' device matters."""
+import dataclasses
 import warnings
 
 import pytest
@@ -13,8 +14,9 @@ from blockattn_layers.kernels.common.meta import sm_count
 
 
 def _facts(device="cuda", major=9, dtype=torch.bfloat16, head_dim=128, groups=1, block_size=64, rot=0,
-           interleaved=False, int64=False, has_pos=False):
-    return variants.CallFacts(device, major, dtype, head_dim, groups, block_size, rot, interleaved, int64, has_pos)
+           interleaved=False, int64=False, has_pos=False, backward=False):
+    return variants.CallFacts(device, major, dtype, head_dim, groups, block_size, rot, interleaved, int64, has_pos,
+                              backward)
 
 
 @pytest.fixture
@@ -25,14 +27,47 @@ def restore_auto():
 
 def test_hopper_call_reasons():
     assert variants.HOPPER.call_reasons(_facts()) == []
-    assert variants.HOPPER.call_reasons(_facts(rot=128)) == [] and variants.HOPPER.call_reasons(_facts(block_size=16)) == []
+    assert variants.HOPPER.call_reasons(_facts(rot=128)) == [] and variants.HOPPER.call_reasons(_facts(block_size=33)) == []
     assert variants.HOPPER.call_reasons(_facts(head_dim=64, dtype=torch.float16, groups=2)) == []
+    # Head dims 16-256 in steps of 16 (padded tiles), blocks up to 128, 64-bit addressing.
+    for admitted in (dict(head_dim=96), dict(head_dim=32, rot=32), dict(head_dim=256), dict(head_dim=48),
+                     dict(block_size=128), dict(block_size=100, rot=128), dict(int64=True),
+                     dict(head_dim=256, backward=True), dict(block_size=128, backward=True, rot=128),
+                     dict(groups=4, head_dim=256), dict(groups=4, head_dim=96, backward=True)):
+        assert variants.HOPPER.call_reasons(_facts(**admitted)) == [], admitted
     for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
-                       (dict(dtype=torch.float32), "dtype"), (dict(head_dim=96), "head_dim 96"),
-                       (dict(block_size=65), "block_size 65"), (dict(rot=64), "rotary"),
-                       (dict(rot=128, interleaved=True), "rotary"), (dict(int64=True), "64-bit")]:
+                       (dict(dtype=torch.float32), "dtype"), (dict(head_dim=72), "head_dim 72"), (dict(head_dim=16), "head_dim 16"),
+                       (dict(head_dim=272), "head_dim 272"), (dict(block_size=129), "block_size 129"),
+                       (dict(block_size=32), "block_size 32 < 33"), (dict(groups=2, block_size=100), "grouped-query"),
+                       (dict(block_size=128, head_dim=256, backward=True), "backward of blocks over 64"),
+                       (dict(rot=64), "rotary"), (dict(rot=128, interleaved=True), "rotary"),
+                       (dict(head_dim=96, rot=96), "rotary at head_dim 96"),
+                       (dict(head_dim=256, rot=256), "rotary at head_dim 256"),
+                       (dict(groups=2, head_dim=256, backward=True), "backward of grouped-query")]:
         reasons = variants.HOPPER.call_reasons(_facts(**bad))
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
+    assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
+
+
+def test_sm100_and_hopper_ws_keep_their_head_dims_and_32_bit_addressing():
+    for variant in (variants.SM100, variants.HOPPER_WS):
+        major = min(variant.generations)
+        assert any("head_dim 96 (needs 64, 128)" in r for r in variant.call_reasons(_facts(major=major, head_dim=96)))
+        assert any("64-bit" in r for r in variant.call_reasons(_facts(major=major, int64=True)))
+    assert any("block_size 128 > 64" in r for r in variants.HOPPER_WS.call_reasons(_facts(block_size=128)))
+
+
+def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # describe() of hypothetical sm_90 calls
+    gqa = AttentionRequest(device_type="cuda", dtype=torch.bfloat16, head_dim=256, num_heads=4, num_kv_heads=2,
+                           block_size=64, causal=False, rotary=False, capability=(9, 0))
+    reasons = explain_variants(gqa)["triton"]
+    assert reasons["hopper"] == [] and reasons["backward: simple"] == []
+    assert "backward of grouped-query" in reasons["backward: hopper"][0]
+    assert bl.dispatch.describe(gqa, "triton") == "triton, hopper kernels (backward: simple kernels)"
+    mha = dataclasses.replace(gqa, num_heads=2)
+    assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
+    assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
 
 
 def test_hopper_layout_reasons():
@@ -69,7 +104,10 @@ def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
     assert variants.choose(_facts(), q, (q, q)) is variants.HOPPER
     assert variants.choose(_facts(major=8), q, (q, q)) is variants.SIMPLE
     assert variants.choose(_facts(major=10), q, (q, q)) is variants.SIMPLE
-    assert variants.choose(_facts(head_dim=96), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(head_dim=96), q, (q, q)) is variants.HOPPER
+    assert variants.choose(_facts(head_dim=72), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(groups=2, head_dim=256, backward=True), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(block_size=16), q, (q, q)) is variants.SIMPLE
     assert variants.HOPPER_WS.experimental and variants.HOPPER_WS not in variants.AUTO_ORDER
 
 

@@ -182,7 +182,7 @@ def block_attention_bwd(
     # (dk, dv: contiguous, no more elements than dq.)
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, do, dq)
-    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v, do))
     flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
     args = (
@@ -279,6 +279,13 @@ _TEMPLATES = HostCache("block_backwards")
 _NO_LAST = (None, None)
 
 
+def one_tile_backward_fits(block_size: int, head_dim: int) -> bool:
+    """Whether a block kernel's backward fits one program: not for blocks over 64 rows with head
+    dims over 128, whose 128 x 256 tiles of q, k, v, dO and P would take 288 KB of shared memory
+    (the H200 has 227 KB per program; Triton's simple kernels ask for more)."""
+    return block_size <= 64 or head_dim <= 128
+
+
 def prepare_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sched: Schedule, fwd_key: Optional[tuple], block_size: int,
     scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
@@ -295,7 +302,7 @@ def prepare_backward(
     The first backward of a signature compiles its kernel through the ordinary path; until then
     there is nothing to prepare.
     """
-    if fwd_key is None or sched.programs == 0:
+    if fwd_key is None or sched.programs == 0 or not one_tile_backward_fits(block_size, q.shape[2]):
         return None
     last_key, template = _TEMPLATES.get(None, _NO_LAST)
     if fwd_key is not last_key:
@@ -327,7 +334,7 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     yet."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
-    facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None)
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)

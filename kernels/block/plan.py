@@ -12,7 +12,8 @@ from ..common.meta import device_major, input_precision, sm_count, static_meta
 from .variants import Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
-# (D <= 64, see ``block.fwd``) needs 128 to fit 4 programs per SM on every generation. The others
+# (D <= 64, see ``block.fwd``) needs 128 to fit 4 programs per SM on every generation (tiles of
+# up to 64 rows). The others
 # were measured on the H200 (sm_90, bf16, 64-row tiles, prod shapes, one query head per kv head)
 # and apply there, keyed (backward, BLOCK_D, rotary):
 # - rotary forward, D = 128: 104 (110 without; 8 bytes spilled): 1.319 -> 1.283 ms (96: 1.49 ms);
@@ -23,7 +24,8 @@ from .variants import Variant
 # - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
 #   1.184 ms (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
-# The hopper kernels' caps, keyed as ``_SM90_MAXNREG`` (one query head per kv head); none
+# The hopper kernels' caps at 64-row tiles (128-row ones take ptxas's choice), keyed as
+# ``_SM90_MAXNREG`` (one query head per kv head); none
 # measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
 # 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
 # D64 2.450 -> 2.463 / 2.571). Their rotary kv-head loop takes ``HEAD_LOOP_MAXNREG`` (168 without,
@@ -50,11 +52,15 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     if variant.maxnreg is not None:
         return variant.maxnreg
     if variant.name == "hopper":
+        if meta["BLOCK_M"] != 64:
+            return None
         if not backward and head_loop(meta, variant.name):
             return HEAD_LOOP_MAXNREG
         return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
     if not backward and head_loop(meta, variant.name):
-        return HEAD_LOOP_MAXNREG
+        # (At 128-row tiles the scores alone take 128 registers: capped, the loop spilled and ran
+        # 9-11x its floor on the H200 grid, D32 / D64 with grouped-query heads.)
+        return HEAD_LOOP_MAXNREG if meta["BLOCK_M"] <= 64 else None
     if major != 9 or variant.name != "simple" or meta["BLOCK_M"] != 64 or itemsize != 2 or meta["GROUPS"] != 1:
         return None
     return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
@@ -103,6 +109,9 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs)
     if variant.block_m is not None:
         meta["BLOCK_M"] = variant.block_m
+    if variant.warpgroup_tiles:
+        meta["BLOCK_M"] = max(64, meta["BLOCK_M"])
+        meta["num_warps"] = meta["BLOCK_M"] // 16
     major = device_major(device) if on_cuda else 9
     loop = not backward and head_loop(meta, variant.name)
     meta["HEAD_LOOP"] = loop

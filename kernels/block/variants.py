@@ -52,14 +52,15 @@ class CallFacts(NamedTuple):
     interleaved: bool
     int64: bool
     has_pos: bool = False
+    backward: bool = False
 
 
 def call_facts(q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool,
-               int64: bool, has_pos: bool = False) -> CallFacts:
+               int64: bool, has_pos: bool = False, backward: bool = False) -> CallFacts:
     """What the variant choice reads of a call, short of the tensors' layout (``has_pos``: rotary
-    positions given)."""
+    positions given; ``backward``: the choice is the backward's)."""
     return CallFacts(q.device.type, major_of(q) if q.is_cuda else None, q.dtype, q.shape[2], q.shape[1] // k.shape[1],
-                     block_size, rot, interleaved, int64, has_pos)
+                     block_size, rot, interleaved, int64, has_pos, backward)
 
 
 class Variant(NamedTuple):
@@ -69,7 +70,8 @@ class Variant(NamedTuple):
     ``kernels``: returns its ``(forward, backward)`` launchers, imported at first use;
     ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
-    tile rows; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
+    tile rows; ``warpgroup_tiles``: tiles of 64 or 128 rows (the block's tile extent, at least 64)
+    with one warpgroup per 64 rows; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
     kernels' default partition, where they fix it; ``verified_on``: the generations
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
@@ -86,15 +88,20 @@ class Variant(NamedTuple):
     persistent: bool = False
     programs_per_sm: Optional[Dict[Tuple[bool, bool], int]] = None
     block_m: Optional[int] = None
+    warpgroup_tiles: bool = False
     maxnreg: Optional[int] = None
     verified_on: Optional[FrozenSet[int]] = None
     num_warps: Optional[int] = None
 
 
-# What the sm_90 Gluon kernels take: 16-bit dtypes, these head dims, blocks of at most 64 rows.
+# What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
+# (tiles padded to a power of two past the head's channels) and blocks of 33-128 rows (64-row
+# tiles of one warpgroup, 128-row tiles of two: on the H200 the simple kernels' 16- and 32-row
+# tiles are faster for shorter blocks, 1.3-2x at every grid point); the sm_100 ones head dims 64 and 128.
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)
-HOPPER_HEAD_DIMS = (64, 128)
-HOPPER_MAX_BLOCK = 64
+HOPPER_HEAD_DIMS = tuple(range(32, 257, 16))
+HOPPER_BLOCKS = (33, 128)
+SM100_HEAD_DIMS = (64, 128)
 
 
 def _no_reasons(*args) -> List[str]:
@@ -116,16 +123,19 @@ def gluon_import_error() -> Optional[str]:
     return _import_error("sm90.block")
 
 
-def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], import_error) -> List[str]:
-    """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, D 64 / 128,
-    blocks in ``blocks`` (inclusive), split-half rotary over all channels or none, 32-bit offsets."""
+def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], head_dims: Tuple[int, ...],
+                        import_error) -> List[str]:
+    """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, head dims in
+    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary over all channels or none."""
     reasons = []
     if facts.device_type != "cuda" or facts.major != major:
         reasons.append(f"needs an sm_{major}0 GPU")
     if facts.dtype not in HOPPER_DTYPES:
         reasons.append(f"dtype {facts.dtype} (needs float16 or bfloat16)")
-    if facts.head_dim not in HOPPER_HEAD_DIMS:
-        reasons.append(f"head_dim {facts.head_dim} (needs 64 or 128)")
+    if facts.head_dim not in head_dims:
+        dims = (", ".join(map(str, head_dims)) if len(head_dims) < 4
+                else f"a multiple of {head_dims[1] - head_dims[0]} in {head_dims[0]}-{head_dims[-1]}")
+        reasons.append(f"head_dim {facts.head_dim} (needs {dims})")
     low, high = blocks
     if facts.block_size > high:
         reasons.append(f"block_size {facts.block_size} > {high}")
@@ -133,15 +143,27 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], i
         reasons.append(f"block_size {facts.block_size} < {low}")
     if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
         reasons.append("rotary other than split halves over all channels")
-    if facts.int64:
-        reasons.append("64-bit addressing")
     if not reasons and import_error() is not None:
         reasons.append(f"Gluon kernels unavailable ({import_error()})")
     return reasons
 
 
 def _hopper_call_reasons(facts: CallFacts) -> List[str]:
-    return _gluon_call_reasons(facts, 9, (1, HOPPER_MAX_BLOCK), gluon_import_error)
+    """The hopper kernels' admission. Beyond ``_gluon_call_reasons``: rotary on power-of-two head
+    dims of 32-128 (halves of whole tiles; D256 rotary spills); no grouped query heads at 128-row
+    tiles (H200 grid: no faster than the simple kernels forward, and their backward spills); in
+    the backward no 128-row tiles wider than 128 (288 KB of shared memory) and no grouped query
+    heads at D256 (dK and dV both live: ptxas spills 7.7 KB)."""
+    reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error)
+    if facts.rot and facts.head_dim not in (32, 64, 128):
+        reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
+    if facts.groups > 1 and facts.block_size > 64:
+        reasons.append("grouped-query heads with blocks over 64")
+    elif facts.backward and facts.block_size > 64 and facts.head_dim > 128:
+        reasons.append("backward of blocks over 64 with head_dim over 128")
+    elif facts.backward and facts.groups > 1 and facts.head_dim > 128:
+        reasons.append("backward of grouped-query heads with head_dim over 128")
+    return reasons
 
 
 def rows_copyable(t: torch.Tensor) -> bool:
@@ -169,7 +191,9 @@ def sm100_import_error() -> Optional[str]:
 
 
 def _sm100_call_reasons(facts: CallFacts) -> List[str]:
-    reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, sm100_import_error)
+    reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, SM100_HEAD_DIMS, sm100_import_error)
+    if facts.int64:
+        reasons.append("64-bit addressing")
     if (facts.rot == facts.head_dim == 128 and not facts.interleaved and not facts.has_pos and facts.groups > 1
             and facts.block_size > 64):
         reasons.append("rotary at implicit positions with grouped-query heads, D128 and 128-row tiles "
@@ -178,7 +202,9 @@ def _sm100_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _hopper_ws_call_reasons(facts: CallFacts) -> List[str]:
-    reasons = _hopper_call_reasons(facts)
+    reasons = _gluon_call_reasons(facts, 9, (1, 64), SM100_HEAD_DIMS, gluon_import_error)
+    if facts.int64:
+        reasons.append("64-bit addressing")
     if facts.groups != 1:
         reasons.append("grouped-query attention (needs one query head per kv head)")
     return reasons
@@ -221,7 +247,7 @@ SIMPLE = Variant(
 HOPPER = Variant(
     "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
-    _hopper_kernels, block_m=64, verified_on=frozenset({9}))
+    _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}))
 HOPPER_WS = Variant(
     "hopper_ws", "experimental Gluon for sm_90, persistent and warp-specialized (a TMA loader warp, 2 stages); "
     "slower than hopper on every measured shape", frozenset({9}), True, _hopper_ws_call_reasons,

@@ -65,7 +65,7 @@ def _store_tile(buf, out_map, ptr, lo, hi, start, n, col, stride_t, BLOCK_M: gl.
         tma.async_copy_shared_to_global(out_map, [start.to(gl.int32), col], buf)
         tma.store_wait(0)
     elif HALVES:
-        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH)
+        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH, 4)
     else:
         _store_via(buf, ptr, lo, start, n, stride_t, BLOCK_M, WIDTH)
 

@@ -2,9 +2,12 @@
 
 Same contract and positional arguments as ``block.fwd`` / ``block.bwd`` (so the launchers,
 launch plans and the prepared backward serve both; the constexprs are the subset these kernels
-use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dim 64 or 128, blocks
-of at most 64 rows, no rotary or rotary on all channels in split halves (positions given or
-implicit), 16-byte aligned rows with unit channel stride, 32-bit offsets. One program per (block, kv head) and its ``GROUPS`` query heads.
+use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dims 32-256 in steps of
+16 (tiles ``BLOCK_D`` wide, the next power of two, with the channels past ``HEAD_DIM`` masked),
+blocks of up to 128 rows (64-row tiles of one warpgroup, 128-row tiles of two: ``_tile_warps``),
+no rotary or rotary on all channels in split halves (positions given or implicit), 16-byte
+aligned rows with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
+(block, kv head) and its ``GROUPS`` query heads.
 
 What Gluon allows that the Triton kernels could not get from the compiler:
 - every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,
@@ -77,6 +80,16 @@ def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HALF: gl.constexpr
 
 
 @gluon.jit
+def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """The copy mask of a full-width tile: ``row_mask``, and the head's channels where the tile is
+    padded past them (``HEAD_DIM < BLOCK_D``: the padding reads as zeros)."""
+    if HEAD_DIM < BLOCK_D:
+        return row_mask & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    else:
+        return row_mask
+
+
+@gluon.jit
 def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """Exact softmax of raw scores ``s`` over the block's ``n`` keys (and the causal triangle):
     unnormalized probabilities and the rows' reciprocal sums."""
@@ -91,9 +104,10 @@ def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOU
 
 
 @gluon.constexpr_function
-def _row_layout(width):
-    """Register layout of a ``[64, width]`` tile in 16-byte row chunks (coalesced copies)."""
-    return gl.BlockedLayout([1, 8], [32 // (width // 8), width // 8], [4, 1], [1, 0])
+def _row_layout(width, warps=4):
+    """Register layout of a row tile ``width`` columns wide in 16-byte row chunks (coalesced
+    copies), over ``warps`` warps stacked along the rows."""
+    return gl.BlockedLayout([1, 8], [32 // (width // 8), width // 8], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -103,35 +117,49 @@ def _smem_layout(width):
 
 
 @gluon.constexpr_function
-def _acc_layout(width):
-    """Accumulator layout of a ``wgmma`` product ``[64, width]`` of one warpgroup."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 16])
+def _acc_layout(width, warps=4):
+    """Accumulator layout of a ``wgmma`` product ``[16 * warps, width]``: one warpgroup per 64 rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, width, 16])
+
+
+@gluon.constexpr_function
+def _tile_warps(block_m):
+    """Warps of a hopper program: one warpgroup per 64 tile rows."""
+    return block_m // 16
 
 
 @gluon.jit
 def _store_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
     """Store ``x`` to rows ``start .. start + n`` through the dead shared tile ``buf``
-    (``[BLOCK_M, WIDTH]``), read back in 16-byte row chunks."""
-    gl.thread_barrier()  # every warp is done reading buf
-    buf.store(x.to(buf.dtype))
-    gl.thread_barrier()
-    _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
+    (``[BLOCK_M, WIDTH]``), read back in 16-byte row chunks (one warpgroup)."""
+    _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, 4)
 
 
 @gluon.jit
-def _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
-    """``_store_via`` of the row tile whose column halves are ``lo`` and ``hi``."""
+def _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                    COLS: gl.constexpr, WARPS: gl.constexpr):
+    """``_store_via`` of the first ``COLS`` columns, by ``WARPS`` warps."""
+    gl.thread_barrier()  # every warp is done reading buf
+    buf.store(x.to(buf.dtype))
+    gl.thread_barrier()
+    _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, COLS, WARPS)
+
+
+@gluon.jit
+def _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """``_store_via`` of the row tile whose column halves are ``lo`` and ``hi``, by ``WARPS`` warps."""
     HALF: gl.constexpr = WIDTH // 2
     gl.thread_barrier()
     buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
     buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
     gl.thread_barrier()
-    _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH)
+    _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, WARPS)
 
 
 @gluon.jit
 def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
-                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr):
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr, WARPS: gl.constexpr):
     """Store the gradient whose rotary halves are the float32 accumulators ``a``, ``b``, rotated
     back and scaled: ``((a cos + b sin) scale, (b cos - a sin) scale)``, to rows ``start .. start + n``.
     ``a`` and ``b`` go to the dead shared tiles ``a_buf``, ``b_buf`` (16 KB each) and come back 32
@@ -139,7 +167,7 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
     at a time instead of both halves, their angles and a result (the rotary D128 backward fits
     168 registers)."""
     ROWS: gl.constexpr = 32
-    layout: gl.constexpr = _row_layout(HALF)
+    layout: gl.constexpr = _row_layout(HALF, WARPS)
     fp32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     a_s = a_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
     b_s = b_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
@@ -168,10 +196,21 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
 
 @gluon.jit
 def _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
-    layout: gl.constexpr = _row_layout(WIDTH)
+    """Store the shared tile ``buf`` to rows ``start .. start + n`` (one warpgroup)."""
+    _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, 4)
+
+
+@gluon.jit
+def _store_cols(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, COLS: gl.constexpr,
+                WARPS: gl.constexpr):
+    """``_store_buffer`` of the first ``COLS`` columns (the head dim of a padded tile), by ``WARPS`` warps."""
+    layout: gl.constexpr = _row_layout(WIDTH, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), buf.load(layout), mask=gl.expand_dims(offs_m < n, 1))
+    mask = gl.expand_dims(offs_m < n, 1)
+    if COLS < WIDTH:
+        mask = mask & gl.expand_dims(cols < COLS, 0)
+    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), buf.load(layout), mask=mask)
 
 
 @gluon.jit
@@ -194,13 +233,14 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
     and two stages of shared tiles, so each head's copies are in flight during the previous
     head's math."""
     HALF: gl.constexpr = BLOCK_D // 2
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     dtype: gl.constexpr = Q.dtype.element_ty
     smem_d: gl.constexpr = _smem_layout(BLOCK_D)
     smem_h: gl.constexpr = _smem_layout(HALF)
-    acc_s: gl.constexpr = _acc_layout(BLOCK_M)
-    acc_d: gl.constexpr = _acc_layout(BLOCK_D)
-    ld: gl.constexpr = _row_layout(BLOCK_D)
-    rot_l: gl.constexpr = _row_layout(HALF)
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    rot_l: gl.constexpr = _row_layout(HALF, WARPS)
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
@@ -239,7 +279,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
         p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
         o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(stage), zero_d)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
-        _store_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+        _store_cols_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D, BLOCK_D, WARPS)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -248,11 +288,15 @@ def _hopper_fwd_kernel(
     slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, HEAD_LOOP: gl.constexpr,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr,
 ):
     hk = gl.program_id(1)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+    if INT64:
+        start = start.to(gl.int64)
     if HEAD_LOOP:
         if n > 0:
             _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
@@ -264,10 +308,10 @@ def _hopper_fwd_kernel(
         dtype: gl.constexpr = Q.dtype.element_ty
         smem_d: gl.constexpr = _smem_layout(BLOCK_D)
         smem_h: gl.constexpr = _smem_layout(HALF)
-        acc_s: gl.constexpr = _acc_layout(BLOCK_M)
-        acc_d: gl.constexpr = _acc_layout(BLOCK_D)
-        ld: gl.constexpr = _row_layout(BLOCK_D)
-        rot_l: gl.constexpr = _row_layout(HALF)
+        acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+        acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+        ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+        rot_l: gl.constexpr = _row_layout(HALF, WARPS)
         a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
 
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
@@ -275,6 +319,7 @@ def _hopper_fwd_kernel(
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
         rows = start + offs_m
         mask = gl.expand_dims(offs_m < n, 1)
+        mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
         k_ptr = K + hk * stride_kh
         v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
@@ -290,8 +335,8 @@ def _hopper_fwd_kernel(
         else:
             q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-            _copy_rows(k_s, k_ptr, rows, offs_d, mask, stride_kt)
-        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask, stride_vt)
+            _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
+        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
         for g in gl.static_range(GROUPS):
             q_ptr = Q + (hk * GROUPS + g) * stride_qh
             if g > 0:
@@ -299,7 +344,7 @@ def _hopper_fwd_kernel(
             if ROTARY:
                 _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
             else:
-                _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
+                _copy_rows(q_s, q_ptr, rows, offs_d, mask_d, stride_qt)
             async_copy.commit_group()
             if ROTARY:
                 if g == 0:
@@ -323,11 +368,11 @@ def _hopper_fwd_kernel(
             o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
             o_ptr = O + (hk * GROUPS + g) * stride_oh
             if not ROTARY:
-                _store_via(q_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+                _store_cols_via(q_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             elif g == GROUPS - 1:
-                _store_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+                _store_cols_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             else:
-                _store_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D)
+                _store_cols_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -338,11 +383,15 @@ def _hopper_bwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
-    HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    INT64: gl.constexpr,
 ):
     hk = gl.program_id(1)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, 4)
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+    if INT64:
+        start = start.to(gl.int64)
     if n > 0:
         HALF: gl.constexpr = BLOCK_D // 2
         ROTARY: gl.constexpr = ROT_DIM > 0
@@ -353,17 +402,18 @@ def _hopper_bwd_kernel(
         dtype: gl.constexpr = Q.dtype.element_ty
         smem_d: gl.constexpr = _smem_layout(BLOCK_D)
         smem_h: gl.constexpr = _smem_layout(HALF)
-        acc_s: gl.constexpr = _acc_layout(BLOCK_M)
-        acc_d: gl.constexpr = _acc_layout(BLOCK_D)
-        acc_h: gl.constexpr = _acc_layout(HALF)
-        ld: gl.constexpr = _row_layout(BLOCK_D)
-        rot_l: gl.constexpr = _row_layout(HALF)
+        acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+        acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+        acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
+        ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+        rot_l: gl.constexpr = _row_layout(HALF, WARPS)
 
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
         rows = start + offs_m
         mask = gl.expand_dims(offs_m < n, 1)
+        mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
         k_ptr = K + hk * stride_kh
         v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
@@ -378,7 +428,7 @@ def _hopper_bwd_kernel(
         else:
             q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-            _copy_rows(k_s, k_ptr, rows, offs_d, mask, stride_kt)
+            _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
         # (dK and dV start at the first head's products, not as zeros held from the top.)
         for g in gl.static_range(GROUPS):
             h = hk * GROUPS + g
@@ -388,11 +438,11 @@ def _hopper_bwd_kernel(
             if ROTARY:
                 _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
             else:
-                _copy_rows(q_s, q_ptr, rows, offs_d, mask, stride_qt)
+                _copy_rows(q_s, q_ptr, rows, offs_d, mask_d, stride_qt)
             async_copy.commit_group()
-            _copy_rows(do_s, DO + h * stride_doh, rows, offs_d, mask, stride_dot)
+            _copy_rows(do_s, DO + h * stride_doh, rows, offs_d, mask_d, stride_dot)
             if g == 0:
-                _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask, stride_vt)
+                _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
             async_copy.commit_group()
             if ROTARY:
                 if g == 0:
@@ -428,7 +478,7 @@ def _hopper_bwd_kernel(
                 dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
             if GROUPS == 1:
                 # v is dead: dV leaves now, and its accumulator with it.
-                _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)
+                _store_cols_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             gl.thread_barrier()  # dV's product is done reading P
             pds_s.store(ds)
             fence_async_shared()
@@ -440,11 +490,11 @@ def _hopper_bwd_kernel(
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                 _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                BLOCK_M, HALF, HAS_POS)
+                                BLOCK_M, HALF, HAS_POS, WARPS)
                 dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                 dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
                 _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
-                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS)
+                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
             elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 # (Angles again in the accumulators' layout: cheaper than keeping them live.)
@@ -452,7 +502,7 @@ def _hopper_bwd_kernel(
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                 _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
-                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D)
+                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D, WARPS)
                 if g == 0:
                     dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
@@ -461,7 +511,7 @@ def _hopper_bwd_kernel(
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
             else:
                 dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-                _store_via(do_s, dq_ptr, dq * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D)
+                _store_cols_via(do_s, dq_ptr, dq * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
                 if g == 0:
                     dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
                 else:
@@ -470,11 +520,11 @@ def _hopper_bwd_kernel(
         if ROTARY and not UNROTATE_IN_SMEM:
             sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
             _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
-                              start, n, stride_dkt, BLOCK_M, BLOCK_D)
+                              start, n, stride_dkt, BLOCK_M, BLOCK_D, WARPS)
         elif not ROTARY:
-            _store_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D)
+            _store_cols_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
         if GROUPS > 1:
-            _store_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D)
+            _store_cols_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
 
 
 launch_fwd = Launcher(_hopper_fwd_kernel)

@@ -3,7 +3,9 @@
 For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
 backward that recomputes the probabilities from q, k, v. The block-kernel variants (simple,
 hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
-choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``.
+choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Where no
+block kernel's backward fits one program (``one_tile_backward_fits``: blocks over 64 rows with head
+dims over 128), the backward runs the flash kernels on a recomputed output and logsumexp.
 Kernel sizes are run-time arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
 interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
@@ -16,9 +18,11 @@ import torch
 from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
-from blockattn_layers.kernels.block.bwd import block_attention_bwd
+from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_prepared
 from blockattn_layers.kernels.common.meta import MAX_TILE
+from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from ..library import SINGLE_TILE_MAX
@@ -55,6 +59,12 @@ def _backward(
     positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    if not one_tile_backward_fits(block_size, q.shape[-1]):
+        # The flash kernels' backward, on the output and logsumexp its forward recomputes.
+        out, lse = flash_attention_fwd(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
+                                       rotary_dim, rotary_interleaved, cpu_offsets)
+        return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
+                                   positions, rotary_dim, rotary_interleaved, cpu_offsets)
     return block_attention_bwd(
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,
@@ -72,13 +82,18 @@ def triton_devices() -> frozenset:
 
 
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
-    """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs)."""
+    """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs). Where
+    the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
     facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
                                req.rotary_interleaved, False)
-    return variants.explain(facts)
+    forward = variants.explain(facts)
+    backward = variants.explain(facts._replace(backward=True))
+    if backward == forward:
+        return forward
+    return {**forward, **{f"backward: {name}": why for name, why in backward.items()}}
 
 
 def cuda_reasons(req: AttentionRequest) -> list:
