@@ -1,6 +1,7 @@
 """blockattn-layers: block-diagonal self-attention over jagged sequences for ranking models."""
 from .dispatch import AttentionRequest, Backend, BackendSpec, explain, explain_variants, registered_backends
 from .config import EncoderConfig, EncoderLayerConfig, build_encoder, list_presets, load_config
+from .fp8 import quantize_fp8
 from .functional import block_attention, jagged_attention
 from .jagged import (
     JaggedLayout, jagged_to_padded, lengths_to_key_padding_mask, lengths_to_offsets, offsets_to_lengths,
@@ -38,6 +39,7 @@ __all__ = [
     "load_config",
     "offsets_to_lengths",
     "padded_to_jagged",
+    "quantize_fp8",
     "registered_backends",
     "to_values_offsets",
 ]

@@ -9,6 +9,7 @@ from torch import Tensor
 from ._checked_calls import checked_call
 from ._validation import autocast_enabled
 from .dispatch import Backend
+from .fp8 import fp8_block_attention, is_fp8
 from .ops import attention
 from .ops import backends as _backends  # noqa: F401  (registers the backends)
 
@@ -30,6 +31,10 @@ def block_attention(
     max_seqlen: Optional[int] = None,
     backend: Union[str, Backend] = "auto",
     validate: Optional[bool] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Block-diagonal self-attention over packed variable-length sequences.
 
@@ -55,9 +60,13 @@ def block_attention(
         backend: ``"auto"``, ``"reference"``, ``"triton"`` or a :class:`Backend`.
         validate: check offset values (start 0, non-decreasing, end T). ``None`` checks CPU
             tensors only; ``True`` also device tensors (one device-to-host copy).
+        q_descale, k_descale, v_descale: for ``torch.float8_e4m3fn`` q, k, v (inference only:
+            no gradients), float32 factors with real value = stored value x descale, ``[H_kv]``
+            or ``[B, H_kv]`` (None: 1); see ``blockattn_layers.fp8`` and ``quantize_fp8``.
+        out_dtype: the output dtype of an fp8 call: bfloat16 (default), float16 or float32.
 
     Returns:
-        ``[T, H, D]`` in the dtype of ``q``.
+        ``[T, H, D]`` in the dtype of ``q`` (``out_dtype`` for fp8 inputs).
 
     Example:
         >>> import torch
@@ -67,6 +76,17 @@ def block_attention(
         >>> block_attention(q, k, v, offsets, block_size=64, causal=True).shape
         torch.Size([70, 4, 32])
     """
+    if is_fp8(q):
+        return fp8_block_attention(
+            q, k, v, offsets, block_size, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            out_dtype=out_dtype, attention=block_attention, scale=scale, causal=causal, rope_theta=rope_theta,
+            positions=positions, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
+            cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=backend, validate=validate)
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                        ("out_dtype", out_dtype)):
+        if value is not None:
+            got = q.dtype if isinstance(q, Tensor) else type(q).__name__
+            raise TypeError(f"{name} applies to torch.float8_e4m3fn q, k, v; q is {got}")
     q, k, v = _autocast_inputs(q, k, v)
     params, spec = checked_call(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,

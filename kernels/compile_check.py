@@ -44,8 +44,11 @@ from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
 from .common.meta import tile_extent
 from .flash.schedule import flash_tiles
 
-ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
-EXPECTED = {"sm_80": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
+ARCHS = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
+EXPECTED = {"sm_80": ("mma.sync",), "sm_89": ("mma.sync",), "sm_90": ("wgmma",), "sm_100": ("tcgen05.mma",)}
+# What the fp8 builds' PTX must hold beyond the generation's products: e4m3 pairs converted to
+# 16-bit floats in registers (``cvt.rn.f16x2.e4m3x2``), from sm_89 on.
+FP8_CONVERT = "e4m3x2"
 TMA_COPY = "cp.async.bulk.tensor"
 SET_MAX_REGISTERS = "setmaxnreg"
 ASYNC_COPY = "cp.async.cg.shared.global"
@@ -53,7 +56,7 @@ MBARRIER_WAIT = "mbarrier.try_wait"
 # What every sm_100 build's PTX must hold beyond tcgen05.mma: a tensor-memory load or store, TMA
 # copies (full blocks), asynchronous copies (ragged ones), mbarrier waits, register reallocation.
 SM100_REQUIRED = (("tcgen05.ld", "tcgen05.st"), TMA_COPY, ASYNC_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
-_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8": "*fp8e4nv"}
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
 _DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
@@ -88,8 +91,12 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
             continue
         if name in ("Sched", "Table", "Pos"):
             sig[name] = "*i32"
-        elif name in ("Lse", "Delta"):
+        elif name in ("Lse", "Delta", "QD", "KD", "VD"):
             sig[name] = "*fp32"
+        elif name == "Offsets":
+            sig[name] = "*i64"
+        elif dtype == "fp8" and name == "O":
+            sig[name] = "*bf16"
         elif name[0].isupper():
             sig[name] = _DTYPES[dtype]
         elif name in ("qk_scale", "scale", "log2_theta"):
@@ -260,11 +267,35 @@ def required_copies(build: Build) -> Tuple[str, ...]:
         return (TMA_COPY,)
     if build.name.endswith("_hopper"):
         return (ASYNC_COPY,)
+    if build.name.startswith("fp8_"):
+        return (FP8_CONVERT,)
     return ()
+
+
+def _fp8_builds(capability: int) -> Iterator[Build]:
+    """The fp8 (e4m3) forward (``block.fp8_fwd``), from sm_89 on: D 64 / 128, rotary or none, one
+    query head per kv head with per-head factors, or two (causal) with per-sequence factors;
+    one 128-row tile. bfloat16 products and output."""
+    if capability < 89:
+        return
+    import triton.language as tl
+
+    from .block.fp8_fwd import _fp8_fwd_kernel
+
+    shapes = [(64, dim, rot, groups) for dim in (64, 128) for rot in (False, True) for groups in (1, 2)]
+    for block, dim, rot, groups in shapes + [(128, 128, True, 1)]:
+        batched = groups > 1
+        constexprs = _block_constexprs(dim, groups, block, dim if rot else 0, False, batched, 512)
+        constexprs.update(QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched, SEARCH_STEPS=10,
+                          DOT_DTYPE=tl.bfloat16)
+        options = dict(num_warps=4 if block * dim <= 128 * 128 else 8, num_stages=1)
+        name = (f"fp8_fwd_b{block}_d{dim}{'_rope' if rot else ''}{'_gqa_causal_per_sequence' if batched else ''}")
+        yield Build(name, _fp8_fwd_kernel, "fp8", _kernel_constexprs(_fp8_fwd_kernel, constexprs), options)
 
 
 def builds(capability: int) -> Iterator[Build]:
     """Every shipped kernel build, with the launch options used on GPUs of ``capability``."""
+    yield from _fp8_builds(capability)
     yield from _block_builds(capability)
     yield from _hopper_builds(capability)
     yield from _hopper_ws_builds(capability)

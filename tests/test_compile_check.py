@@ -170,3 +170,18 @@ def test_budget_overruns_fail():
     assert Usage(255, 0, MAX_SHARED, 512).over_budget() == []
     for used in (Usage(256, 0, 0, 0), Usage(128, 257, 0, 0), Usage(128, 0, MAX_SHARED + 1, 0), Usage(128, 0, 0, 513)):
         assert len(used.over_budget()) == 1, used
+
+
+def test_fp8_kernels_compile(tmp_path):
+    """The fp8 forward builds for sm_89, sm_90 and sm_100 (e4m3 loads converted in registers,
+    each generation's products) and not before sm_89, where Triton has no e4m3."""
+    for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
+        ptx = _compile_check(arch, "fp8_", tmp_path / arch)
+        assert len(ptx) == 9, arch
+        for name, text in ptx.items():
+            assert "cvt.rn.f16x2.e4m3x2" in text and instruction in text, (arch, name)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
+           str(tmp_path / "sm_80"), "--only", "fp8_"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and "sm_80: 0 variants" in result.stdout

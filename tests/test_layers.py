@@ -15,7 +15,7 @@ PACKAGE = "blockattn_layers"
 LAYERS = [
     ("kernels", "reference", "_params", "runtime"),
     ("dispatch",),
-    ("ops", "_validation"),
+    ("ops", "_validation", "fp8"),
     ("_checked_calls",),
     ("functional", "jagged"),
     ("modules",),

@@ -283,6 +283,11 @@ def allow_unverified(allow: bool = True) -> None:
     _UNVERIFIED[0] = bool(allow)
 
 
+def unverified_allowed() -> bool:
+    """Whether kernels with no recorded hardware run may be taken (:func:`allow_unverified`)."""
+    return _UNVERIFIED[0]
+
+
 def _check_name(name: str, origin: str) -> Optional[Variant]:
     if name == "auto":
         return None
