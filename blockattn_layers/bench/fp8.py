@@ -1,0 +1,100 @@
+"""``python -m blockattn_layers.bench.fp8``: the fp8 (e4m3) attention forward beside bfloat16's.
+
+The prod shapes (B 1152, lengths uniform in [1, 4000], block 64; D128 H2 and D64 H4), with and
+without rotary. Per shape: our bfloat16 forward (no grad), the fp8 kernel (``kernels.block.fp8_fwd``,
+per-head factors, bfloat16 output), and the fp8 call on descaled copies (what runs without the
+kernel), each checked first on the first 64 sequences against the float32 reference of the
+descaled inputs. ``x floor``: time over the bytes each must move at the copy bandwidth of
+PERFORMANCE.md (4.27 TB/s): bfloat16 reads q, k, v and writes o (8 bytes per element of a head
+row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one line per shape and
+method; ``--out FILE`` also writes them as CSV. The fp8 kernel has no recorded hardware run:
+this sets ``BLOCKATTN_UNVERIFIED_KERNELS`` for itself (``variants.allow_unverified``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+from typing import List, Optional
+
+import torch
+
+import blockattn_layers as bl
+from blockattn_layers import fp8
+
+from .env import git_commit
+from .shapes import prod, rotary
+
+BANDWIDTH = 4.27e12
+CHECK_SEQS = 64
+
+
+def _floor_ms(total: int, heads: int, kv_heads: int, dim: int, in_bytes: int, out_bytes: int) -> float:
+    return 1e3 * total * dim * ((heads + 2 * kv_heads) * in_bytes + heads * out_bytes) / BANDWIDTH
+
+
+def _check(run, total_check: int, want: torch.Tensor) -> float:
+    out = run()[:total_check].float()
+    return float((out - want).norm() / want.norm())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="CSV file for the rows")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.fp8 needs a CUDA GPU")
+        return 1
+    import triton.testing
+
+    from blockattn_layers.kernels.block import variants
+
+    variants.allow_unverified()
+    commit = git_commit()[0]
+    rows = []
+    for case in prod() + rotary():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        shape = (case.total, case.num_heads, case.head_dim)
+        q, k, v = (torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+        offsets = case.offsets.cuda()
+        kw = dict(rope_theta=case.rope_theta)
+        (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x) for x in (q, k, v))
+        factors = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        check_offsets = offsets[:CHECK_SEQS + 1]
+        total_check = int(check_offsets[-1])
+        deq = [fp8.dequantize(x[:total_check], d, check_offsets, 1, torch.float32)
+               for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+        want = bl.block_attention(*deq, check_offsets, case.block_size, backend="reference", **kw).float()
+        methods = {
+            "bf16": (lambda: bl.block_attention(q, k, v, offsets, case.block_size, **kw), 2),
+            "fp8 kernel": (lambda: bl.block_attention(q8, k8, v8, offsets, case.block_size, **factors, **kw), 1),
+            "fp8 descaled copies": (_descaled_copies(q8, k8, v8, offsets, case.block_size, factors, kw), 1),
+        }
+        for name, (run, in_bytes) in methods.items():
+            with torch.no_grad():
+                err = _check(run, total_check, want) if name != "bf16" else None
+                ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
+            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, in_bytes, 2)
+            rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=floor, x_floor=ms / floor,
+                             err=err, commit=commit))
+            print(f"{case.name:16} {name:20} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
+                  + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+def _descaled_copies(q8, k8, v8, offsets, block_size, factors, kw):
+    """The fp8 call without the kernel: descaled bfloat16 copies through the 16-bit kernels."""
+    def run():
+        deq = [fp8.dequantize(x, factors[f"{n}_descale"], offsets, 1, torch.bfloat16)
+               for n, x in zip("qkv", (q8, k8, v8))]
+        return bl.block_attention(*deq, offsets, block_size, **kw)
+
+    return run
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
