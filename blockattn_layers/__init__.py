@@ -9,7 +9,7 @@ from .jagged import (
 )
 from .modules import (
     BlockSelfAttention, JaggedSequenceEncoder, JaggedTransformerEncoder, JaggedTransformerEncoderLayer,
-    RotaryBlockAttention, from_torch_encoder,
+    RotaryBlockAttention, from_torch_encoder, to_fp8_inference,
 )
 
 __version__ = "0.1.0"
@@ -41,5 +41,6 @@ __all__ = [
     "padded_to_jagged",
     "quantize_fp8",
     "registered_backends",
+    "to_fp8_inference",
     "to_values_offsets",
 ]

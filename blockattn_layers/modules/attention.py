@@ -60,6 +60,8 @@ class BlockSelfAttention(nn.Module):
         qkv_dim = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.in_proj = nn.Linear(self.embed_dim, qkv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=bias, **factory)
+        # An e4m3 QKV projection for inference (``modules.fp8.to_fp8_inference``), or None.
+        self.fp8 = None
 
     def extra_repr(self) -> str:
         return (
@@ -84,10 +86,18 @@ class BlockSelfAttention(nn.Module):
         cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
     ) -> Tensor:
         check_module_input(values, offsets, kind, self.embed_dim, self.in_proj.weight.dtype)
-        q, k, v = self._qkv(values)
         kwargs = dict(causal=self.causal, cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=self.backend,
                       **self._attention_kwargs(positions))
-        out = block_attention(q, k, v, offsets, self.block_size, **kwargs)
+        if self.fp8 is not None:
+            if torch.is_grad_enabled() and values.requires_grad:
+                raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): no gradient reaches its input; "
+                                   "call it under torch.no_grad() or torch.inference_mode()")
+            q, k, v, q_descale, k_descale, v_descale = self.fp8(values)
+            out = block_attention(q, k, v, offsets, self.block_size, q_descale=q_descale, k_descale=k_descale,
+                                  v_descale=v_descale, out_dtype=self.out_proj.weight.dtype, **kwargs)
+        else:
+            q, k, v = self._qkv(values)
+            out = block_attention(q, k, v, offsets, self.block_size, **kwargs)
         return self.out_proj(out.flatten(1))
 
     def forward(
