@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean gpu-check
+.PHONY: demo test bench info install clean gpu-check gpu-grid
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,18 @@ gpu-check:
 		tests/test_triton_gpu.py tests/test_prepared_backward.py
 	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
+
+# The shape grid of issue 25 on a CUDA machine, one rotary form and causal setting per process
+# (each slice compiles its 60 points first in 10 processes; about 2.5 minutes a slice on the
+# H200): `make gpu-grid GRID_ROTARY="none split" GRID_CAUSAL=no` runs a part.
+GRID_BACKENDS ?= triton,triton[simple],fa2_varlen,rope_comp+fa2,fa4_varlen
+GRID_ROTARY ?= none split interleaved partial
+GRID_CAUSAL ?= no yes
+gpu-grid:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	for r in $(GRID_ROTARY); do for c in $(GRID_CAUSAL); do \
+		python3 -m blockattn_layers.bench --grid rotary=$$r causal=$$c --precompile 10 --quiet --plot \
+			--backends "$(GRID_BACKENDS)" --out $(GPU_OUT)/grid_$${r}_$${c} || exit 1; done; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
