@@ -227,3 +227,19 @@ def test_fp8_kernel_on_the_gpu(monkeypatch, kw, out_dtype):
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64) for x, d, g in ((q8, qd, 4), (k8, kd, 1), (v8, vd, 1))]
     want = oracle_attention(*deq, offsets, block_size, **kw)
     assert rel_err(out, want) < (2e-2 if out_dtype == torch.bfloat16 or out_dtype == torch.float32 else 3e-3)
+
+
+def test_fp8_call_compiles_fullgraph():
+    """``torch.compile(fullgraph=True)`` traces the fp8 call (its descaled-copies path) and
+    gives the eager result."""
+    q, k, v, offsets = _inputs()
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, kv_heads=2), bl.quantize_fp8(k, "sequence_head", offsets=offsets),
+                                    bl.quantize_fp8(v))
+
+    def call(q8, k8, v8, offsets, qd, kd, vd):
+        return bl.block_attention(q8, k8, v8, offsets, 64, causal=True, rope_theta=1e4, q_descale=qd, k_descale=kd,
+                                  v_descale=vd, out_dtype=torch.float32)
+
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True)(q8, k8, v8, offsets, qd, kd, vd)
+    assert torch.allclose(got, call(q8, k8, v8, offsets, qd, kd, vd), atol=1e-5, rtol=1e-5)
