@@ -14,6 +14,11 @@ Signatures used (checked against torch 2.11's schema, which the run records in i
         Tensor out, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k,
         float dropout_p, bool is_causal, Tensor rng_state, Tensor unused, *, float? scale=None, ...)
         -> (Tensor, Tensor, Tensor)
+    torch.nn.attention.varlen.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+        return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False, ...)  (torch 2.13:
+        causal is window_size=(-1, 0))
+    torch.nn.attention.flex_attention.flex_attention(..., block_mask=, scale=, enable_gqa=,
+        kernel_options={"BACKEND": "AUTO" | "TRITON" | "FLASH" | "TRITON_DECODE"})  (torch 2.13)
 """
 from __future__ import annotations
 
@@ -233,6 +238,220 @@ def flex(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     return Prepared(forward, _qkv(inp), inp.grad_out)
 
 
+# ----------------------------------------------------------------------------- FlexAttention, mask from the units
+FLEX_TILE = 128  # Flex's default sparse block (tile) size, rows and columns
+
+
+def _row_ranges(lo: Tensor, hi: Tensor, flo: Tensor, fhi: Tensor):
+    """Per row: the partial tiles ``[lo, hi]`` minus the full range ``[flo, fhi]`` (a sub-range of it,
+    empty when ``flo > fhi``), as two ranges ``(start, count)``, and the full range ``(start, count)``."""
+    has_full = flo <= fhi
+    full_count = torch.where(has_full, fhi - flo + 1, 0)
+    end1 = torch.where(has_full, flo - 1, hi)
+    count1 = (end1 - lo + 1).clamp(min=0)
+    start2 = fhi + 1
+    count2 = torch.where(has_full, hi - fhi, 0).clamp(min=0)
+    return ((lo, count1), (start2, count2)), ((flo, full_count),)
+
+
+def _ranges_to_blocks(ranges, n_tiles: int, compact: bool):
+    """``(num_blocks [1, 1, n], indices [1, 1, n, width])`` int32 from per-row ascending ranges.
+
+    ``width`` is ``n`` (Flex's own layout, which its CPU kernel and ``BlockMask.to_dense`` assume)
+    or, ``compact``, the longest row rounded up to a power of two (fewer distinct shapes, so fewer
+    recompiles), at most ``n``. Entries past a row's count are 0 (the kernels do not read them).
+    """
+    n = ranges[0][0].numel()
+    count = sum(c for _, c in ranges)
+    longest = int(count.max()) if n else 0
+    width = max(n_tiles, 1)
+    if compact:
+        width = min(width, 1 << max(longest - 1, 0).bit_length())
+    slot = torch.arange(width)[None, :]
+    idx = torch.zeros(n, width, dtype=torch.int64)
+    before = torch.zeros(n, 1, dtype=torch.int64)
+    for start, c in ranges:  # two ranges at most: a loop over ranges, not tiles
+        inside = (slot >= before) & (slot < before + c[:, None])
+        idx = torch.where(inside, start[:, None] + slot - before, idx)
+        before = before + c[:, None]
+    return count.to(torch.int32).view(1, 1, n), idx.to(torch.int32).view(1, 1, n, width).contiguous()
+
+
+def unit_tile_blocks(bounds: Tensor, total: int, causal: bool, kv_side: bool = True,
+                     tile: int = FLEX_TILE, compact: bool = True):
+    """The tile lists of a block-diagonal (per-unit) mask, from the unit boundaries alone.
+
+    ``bounds``: host int64 unit starts and the end (``Case.unit_bounds()``). Row tile ``i`` (query
+    tile when ``kv_side``, else key tile) lists every column tile holding a pair ``unit[q] ==
+    unit[kv]`` (and ``q >= kv`` when ``causal``) with it; of those, the tiles whose whole
+    ``tile x tile`` square lies in one unit (strictly below the diagonal when causal) are full,
+    the rest partial (they touch a unit boundary, the end included, or the diagonal). Units are
+    contiguous, so each row's tiles are one range ``[lo, hi]`` and its full tiles a sub-range:
+    all of it is computed per tile with vectorized ops, in ``O(n_tiles * width)`` memory.
+
+    Returns ``(num_blocks, indices, full_num_blocks, full_indices)``: int32 ``[1, 1, n]`` and
+    ``[1, 1, n, width]`` on the host.
+    """
+    bounds = bounds.to(torch.int64)
+    n = -(-total // tile)
+    row = torch.arange(n, dtype=torch.int64)
+    first = row * tile
+    last = torch.clamp(first + tile - 1, max=max(total - 1, 0))
+    u_first = torch.searchsorted(bounds, first, right=True) - 1  # unit of the tile's first row
+    u_last = torch.searchsorted(bounds, last, right=True) - 1  # ... and of its last row
+    lo = bounds[u_first] // tile  # first tile of the first unit
+    hi = (bounds[u_last + 1] - 1) // tile  # last tile of the last unit
+    # A tile wholly inside its unit shares full squares with the tiles wholly inside that unit.
+    contained = (u_first == u_last) & (first + tile <= bounds[u_first + 1])
+    flo = torch.where(contained, (bounds[u_first] + tile - 1) // tile, 1)
+    fhi = torch.where(contained, bounds[u_first + 1] // tile - 1, 0)
+    if causal:
+        if kv_side:  # query tile i: key tiles up to i, full ones below it
+            hi, fhi = torch.minimum(hi, row), torch.minimum(fhi, row - 1)
+        else:  # key tile j: query tiles from j, full ones after it
+            lo, flo = torch.maximum(lo, row), torch.maximum(flo, row + 1)
+    partial, full = _row_ranges(lo, hi, flo, fhi)
+    return _ranges_to_blocks(partial, n, compact) + _ranges_to_blocks(full, n, compact)
+
+
+def unit_ids(bounds: Tensor, total: int) -> Tensor:
+    """int32 ``[T]``: each token's unit (units from ``bounds`` as in :func:`unit_tile_blocks`)."""
+    bounds = bounds.to(torch.int64)
+    return (torch.searchsorted(bounds, torch.arange(total), right=True) - 1).to(torch.int32)
+
+
+def unit_block_mask(bounds: Tensor, total: int, causal: bool, device, compact: bool = True):
+    """Flex ``BlockMask`` of attention inside each unit (causal: ``q >= kv`` too), built from the
+    unit boundaries with ``BlockMask.from_kv_blocks``: no ``T x T`` evaluation anywhere.
+
+    ``from_kv_blocks`` would find the query-side lists (the backward's) by transposing a dense
+    ``n x n`` tile matrix; here they come from the same range arithmetic and are set on the mask.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    unit = unit_ids(bounds, total).to(device)
+
+    if causal:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (unit[q_idx] == unit[kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return unit[q_idx] == unit[kv_idx]
+
+    kv = [x.to(device) for x in unit_tile_blocks(bounds, total, causal, kv_side=True, compact=compact)]
+    # Without causal masking the tile pattern is symmetric: the query side is the key side.
+    q = kv if not causal else [x.to(device) for x in unit_tile_blocks(bounds, total, causal, False, compact=compact)]
+    mask = BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(total, total),
+                                    compute_q_blocks=False)
+    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = q
+    return mask
+
+
+def _flex_backends() -> tuple:
+    try:
+        import typing
+
+        from torch.nn.attention import flex_attention as fa
+
+        return typing.get_args(fa._Backend)
+    except Exception:  # an older torch: no BACKEND option
+        return ()
+
+
+def _flex_blocks_skip(backend: str):
+    def skip(case: Case, cfg: RunConfig) -> Optional[str]:
+        if backend not in _flex_backends():
+            return f"flex_attention kernel_options BACKEND={backend!r} not an option in torch {torch.__version__}"
+        if case.total == 0:
+            return "no tokens"
+        if backend == "FLASH":
+            if cfg.dtype not in (torch.float16, torch.bfloat16):
+                return "BACKEND='FLASH' (FlashAttention-4 CuTe kernels) takes fp16 / bf16 only"
+            try:
+                import importlib.util
+
+                found = importlib.util.find_spec("flash_attn.cute") is not None
+            except Exception:  # a broken parent package
+                found = False
+            if not found:
+                return "BACKEND='FLASH' needs flash_attn.cute (FlashAttention-4), not importable"
+        return None
+
+    return skip
+
+
+def _flex_blocks(backend: str):
+    """Compiled flex_attention on the packed ``[1, H, T, D]`` sequence, GQA through ``enable_gqa``,
+    the block mask from the unit boundaries (:func:`unit_block_mask`), ``BACKEND`` forced."""
+
+    def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
+        T, device = case.total, inp.q.device
+        # Flex's CPU kernel reads the index lists at their full width; the GPU kernels take them compact.
+        block_mask = unit_block_mask(case.unit_bounds(), T, case.causal, device, compact=device.type == "cuda")
+        attend = _compiled_flex()
+        extra = dict(enable_gqa=True) if case.kv_heads != case.num_heads else {}
+        options = {"BACKEND": backend}
+
+        def packed(x: Tensor) -> Tensor:
+            return x.transpose(0, 1).unsqueeze(0)
+
+        def forward():
+            o = attend(packed(inp.q), packed(inp.k), packed(inp.v), block_mask=block_mask, scale=_scale(case),
+                       kernel_options=options, **extra)
+            return o.squeeze(0).transpose(0, 1)
+
+        return Prepared(forward, _qkv(inp), inp.grad_out)
+
+    return setup
+
+
+# ----------------------------------------------------------------------------- torch varlen_attn
+@functools.lru_cache(maxsize=None)
+def _varlen():
+    """``torch.nn.attention.varlen.varlen_attn`` and its keyword names, or the import's error."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception as err:
+        return None, (), f"torch.nn.attention.varlen not importable ({type(err).__name__}: {str(err)[:120]})"
+    return varlen_attn, tuple(inspect.signature(varlen_attn).parameters), None
+
+
+def _varlen_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    attend, params, error = _varlen()
+    if error:
+        return error
+    if cfg.device.type != "cuda":
+        return "varlen_attn runs FlashAttention (or cuDNN) kernels: CUDA only"
+    if cfg.dtype not in (torch.float16, torch.bfloat16):
+        return "varlen_attn (FlashAttention kernels) takes fp16 / bf16 only"
+    if case.kv_heads != case.num_heads and "enable_gqa" not in params:
+        return f"varlen_attn in torch {torch.__version__} has no enable_gqa"
+    if case.causal and not ({"is_causal", "window_size"} & set(params)):
+        return f"varlen_attn in torch {torch.__version__} has no causal option"
+    return None
+
+
+def varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
+    """torch.nn.attention.varlen.varlen_attn, cu_seqlens = unit bounds, causal as the case says."""
+    attend, params, _ = _varlen()
+    extra = {}
+    if case.kv_heads != case.num_heads:
+        extra["enable_gqa"] = True
+    if case.causal:  # torch 2.13: causal is window_size (-1, 0) (a tuple: it is compared to one)
+        if "is_causal" in params:
+            extra["is_causal"] = True
+        else:
+            extra["window_size"] = (-1, 0)
+    scale = _scale(case)
+
+    def forward():
+        return attend(inp.q, inp.k, inp.v, inp.bounds, inp.bounds, inp.max_unit, inp.max_unit, scale=scale, **extra)
+
+    return Prepared(forward, _qkv(inp), inp.grad_out)
+
+
 # ----------------------------------------------------------------------------- eager
 def eager(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     """matmul + softmax on the padded ``[n_blocks, H, block, D]`` view (a gather unless aligned)."""
@@ -410,4 +629,12 @@ BASELINES = [
            description="rotary under torch.compile + FA2 varlen"),
     Method("flex", "baseline", flex, _block, skip=_mha_only,
            description="compiled flex_attention, packed [1, H, T, D], block mask from a unit-id mask_mod"),
+    Method("flex_blocks_triton", "baseline", _flex_blocks("TRITON"), _plain, skip=_flex_blocks_skip("TRITON"),
+           description="compiled flex_attention BACKEND=TRITON, packed [1, H, T, D], BlockMask from the unit "
+                       "bounds (from_kv_blocks, 128-tiles, no T x T mask)"),
+    Method("flex_blocks_flash", "baseline", _flex_blocks("FLASH"), _plain, skip=_flex_blocks_skip("FLASH"),
+           description="compiled flex_attention BACKEND=FLASH (FA4 CuTe), packed [1, H, T, D], BlockMask from the "
+                       "unit bounds (from_kv_blocks, 128-tiles, no T x T mask)"),
+    Method("varlen_attn", "baseline", varlen, _plain, skip=_varlen_skip,
+           description="torch.nn.attention.varlen.varlen_attn, cu_seqlens = unit bounds"),
 ]
