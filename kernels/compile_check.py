@@ -41,7 +41,7 @@ from .block.plan import head_loop, max_registers
 from .block.variants import HOPPER, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
 from .flash.bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
 from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
-from .common.meta import tile_extent
+from .common.meta import num_warps, tile_extent
 from .flash.schedule import flash_tiles
 
 ARCHS = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
@@ -121,7 +121,7 @@ def _block_constexprs(dim: int, groups: int, block: int, rot: int, has_pos: bool
     return dict(
         HEAD_DIM=dim, GROUPS=groups, BLOCK_M=block, BLOCK_D=dim, BLOCK_R=max(16, rot // 2), BLOCK_P=max(16, dim - rot),
         ROT_DIM=rot, INTERLEAVED=False, HAS_POS=has_pos, IS_CAUSAL=causal, FAST_TRIG=True, INT64=False,
-        PRECISION="tf32", INLINE_SEQS=inline_seqs,
+        PRECISION="tf32", INLINE_SEQS=inline_seqs, SLOT=0,
     )
 
 
@@ -140,6 +140,21 @@ def _block_builds(capability: int) -> Iterator[Build]:
         if regs:
             options["maxnreg"] = regs
         yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
+
+
+def _packed_builds(capability: int) -> Iterator[Build]:
+    """The experimental packed variant (the simple kernels on 64-row tiles of blocks of 16 or 32
+    rows): bf16, D 64 / 128, rotary or none, causal, in-kernel schedule or table, GQA."""
+    kernels = (("fwd", _block_fwd_kernel), ("bwd", _block_bwd_kernel))
+    for (kind, kernel), slot, dim, rotary, groups in itertools.product(
+        kernels, (16, 32), (64, 128), (False, True), (1, 2),
+    ):
+        constexprs = _block_constexprs(dim, groups, 64, dim if rotary else 0, rotary and groups > 1, True,
+                                       512 if groups == 1 else 0)
+        constexprs.update(SLOT=slot, HEAD_LOOP=False)
+        name = f"packed_{kind}_bf16_s{slot}_d{dim}{'_rope' if rotary else ''}{'_gqa' if groups > 1 else ''}"
+        options = dict(num_warps=num_warps(64, dim, kind == "bwd"), num_stages=1)
+        yield Build(name, kernel, "bf16", _kernel_constexprs(kernel, constexprs), options)
 
 
 def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool, causal: bool, groups: int,
@@ -297,6 +312,7 @@ def builds(capability: int) -> Iterator[Build]:
     """Every shipped kernel build, with the launch options used on GPUs of ``capability``."""
     yield from _fp8_builds(capability)
     yield from _block_builds(capability)
+    yield from _packed_builds(capability)
     yield from _hopper_builds(capability)
     yield from _hopper_ws_builds(capability)
     yield from _sm100_builds(capability)

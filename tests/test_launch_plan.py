@@ -17,7 +17,7 @@ def _options_per_call(q, k, block_size, rot, interleaved, has_pos, causal, backw
     meta = _meta.kernel_meta(q, k, block_size=block_size, rope_theta=10000.0 if rot else None, rotary_dim=rot,
                              interleaved=interleaved, positions=positions, causal=causal, backward=backward)
     meta.pop("log2_theta")
-    meta.update(INT64=int64, GROUPS=q.shape[1] // k.shape[1], INLINE_SEQS=inline_seqs)
+    meta.update(INT64=int64, GROUPS=q.shape[1] // k.shape[1], INLINE_SEQS=inline_seqs, SLOT=0)
     if not backward:
         meta["HEAD_LOOP"] = plan.head_loop(meta, variant.name)
     regs = plan.max_registers(meta, variant, backward, _meta.major_of(q), q.element_size())
@@ -154,3 +154,18 @@ def test_forward_signature_separates_what_the_launch_depends_on(monkeypatch):
     finally:
         matmul.allow_tf32 = tf32
     assert len({base, *changed}) == len(changed) + 1
+
+
+def test_packed_plan_puts_blocks_of_up_to_32_rows_into_64_row_tiles():
+    """The experimental packed variant: 64-row tiles of ``64 // SLOT`` blocks, ``SLOT`` their
+    tile extent, one program per tile (the last one partly empty); the simple kernels keep
+    ``SLOT`` 0 and one program per block."""
+    q = torch.empty(3, 4, 64, dtype=torch.float16)
+    for block, slot in [(1, 16), (5, 16), (16, 16), (17, 32), (32, 32)]:
+        for backward in (False, True):
+            meta, loop, _ = _plan(q, q, block, 0, False, False, False, backward, 512, False, variant=variants.PACKED)
+            assert (meta["BLOCK_M"], meta["SLOT"], loop) == (64, slot, False)
+            assert plan.block_grid(10, 4, q.device, backward, variants.PACKED, 64, meta["SLOT"]) == (
+                -(-10 // (64 // slot)), 4)
+        simple = _plan(q, q, block, 0, False, False, False, False, 512, False)[0]
+        assert simple["SLOT"] == 0 and plan.block_grid(10, 4, q.device, False, variants.SIMPLE, 64) == (10, 4)

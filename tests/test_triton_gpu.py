@@ -429,6 +429,22 @@ def _variant(q, k, tensors, block_size, rot, interleaved=False, int64=False) -> 
     return variants.choose(variants.call_facts(q, k, block_size, rot, interleaved, int64), q, tensors).name
 
 
+PACKED_CASES = [
+    dict(heads=2, kv_heads=2, dim=128, block_size=16),
+    dict(heads=8, kv_heads=2, dim=64, block_size=32, causal=True, rope_theta=1e4),
+    dict(heads=2, kv_heads=2, dim=96, block_size=20, rope_theta=1e4, positions="float"),
+]
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", PACKED_CASES, ids=_case_id)
+def test_packed_kernels_forced(monkeypatch, case, table):
+    """The experimental packed variant (blocks of up to 32 tokens several to a 64-row tile),
+    forced, matches the float64 oracle, bf16 and fp16 (its first launches self-checked against
+    the simple kernels: it has no recorded hardware run)."""
+    _forced_variant_matches_oracle(monkeypatch, "packed", case, table, EDGE_LENGTHS * 2 + [16, 32, 33, 1] * 3)
+
+
 HOPPER_WS_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=64),
     dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),

@@ -221,3 +221,37 @@ def test_other_sequences_never_leak_in(dtype, block_size, fwd_tol, grad_tol):
     assert rel_err(out[keep], want) < fwd_tol
     for got, ref in zip(grads, want_grads):
         assert rel_err(got[keep], ref) < grad_tol
+
+
+PACKED_CASES = [  # (case, block table instead of the in-kernel schedule)
+    (dict(heads=2, kv_heads=2, dim=32, block_size=16), False),
+    (dict(heads=4, kv_heads=2, dim=32, block_size=32, causal=True), True),
+    (dict(heads=2, kv_heads=1, dim=16, block_size=5, rope_theta=1e4), True),
+    (dict(heads=2, kv_heads=2, dim=32, block_size=20, rope_theta=500.0, rotary_dim=16, rotary_interleaved=True,
+          causal=True), False),
+    (dict(heads=2, kv_heads=2, dim=32, block_size=16, rope_theta=1e4, positions="float"), False),
+]
+
+
+@pytest.mark.parametrize("case,table", PACKED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+                         if isinstance(c, dict) else ("table" if c else "inline"))
+def test_packed_variant_matches_the_oracle(monkeypatch, case, table):
+    """The experimental ``packed`` variant (several blocks of up to 32 tokens in one 64-row tile,
+    masked block-diagonally) forced: forward and gradients against the float64 oracle on edge
+    lengths (empty tiles and slots, 1-token and ragged blocks), GQA, causal, every rotary form,
+    with the in-kernel schedule or the block table (its last tile partly past the table)."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.common import schedule
+
+    if table:
+        monkeypatch.setattr(schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    if case.get("positions") == "float":
+        case["positions"] = torch.rand(sum(EDGE_LENGTHS), generator=torch.Generator().manual_seed(1)) * 3000
+    q = torch.empty(1, heads, dim, dtype=torch.float16)
+    k = torch.empty(1, kv_heads, dim, dtype=torch.float16)
+    facts = variants.call_facts(q, k, case["block_size"], 0, False, False)
+    with variants.forced_variant("packed"):
+        assert variants.choose(facts, q, (q,)) is variants.PACKED
+        _check(EDGE_LENGTHS, heads, kv_heads, dim, torch.float16, **case)

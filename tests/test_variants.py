@@ -135,10 +135,10 @@ def test_a_forced_variant_runs_and_falls_back_through_the_public_function(restor
 
 
 def test_unknown_variant_names_raise(monkeypatch):
-    with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, sm100, hopper_ws"):
+    with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, sm100, hopper_ws, packed"):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, sm100, hopper_ws, got 'fast'"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, sm100, hopper_ws, packed, got 'fast'"):
         variants.forced()
 
 
@@ -164,13 +164,14 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["hopper", "sm100", "simple", "hopper_ws"]
+    assert list(reasons) == ["hopper", "sm100", "simple", "hopper_ws", "packed"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
     assert any("grouped-query" in r for r in reasons["hopper_ws"])
     assert any("runs only when forced" in r for r in reasons["hopper_ws"])
+    assert reasons["packed"][0] == "block_size 64 > 32" and "runs only when forced" in reasons["packed"][1]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "hopper", "sm100", "simple"] and forced["hopper_ws"] == []
+    assert list(forced) == ["hopper_ws", "hopper", "sm100", "simple", "packed"] and forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 
 

@@ -24,9 +24,9 @@ from blockattn_layers.runtime.caches import HostCache
 
 from ..common.launch import Launcher, scratch_allocator
 from ..common.meta import LOG2E, empty_grads, needs_int64
-from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
-from ..common.schedule import Schedule, block_of_program
-from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
+from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
+from ..common.schedule import Schedule, block_of_program, packed_rows
+from ..common.tiles import block_probs, load_cols, pair_cols, pass_cols, same_slot, store_cols
 from . import self_check
 from .plan import block_grid, block_plan
 from .variants import SIMPLE, call_facts, choose
@@ -34,7 +34,7 @@ from .variants import SIMPLE, call_facts, choose
 
 @triton.jit
 def _bwd_block(
-    Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
+    Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
@@ -42,14 +42,12 @@ def _bwd_block(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SLOT: tl.constexpr,
 ):
-    """Gradients of the block of ``n`` rows at ``start`` (``first_row``: its first row's index in
-    its sequence) of kv head ``hk`` and its query heads. Every load and store is masked by row,
-    so ``n == 0`` reads and writes nothing."""
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n
-    rows = start + offs_m
+    """Gradients of the tile's rows ``rows`` (``row_ok``: which are real; one block at ``start``,
+    its first row ``first_row`` in its sequence, or with ``SLOT`` a tile of blocks:
+    ``common.schedule.packed_rows``) of kv head ``hk`` and its query heads. Every load and store
+    is masked by row."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     dtype = Q.dtype.element_ty
@@ -58,10 +56,10 @@ def _bwd_block(
     dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
-        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
         # Angles reduced per column (H200: rotary backward D128 2.86 -> 2.76 ms; the forward
         # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
-        sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, True)
+        sin, cos = tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM,
+                                HAS_POS, FAST_TRIG, True, SLOT)
         ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, INT64)
         dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -83,7 +81,7 @@ def _bwd_block(
         if ROT_DIM < HEAD_DIM:
             qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, False)
+        p = block_probs(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, False)
         dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
         if GROUPS == 1:
             # Stored now, not after the other products: its accumulator dies before dQ's and dK's
@@ -126,19 +124,35 @@ def _bwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, SLOT: tl.constexpr,
 ):
-    """Gradients of one block (table slot ``pid``) of kv head ``hk`` and its query heads; empty
-    slots are skipped."""
-    start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if n > 0:
-        _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
-                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                   stride_dvt, stride_dvh, stride_dvd,
-                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION)
+    """Gradients of one tile (table slot ``pid``, or with ``SLOT`` the ``BLOCK_M // SLOT`` slots
+    from ``pid * BLOCK_M // SLOT``) of kv head ``hk`` and its query heads; empty tiles are skipped."""
+    if SLOT == 0:
+        start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
+        if n > 0:
+            offs_m = tl.arange(0, BLOCK_M)
+            row_ok = offs_m < n
+            rows = start + offs_m
+            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, offs_m, hk,
+                       scale, qk_scale, log2_theta,
+                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                       stride_dvt, stride_dvh, stride_dvd,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
+    else:
+        rows, row_ok, prow, n = packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
+        if n > 0:
+            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, 0, 0, rows, row_ok, tl.arange(0, BLOCK_M), prow, hk,
+                       scale, qk_scale, log2_theta,
+                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                       stride_dvt, stride_dvh, stride_dvd,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -152,7 +166,7 @@ def _block_bwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, SLOT: tl.constexpr,
 ):
     _bwd_tile(Q, K, V, DO, DQ, DK, DV, Sched, Pos, tl.program_id(0), tl.program_id(1), slots,
               num_seqs, block_size, scale, qk_scale, log2_theta,
@@ -161,7 +175,7 @@ def _block_bwd_kernel(
               stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
               stride_dvt, stride_dvh, stride_dvd,
               HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS)
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, SLOT)
 
 
 def block_attention_bwd(
@@ -213,7 +227,8 @@ def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal
     launcher = variant.kernels()[1]
     meta, _, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, True, inline_seqs, int64,
                               variant, launcher)
-    return launcher, meta, key, block_grid(programs, k.shape[1], q.device, True, variant, meta["BLOCK_D"])
+    return launcher, meta, key, block_grid(programs, k.shape[1], q.device, True, variant, meta["BLOCK_D"],
+                                           meta.get("SLOT", 0))
 
 
 launch_bwd = Launcher(_block_bwd_kernel)
@@ -321,7 +336,7 @@ def prepare_backward(
         sched.table.data_ptr(), pos.data_ptr(), sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
         math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads, *strides,
     )
-    grid = block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"])
+    grid = block_grid(sched.programs, kv_heads, q.device, True, variant, meta["BLOCK_D"], meta.get("SLOT", 0))
     grid = (grid[0], grid[1] if len(grid) > 1 else 1)
     return PreparedBackward(q, k, v, (sched.table, positions), entry, launcher, grid, q.get_device(), tail,
                            strides[9:12])

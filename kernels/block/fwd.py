@@ -23,9 +23,10 @@ from blockattn_layers.runtime.caches import HostCache
 
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
-from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair
-from ..common.schedule import Schedule, block_of_program
-from ..common.tiles import block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, store_cols
+from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair, tile_sin_cos
+from ..common.schedule import Schedule, block_of_program, packed_rows
+from ..common.tiles import (block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, same_slot,
+                            store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan
@@ -40,13 +41,13 @@ from .variants import SIMPLE, call_facts, choose, forced_name
 
 @triton.jit
 def _fwd_head(
-    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, sin, cos, qk_scale, log2_theta,
+    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, sin, cos, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
     """Kv head ``hk`` of a block and its query heads. ``HEAD_LOOP`` (called for each kv head in
     turn): the rotary ``sin``, ``cos`` are given, and the head offsets join the 32-bit row offsets
@@ -59,9 +60,8 @@ def _fwd_head(
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         if not HEAD_LOOP:
-            pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
-            sin, cos = block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG,
-                                     False)
+            sin, cos = tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM,
+                                    HAS_POS, FAST_TRIG, False, SLOT)
         k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
         ka, kb = load_rotated_pair(k_ptr, k_rows, row_ok, cols_a, cols_b, r_ok, sin, cos, k_stride, stride_kd, INT64)
     if ROT_DIM < HEAD_DIM:
@@ -82,7 +82,7 @@ def _fwd_head(
             qp = load_cols(q_ptr, q_rows, row_ok, cols_p, p_ok, q_stride, stride_qd, INT64)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
         # With rotary, rows normalized by a reciprocal (H200: D128 forward 1.33 -> 1.32 ms).
-        p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
+        p = block_probs(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
         o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
         o_ptr, o_rows, o_stride = head_rows(O, rows, stride_ot, stride_oh, hk * GROUPS + g, INT64, HEAD_LOOP)
         store_cols(o_ptr, o, o_rows, row_ok, offs_d, d_ok, o_stride, stride_od, INT64)
@@ -90,39 +90,36 @@ def _fwd_head(
 
 @triton.jit
 def _fwd_block(
-    Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
+    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
-    """The block of ``n`` rows at ``start`` (``first_row``: its first row's index in its sequence)
-    of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of every kv head in turn (``hk``
-    unused), with the rotary angles computed once. Every load and store is masked by row, so
-    ``n == 0`` reads and writes nothing."""
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n
-    rows = start + offs_m
+    """The tile's rows ``rows`` (``row_ok``: which are real; a tile of blocks: ``common.schedule.packed_rows``) of kv
+    head ``hk`` and its query heads; ``HEAD_LOOP``: of every kv head in turn (``hk`` unused),
+    with the rotary angles computed once. Every load and store is masked by row."""
     if HEAD_LOOP:
+        tl.static_assert(SLOT == 0, "the kv-head loop takes one block per tile")
         pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
         sin, cos = block_sin_cos(pos, first_row, offs_m, tl.arange(0, BLOCK_R), log2_theta, ROT_DIM, HAS_POS,
                                  FAST_TRIG, False)
         # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
         for h in tl.range(0, kv_heads, num_stages=1):
-            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, h, sin, cos,
+            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, h, sin, cos,
                       qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True, SLOT)
     else:
         unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, hk, unused, unused,
+        _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, unused, unused,
                   qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False, SLOT)
 
 
 @triton.jit
@@ -133,17 +130,30 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
-    """One block (table slot ``pid``) of kv head ``hk`` and its query heads (see ``_fwd_block``);
-    empty slots are skipped."""
-    start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-    if n > 0:
-        _fwd_block(Q, K, V, O, Pos, start, n, first_row, hk, qk_scale, log2_theta, kv_heads,
-                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP)
+    """One tile (table slot ``pid``, or with ``SLOT`` the ``BLOCK_M // SLOT`` slots from ``pid *
+    BLOCK_M // SLOT``) of kv head ``hk`` and its query heads (see ``_fwd_block``); empty tiles are
+    skipped."""
+    if SLOT == 0:
+        start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
+        if n > 0:
+            offs_m = tl.arange(0, BLOCK_M)
+            row_ok = offs_m < n
+            rows = start + offs_m
+            _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, offs_m, hk, qk_scale,
+                       log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+    else:
+        rows, row_ok, prow, n = packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
+        if n > 0:
+            _fwd_block(Q, K, V, O, Pos, 0, 0, rows, row_ok, tl.arange(0, BLOCK_M), prow, hk, qk_scale, log2_theta,
+                       kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -155,13 +165,13 @@ def _block_fwd_kernel(
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
     _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
               qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
               stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
               HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP)
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, SLOT)
 
 
 def block_attention_fwd(
@@ -279,7 +289,7 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
                 o.copy_(want)
             return None
     launched = launcher(grid, args, meta, q, key)
-    if sig is not None and launched is not None and not variant.persistent:
+    if sig is not None and launched is not None and not variant.persistent and not variant.packs_blocks:
         _REMEMBERED.put(sig, _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched))
     return launched
 
@@ -289,7 +299,8 @@ def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal
     launcher = variant.kernels()[0]
     meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, inline_seqs, int64,
                                  variant, launcher)
-    grid = block_grid(programs, 1 if loop else k.shape[1], q.device, False, variant, meta["BLOCK_D"])
+    grid = block_grid(programs, 1 if loop else k.shape[1], q.device, False, variant, meta["BLOCK_D"],
+                      meta.get("SLOT", 0))
     return launcher, meta, key, grid
 
 

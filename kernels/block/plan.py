@@ -8,7 +8,7 @@ import torch
 
 from blockattn_layers.runtime.caches import HostCache
 
-from ..common.meta import device_major, input_precision, sm_count, static_meta
+from ..common.meta import device_major, input_precision, num_warps, sm_count, static_meta
 from .variants import Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
@@ -67,9 +67,11 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
 
 
 def block_grid(programs: int, kv_heads: int, device: torch.device, backward: bool, variant: Variant,
-               block_d: int) -> tuple:
-    """Grid of the block kernels: ``(programs, kv_heads)``, or the resident programs of a
-    persistent variant."""
+               block_d: int, slot: int = 0) -> tuple:
+    """Grid of the block kernels: ``(programs, kv_heads)`` (with blocks packed ``slot`` rows each
+    into 64-row tiles, one program per tile), or the resident programs of a persistent variant."""
+    if slot:
+        return (-(-programs // (64 // slot)), kv_heads)
     if not variant.persistent:
         return (programs, kv_heads)
     per_sm = variant.programs_per_sm[backward, block_d > 64]
@@ -112,6 +114,9 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if variant.warpgroup_tiles:
         meta["BLOCK_M"] = max(64, meta["BLOCK_M"])
         meta["num_warps"] = meta["BLOCK_M"] // 16
+    meta["SLOT"] = 0
+    if variant.packs_blocks:
+        meta.update(SLOT=meta["BLOCK_M"], BLOCK_M=64, num_warps=num_warps(64, meta["BLOCK_D"], backward))
     major = device_major(device) if on_cuda else 9
     loop = not backward and head_loop(meta, variant.name)
     meta["HEAD_LOOP"] = loop

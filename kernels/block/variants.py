@@ -71,7 +71,8 @@ class Variant(NamedTuple):
     ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
     tile rows; ``warpgroup_tiles``: tiles of 64 or 128 rows (the block's tile extent, at least 64)
-    with one warpgroup per 64 rows; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
+    with one warpgroup per 64 rows; ``packs_blocks``: 64-row tiles of several blocks, each in
+    ``SLOT`` rows (its tile extent), masked block-diagonally; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
     kernels' default partition, where they fix it; ``verified_on``: the generations
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
@@ -89,6 +90,7 @@ class Variant(NamedTuple):
     programs_per_sm: Optional[Dict[Tuple[bool, bool], int]] = None
     block_m: Optional[int] = None
     warpgroup_tiles: bool = False
+    packs_blocks: bool = False
     maxnreg: Optional[int] = None
     verified_on: Optional[FrozenSet[int]] = None
     num_warps: Optional[int] = None
@@ -235,6 +237,10 @@ def _sm100_kernels() -> Tuple[Launcher, Launcher]:
     return block.launch_fwd, block.launch_bwd
 
 
+def _packed_call_reasons(facts: CallFacts) -> List[str]:
+    return [] if facts.block_size <= PACKED_MAX_BLOCK else [f"block_size {facts.block_size} > {PACKED_MAX_BLOCK}"]
+
+
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
     from ..experimental import sm90_ws
 
@@ -257,6 +263,13 @@ HOPPER_WS = Variant(
     programs_per_sm={(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1},
     block_m=64, maxnreg=128, verified_on=frozenset({9}))
 
+# Blocks of up to this many tokens share 64-row tiles in the packed variant (2 or 4 per tile).
+PACKED_MAX_BLOCK = 32
+PACKED = Variant(
+    "packed", "experimental Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens "
+    "(block-diagonal mask); never run on a GPU: self-checked at first use there", None, True,
+    _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset())
+
 SM100 = Variant(
     "sm100", "Gluon for sm_100, persistent and warp-specialized: TMA loads, tcgen05 MMA into tensor "
     "memory, load / MMA / softmax partitions; compile-checked, never run on hardware here",
@@ -265,7 +278,7 @@ SM100 = Variant(
     programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
     verified_on=frozenset(), num_warps=4)
 
-VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS)}
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS, PACKED)}
 # auto's preference, fastest first; simple admits every call.
 AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SM100, SIMPLE)
 

@@ -10,7 +10,7 @@ per tile. Angles are computed in float32 from the positions and ``log2(rope_thet
 import triton
 import triton.language as tl
 
-from .tiles import load_cols
+from .tiles import block_positions, load_cols
 
 _TWO_PI = tl.constexpr(6.283185307179586)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
@@ -74,3 +74,19 @@ def block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM: tl.conste
         base = _reduced(first_row.to(tl.float32) * inv_freq)
         angle = base[None, :] + offs_m.to(tl.float32)[:, None] * inv_freq[None, :]
     return _sin_cos(angle, FAST_TRIG)
+
+
+@triton.jit
+def tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM: tl.constexpr,
+                 HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, PER_COLUMN: tl.constexpr, SLOT: tl.constexpr):
+    """``block_sin_cos`` of a tile's rows: one block's (``SLOT`` 0: at ``start``, its first row
+    ``first_row`` in its sequence), or, for a tile of blocks of ``SLOT`` rows each
+    (``common.schedule.packed_rows``), at each row's position: given (``Pos[rows]``) or ``prow``."""
+    if SLOT == 0:
+        pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
+        return block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, HAS_POS, FAST_TRIG, PER_COLUMN)
+    if HAS_POS:
+        pos = tl.load(Pos + rows, mask=row_ok, other=0).to(tl.float32)
+    else:
+        pos = prow.to(tl.float32)
+    return block_sin_cos(pos, first_row, offs_m, offs_r, log2_theta, ROT_DIM, True, FAST_TRIG, PER_COLUMN)

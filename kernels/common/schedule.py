@@ -113,6 +113,32 @@ def block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: tl.co
         return start, length, first_row
 
 
+@triton.jit
+def packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M: tl.constexpr, INLINE_SEQS: tl.constexpr,
+                SLOT: tl.constexpr):
+    """A tile of ``BLOCK_M // SLOT`` blocks (table slots ``pid * BLOCK_M // SLOT`` on), ``SLOT``
+    rows each: ``(rows, row_ok, prow, n)``, per tile row its token, whether it is one, and its
+    index in its sequence; ``n`` the tokens of all the tile's blocks (0: nothing to do)."""
+    PACK: tl.constexpr = BLOCK_M // SLOT
+    offs_m = tl.arange(0, BLOCK_M)
+    slot = offs_m // SLOT
+    local = offs_m % SLOT
+    row_start = offs_m * 0
+    row_n = offs_m * 0
+    row_first = offs_m * 0
+    n = 0
+    for j in tl.static_range(PACK):
+        b = pid * PACK + j
+        start, length, first_row = block_of_program(Sched, slots, num_seqs, block_size, tl.minimum(b, slots - 1),
+                                                    INLINE_SEQS)
+        length = tl.where(b < slots, length, 0)
+        row_start = tl.where(slot == j, start, row_start)
+        row_n = tl.where(slot == j, length, row_n)
+        row_first = tl.where(slot == j, first_row, row_first)
+        n += length
+    return row_start + local, local < row_n, row_first + local, n
+
+
 class Schedule:
     """Where each program of one (offsets, block_size) pair finds its block, and the grid size.
 

@@ -77,3 +77,14 @@ def head_rows(ptr, rows, stride_t, stride_h, head, INT64: tl.constexpr, FOLD: tl
             rows = rows.to(tl.int64)
         return ptr, rows * stride_t + head * stride_h, 1
     return ptr + head * stride_h, rows, stride_t
+
+
+@triton.jit
+def same_slot(s, offs_m, SLOT: tl.constexpr):
+    """Raw scores ``s`` of a tile of blocks of ``SLOT`` rows each (0: one block), with the pairs of
+    two different blocks set far below any score (finite, so that a row of an empty slot, masked
+    everywhere else, keeps finite probabilities: its output is never stored and its gradients are
+    zero)."""
+    if SLOT == 0:
+        return s
+    return tl.where((offs_m[:, None] // SLOT) == (offs_m[None, :] // SLOT), s, -1.0e30)
