@@ -24,8 +24,9 @@ from .common import Case, Method, RunConfig, make_inputs
 
 
 def compiling(method: Method) -> bool:
-    """Methods whose first call compiles: ours and the baselines run under torch.compile."""
-    return method.kind == "ours" or "comp" in method.name
+    """Methods whose first call compiles: ours and the baselines run under torch.compile (the
+    compiled rotary ones, FlexAttention)."""
+    return method.kind == "ours" or "comp" in method.name or method.name.startswith("flex")
 
 
 def chunks(n_items: int, workers: int) -> List[range]:
