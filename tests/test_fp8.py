@@ -55,7 +55,8 @@ def test_sequence_factors_follow_each_sequence_and_empty_parts_get_one():
 
 
 @pytest.mark.parametrize("granularity", ["head", "sequence_head"])
-@pytest.mark.parametrize("kw", [dict(causal=True, rope_theta=1e4), dict(block_size=16), dict(rotary_dim=16, rope_theta=500.0)],
+@pytest.mark.parametrize("kw", [dict(causal=True, rope_theta=1e4), dict(block_size=16),
+                                dict(rotary_dim=16, rope_theta=500.0)],
                          ids=["causal-rotary", "block16", "partial-rotary"])
 def test_fp8_attention_is_attention_of_the_descaled_inputs(granularity, kw):
     """The output is the float64 oracle's attention of (stored value x descale), rotary applied
@@ -107,7 +108,8 @@ def test_fp8_is_forward_only_and_bad_inputs_are_named():
         (dict(k_descale=kd.clone().requires_grad_()), RuntimeError, "forward-only.*k_descale requires grad"),
         (dict(k=k.bfloat16()), TypeError, "k must be too"),
         (dict(q_descale=qd.double()), TypeError, "q_descale must be float32"),
-        (dict(v_descale=torch.ones(3)), ValueError, r"v_descale must have shape \[H_kv\] = \[2\] or \[B, H_kv\] = \[8, 2\]"),
+        (dict(v_descale=torch.ones(3)), ValueError,
+         r"v_descale must have shape \[H_kv\] = \[2\] or \[B, H_kv\] = \[8, 2\]"),
         (dict(k_descale=torch.ones(2, 2)), ValueError, "k_descale must have shape"),
         (dict(q_descale=[1.0, 1.0]), TypeError, "q_descale must be a float32 tensor"),
         (dict(out_dtype=torch.int8), TypeError, "out_dtype must be"),
@@ -233,8 +235,8 @@ def test_fp8_call_compiles_fullgraph():
     """``torch.compile(fullgraph=True)`` traces the fp8 call (its descaled-copies path) and
     gives the eager result."""
     q, k, v, offsets = _inputs()
-    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, kv_heads=2), bl.quantize_fp8(k, "sequence_head", offsets=offsets),
-                                    bl.quantize_fp8(v))
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, kv_heads=2),
+                                    bl.quantize_fp8(k, "sequence_head", offsets=offsets), bl.quantize_fp8(v))
 
     def call(q8, k8, v8, offsets, qd, kd, vd):
         return bl.block_attention(q8, k8, v8, offsets, 64, causal=True, rope_theta=1e4, q_descale=qd, k_descale=kd,

@@ -25,7 +25,7 @@ from blockattn_layers.runtime.caches import HostCache
 from ..common.launch import Launcher, scratch_allocator
 from ..common.meta import LOG2E, empty_grads, needs_int64
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
-from ..common.schedule import Schedule, block_of_program, packed_rows
+from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.tiles import block_probs, load_cols, pair_cols, pass_cols, same_slot, store_cols
 from . import self_check
 from .plan import block_grid, block_plan
@@ -128,31 +128,16 @@ def _bwd_tile(
 ):
     """Gradients of one tile (table slot ``pid``, or with ``SLOT`` the ``BLOCK_M // SLOT`` slots
     from ``pid * BLOCK_M // SLOT``) of kv head ``hk`` and its query heads; empty tiles are skipped."""
-    if SLOT == 0:
-        start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-        if n > 0:
-            offs_m = tl.arange(0, BLOCK_M)
-            row_ok = offs_m < n
-            rows = start + offs_m
-            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, offs_m, hk,
-                       scale, qk_scale, log2_theta,
-                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                       stride_dvt, stride_dvh, stride_dvd,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
-    else:
-        rows, row_ok, prow, n = packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
-        if n > 0:
-            _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, 0, 0, rows, row_ok, tl.arange(0, BLOCK_M), prow, hk,
-                       scale, qk_scale, log2_theta,
-                       stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                       stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                       stride_dvt, stride_dvh, stride_dvd,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
+    start, n, first_row, packed = tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
+    if n > 0:
+        offs_m, rows, row_ok, prow = tile_rows(start, n, packed, BLOCK_M, SLOT)
+        _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, scale, qk_scale,
+                   log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                   stride_dvt, stride_dvh, stride_dvd,
+                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..common.launch import Launcher
-from ..common.meta import LOG2E, MAX_TILE, num_warps, tile_extent
+from ..common.meta import LOG2E, MAX_TILE, needs_int64, num_warps, tile_extent
 from ..common.rotary import block_sin_cos, rotate_pair
 from ..common.schedule import Schedule, block_of_program
 from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
@@ -136,7 +136,7 @@ def fp8_attention_fwd(
     num_seqs = offsets.numel() - 1
     rot = rotary_dim if rope_theta is not None else 0
     dot = out_dtype if out_dtype in _TORCH_TO_TL else torch.bfloat16
-    int64 = any(x.numel() >= 2 ** 31 - 1 for x in (q, o))
+    int64 = needs_int64(q, k, v, o)
     meta = dict(
         HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=tile_extent(block_size), BLOCK_D=tile_extent(dim),
         BLOCK_R=tile_extent(rot // 2), BLOCK_P=tile_extent(dim - rot), ROT_DIM=rot, INTERLEAVED=rotary_interleaved,

@@ -24,7 +24,7 @@ from blockattn_layers.runtime.caches import HostCache
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair, tile_sin_cos
-from ..common.schedule import Schedule, block_of_program, packed_rows
+from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.tiles import (block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, same_slot,
                             store_cols)
 from . import self_check
@@ -98,9 +98,10 @@ def _fwd_block(
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
-    """The tile's rows ``rows`` (``row_ok``: which are real; a tile of blocks: ``common.schedule.packed_rows``) of kv
-    head ``hk`` and its query heads; ``HEAD_LOOP``: of every kv head in turn (``hk`` unused),
-    with the rotary angles computed once. Every load and store is masked by row."""
+    """The tile's rows ``rows`` (``row_ok``: which are real; a tile of blocks:
+    ``common.schedule.packed_rows``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
+    every kv head in turn (``hk`` unused), with the rotary angles computed once. Every load and
+    store is masked by row."""
     if HEAD_LOOP:
         tl.static_assert(SLOT == 0, "the kv-head loop takes one block per tile")
         pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
@@ -135,25 +136,14 @@ def _fwd_tile(
     """One tile (table slot ``pid``, or with ``SLOT`` the ``BLOCK_M // SLOT`` slots from ``pid *
     BLOCK_M // SLOT``) of kv head ``hk`` and its query heads (see ``_fwd_block``); empty tiles are
     skipped."""
-    if SLOT == 0:
-        start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
-        if n > 0:
-            offs_m = tl.arange(0, BLOCK_M)
-            row_ok = offs_m < n
-            rows = start + offs_m
-            _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, offs_m, hk, qk_scale,
-                       log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
-    else:
-        rows, row_ok, prow, n = packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
-        if n > 0:
-            _fwd_block(Q, K, V, O, Pos, 0, 0, rows, row_ok, tl.arange(0, BLOCK_M), prow, hk, qk_scale, log2_theta,
-                       kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+    start, n, first_row, packed = tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
+    if n > 0:
+        offs_m, rows, row_ok, prow = tile_rows(start, n, packed, BLOCK_M, SLOT)
+        _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta, kv_heads,
+                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])

@@ -72,8 +72,9 @@ class Variant(NamedTuple):
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
     tile rows; ``warpgroup_tiles``: tiles of 64 or 128 rows (the block's tile extent, at least 64)
     with one warpgroup per 64 rows; ``packs_blocks``: 64-row tiles of several blocks, each in
-    ``SLOT`` rows (its tile extent), masked block-diagonally; ``maxnreg``: a register cap for every launch; ``num_warps``: the warps of the
-    kernels' default partition, where they fix it; ``verified_on``: the generations
+    ``SLOT`` rows (its tile extent), masked block-diagonally; ``maxnreg``: a register cap for every
+    launch; ``num_warps``: the warps of the kernels' default partition, where they fix it;
+    ``verified_on``: the generations
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
     use (``block.self_check``).

@@ -139,6 +139,33 @@ def packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M: tl.constexpr, 
     return row_start + local, local < row_n, row_first + local, n
 
 
+@triton.jit
+def tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M: tl.constexpr, INLINE_SEQS: tl.constexpr,
+                    SLOT: tl.constexpr):
+    """``(start, n, first_row, packed)`` of this program's tile: its block (``block_of_program``;
+    ``packed`` unused), or with ``SLOT`` a tile of blocks (``packed_rows``'s ``(rows, row_ok,
+    prow)``, ``n`` their tokens; ``start`` and ``first_row`` unused)."""
+    if SLOT == 0:
+        start, n, first_row = block_of_program(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS)
+        return start, n, first_row, (0, 0, 0)
+    else:
+        rows, row_ok, prow, n = packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
+        return 0, n, 0, (rows, row_ok, prow)
+
+
+@triton.jit
+def tile_rows(start, n, packed, BLOCK_M: tl.constexpr, SLOT: tl.constexpr):
+    """``(offs_m, rows, row_ok, prow)`` of a non-empty tile from ``tile_of_program``: each tile
+    row's token, whether it is one, and its index in its sequence (``offs_m`` for one block)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if SLOT == 0:
+        row_ok = offs_m < n
+        rows = start + offs_m
+        return offs_m, rows, row_ok, offs_m
+    else:
+        return offs_m, packed[0], packed[1], packed[2]
+
+
 class Schedule:
     """Where each program of one (offsets, block_size) pair finds its block, and the grid size.
 
