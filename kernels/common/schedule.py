@@ -80,15 +80,30 @@ def _block_table_kernel(
 
 
 @triton.jit
-def _inline_block(Offsets, num_seqs, block_size, b, SEQS: tl.constexpr):
-    """Block ``b`` found from ``offsets`` directly: prefix sums of the block counts of all
-    ``num_seqs <= SEQS`` sequences, then the sequence whose range holds ``b``."""
+def _inline_counts(Offsets, num_seqs, block_size, SEQS: tl.constexpr):
+    """``(seq_start, seq_end, blocks, cum)`` of all ``num_seqs <= SEQS`` sequences: their bounds,
+    block counts and the counts' inclusive prefix sums."""
     i = tl.arange(0, SEQS)
     m = i < num_seqs
     seq_start = tl.load(Offsets + i, mask=m, other=0)
     seq_end = tl.load(Offsets + i + 1, mask=m, other=0)
     blocks = (seq_end - seq_start + block_size - 1) // block_size
-    before = tl.cumsum(blocks, 0) <= b
+    return seq_start, seq_end, blocks, tl.cumsum(blocks, 0)
+
+
+@triton.jit
+def _inline_block(Offsets, num_seqs, block_size, b, SEQS: tl.constexpr):
+    """Block ``b`` found from ``offsets`` directly: prefix sums of the block counts of all
+    ``num_seqs <= SEQS`` sequences, then the sequence whose range holds ``b``."""
+    seq_start, seq_end, blocks, cum = _inline_counts(Offsets, num_seqs, block_size, SEQS)
+    return _inline_pick(seq_start, seq_end, blocks, cum, num_seqs, block_size, b, SEQS)
+
+
+@triton.jit
+def _inline_pick(seq_start, seq_end, blocks, cum, num_seqs, block_size, b, SEQS: tl.constexpr):
+    """``(start, length, first_row)`` of block ``b`` from ``_inline_counts``."""
+    i = tl.arange(0, SEQS)
+    before = cum <= b
     s = tl.sum(before.to(tl.int32), 0)
     first_row = (b - tl.sum(tl.where(before, blocks, 0), 0)) * block_size
     this = i == s
@@ -127,11 +142,17 @@ def packed_rows(Sched, slots, num_seqs, block_size, pid, BLOCK_M: tl.constexpr, 
     row_n = offs_m * 0
     row_first = offs_m * 0
     n = 0
+    if INLINE_SEQS > 0:  # one scan of the offsets for all the tile's blocks
+        seq_start, seq_end, blocks, cum = _inline_counts(Sched, num_seqs, block_size, INLINE_SEQS)
     for j in tl.static_range(PACK):
         b = pid * PACK + j
-        start, length, first_row = block_of_program(Sched, slots, num_seqs, block_size, tl.minimum(b, slots - 1),
+        if INLINE_SEQS > 0:
+            start, length, first_row = _inline_pick(seq_start, seq_end, blocks, cum, num_seqs, block_size, b,
                                                     INLINE_SEQS)
-        length = tl.where(b < slots, length, 0)
+        else:
+            start, length, first_row = block_of_program(Sched, slots, num_seqs, block_size, tl.minimum(b, slots - 1),
+                                                        INLINE_SEQS)
+            length = tl.where(b < slots, length, 0)
         row_start = tl.where(slot == j, start, row_start)
         row_n = tl.where(slot == j, length, row_n)
         row_first = tl.where(slot == j, first_row, row_first)
