@@ -7,12 +7,15 @@ kernel), each checked first on the first 64 sequences against the float32 refere
 descaled inputs. ``x floor``: time over the bytes each must move at the copy bandwidth of
 PERFORMANCE.md (4.27 TB/s): bfloat16 reads q, k, v and writes o (8 bytes per element of a head
 row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one line per shape and
-method; ``--out FILE`` also writes them as CSV. The fp8 kernel has no recorded hardware run:
+method, then the attention sub-layer (d_model 256) in bfloat16 and converted by
+``to_fp8_inference``, with its error against the float64 layer; ``--out FILE`` also writes them
+as CSV. The fp8 kernel has no recorded hardware run:
 this sets ``BLOCKATTN_UNVERIFIED_KERNELS`` for itself (``variants.allow_unverified``).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 from typing import List, Optional
 
@@ -78,12 +81,42 @@ def main(argv: Optional[List[str]] = None) -> int:
                              err=err, commit=commit))
             print(f"{case.name:16} {name:20} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
                   + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+    rows += _sublayer_rows(commit)
     if args.out:
         with open(args.out, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
     return 0
+
+
+def _sublayer_rows(commit: str) -> List[dict]:
+    """The attention sub-layer (QKV projection, attention, output projection; d_model 256) at the
+    prod shapes, bfloat16 against ``to_fp8_inference``'s (calibrated on the first 64 sequences),
+    each with its output's error against the float64 layer on those sequences."""
+    import triton.testing
+
+    rows = []
+    for case in prod() + rotary():
+        g = torch.Generator(device="cuda").manual_seed(1)
+        kind = bl.RotaryBlockAttention if case.rope_theta else bl.BlockSelfAttention
+        extra = dict(rope_theta=case.rope_theta) if case.rope_theta else {}
+        layer = kind(256, case.num_heads, block_size=case.block_size, **extra).to("cuda", torch.bfloat16).eval()
+        values = torch.randn(case.total, 256, generator=g, device="cuda").to(torch.bfloat16)
+        offsets = case.offsets.cuda()
+        check_offsets = offsets[:CHECK_SEQS + 1]
+        sample = values[:int(check_offsets[-1])]
+        served = bl.to_fp8_inference(copy.deepcopy(layer), [(sample, check_offsets)])
+        with torch.no_grad():
+            want = copy.deepcopy(layer).double()(sample.double(), check_offsets)
+            for name, model in (("bf16 sub-layer", layer), ("fp8 sub-layer", served)):
+                got = model(sample, check_offsets)
+                err = float((got.double() - want).norm() / want.norm())
+                ms = triton.testing.do_bench(lambda: model(values, offsets), warmup=25, rep=150, return_mode="median")
+                rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=None, x_floor=None, err=err,
+                                 commit=commit))
+                print(f"{case.name:16} {name:20} {ms:8.3f} ms  err {err:.2e} (against the float64 layer)", flush=True)
+    return rows
 
 
 def _descaled_copies(q8, k8, v8, offsets, block_size, factors, kw):
