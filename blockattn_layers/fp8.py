@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ._validation import validate_attention_args
+from .reference import sequence_ids
 from .kernels.block.fp8_fwd import fp8_attention_fwd, fp8_kernel_reasons
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -32,12 +33,6 @@ GRANULARITIES = ("tensor", "head", "sequence_head")
 
 def is_fp8(x) -> bool:
     return isinstance(x, Tensor) and x.dtype == FP8_DTYPE
-
-
-def _token_sequences(offsets: Tensor, total: int, device: torch.device) -> Tensor:
-    """Each token's sequence index ``[T]`` (device work only: no host sync)."""
-    tokens = torch.arange(total, device=device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets[1:].to(device), tokens, right=True)
 
 
 def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tensor] = None,
@@ -65,7 +60,7 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
         if offsets is None:
             raise ValueError("quantize_fp8: granularity 'sequence_head' needs offsets")
         batch = offsets.numel() - 1
-        seq = _token_sequences(offsets, total, x.device)
+        seq = sequence_ids(offsets.to(x.device), total)
         amax = torch.zeros(batch, kv_heads, device=x.device, dtype=torch.float32)
         amax = amax.scatter_reduce_(0, seq.unsqueeze(1).expand(total, kv_heads), grouped.amax(2), "amax")
         per_token = amax[seq]
@@ -106,7 +101,7 @@ def dequantize(x: Tensor, descale: Optional[Tensor], offsets: Tensor, groups: in
     if descale is not None:
         total, heads, _ = x.shape
         if descale.dim() == 2:
-            factors = descale[_token_sequences(offsets, total, x.device)]
+            factors = descale[sequence_ids(offsets.to(x.device), total)]
         else:
             factors = descale.expand(total, descale.shape[0])
         factors = factors.repeat_interleave(groups, dim=1) if groups > 1 else factors
@@ -114,7 +109,7 @@ def dequantize(x: Tensor, descale: Optional[Tensor], offsets: Tensor, groups: in
     return values.to(dtype)
 
 
-def compute_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
+def descaled_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
     """The dtype the descaled copies are computed in: float32 on CPU (the reference), else
     ``out_dtype``'s 16-bit type (bfloat16 for a float32 output)."""
     if device.type == "cpu":
@@ -124,11 +119,8 @@ def compute_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
 
 def check_fp8_inputs(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, q_descale, k_descale, v_descale,
                      out_dtype) -> torch.dtype:
-    """Validate an fp8 call in the user's terms; returns the output dtype (bfloat16 by default)."""
-    for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, Tensor) or x.dtype != FP8_DTYPE:
-            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
-            raise TypeError(f"q is {FP8_DTYPE}: {name} must be too, got {got}")
+    """Validate what is fp8's own in a call whose shared arguments are checked (in the user's
+    terms); returns the output dtype (bfloat16 by default)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.requires_grad:
             raise RuntimeError(f"fp8 attention is forward-only (inference): {name} requires grad; "
@@ -136,10 +128,6 @@ def check_fp8_inputs(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, q_descale
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q, k, v must be [T, H, D], got q {list(q.shape)}, k {list(k.shape)}")
-    if not isinstance(offsets, Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError("offsets must be a 1-D tensor of B+1 sequence boundaries")
     kv_heads, batch = k.shape[1], offsets.numel() - 1
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         check_descale(name, descale, kv_heads, batch, q.device)
@@ -162,19 +150,23 @@ def fp8_block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_
     ``attention`` is the 16/32-bit ``block_attention`` it runs on the descaled copies where the
     fp8 kernel (``kernels.block.fp8_fwd``: ``backend`` "triton", or "auto" on CUDA, blocks of up
     to 128 tokens, not under torch.compile) does not take the call."""
-    out_dtype = check_fp8_inputs(q, k, v, offsets, q_descale, k_descale, v_descale, out_dtype)
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dtype != FP8_DTYPE:
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"q is {FP8_DTYPE}: {name} must be too, got {got}")
     backend = kwargs.pop("backend", "auto")
     validate = kwargs.pop("validate", None)
     params = validate_attention_args(_stand_in(q), _stand_in(k), _stand_in(v), offsets, block_size,
                                      validate=validate, **kwargs)
+    out_dtype = check_fp8_inputs(q, k, v, offsets, q_descale, k_descale, v_descale, out_dtype)
     if (_kernel_wanted(backend, q) and not torch.compiler.is_compiling()
             and not fp8_kernel_reasons(q, k, v, params.block_size)):
         return fp8_attention_fwd(q, k, v, offsets, params.block_size, params.scale, params.causal, params.rope_theta,
                                  params.positions, params.rotary_dim, params.rotary_interleaved, params.cpu_offsets,
                                  q_descale, k_descale, v_descale, out_dtype)
     kwargs.update(backend=backend, validate=validate)
-    dtype = compute_dtype(q.device, out_dtype)
-    groups = q.shape[1] // max(k.shape[1], 1)
+    dtype = descaled_dtype(q.device, out_dtype)
+    groups = q.shape[1] // k.shape[1]
     qd = dequantize(q, q_descale, offsets, groups, dtype)
     kd = dequantize(k, k_descale, offsets, 1, dtype)
     vd = dequantize(v, v_descale, offsets, 1, dtype)

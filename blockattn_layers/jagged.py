@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .reference import sequence_ids
+
 _TORCHREC_JT_MODULE = "torchrec.sparse.jagged_tensor"
 _TORCHREC_TYPES_MODULE = "torchrec.distributed.types"
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,9 +66,8 @@ def lengths_to_key_padding_mask(lengths: Tensor, max_length: int) -> Tensor:
 def _token_coords(offsets: Tensor, total: int) -> Tuple[Tensor, Tensor]:
     """Sequence index and position inside it of every token, each ``[T]`` int64."""
     offsets = offsets.to(torch.int64)
-    tokens = torch.arange(total, device=offsets.device)
-    seq = torch.searchsorted(offsets, tokens, right=True) - 1
-    return seq, tokens - offsets[seq]
+    seq = sequence_ids(offsets, total)
+    return seq, torch.arange(total, device=offsets.device) - offsets[seq]
 
 
 # ----------------------------------------------------------------------------- padded dense

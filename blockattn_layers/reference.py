@@ -30,12 +30,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- positions, rotary
+def sequence_ids(offsets: Tensor, total: int) -> Tensor:
+    """Index of every token's sequence, ``[T]`` int64 (no host sync; empty sequences skipped)."""
+    tokens = torch.arange(total, device=offsets.device)
+    return torch.searchsorted(offsets.to(torch.int64), tokens, right=True) - 1
+
+
 def sequence_positions(offsets: Tensor, total: int) -> Tensor:
     """Index of every token inside its own sequence, ``[T]`` int64 (no host sync)."""
     offsets = offsets.to(torch.int64)
-    tokens = torch.arange(total, device=offsets.device)
-    seq = torch.searchsorted(offsets, tokens, right=True) - 1
-    return tokens - offsets[seq]
+    return torch.arange(total, device=offsets.device) - offsets[sequence_ids(offsets, total)]
 
 
 def rotary_angles(positions: Tensor, rope_theta: float, rotary_dim: int, dtype: torch.dtype) -> Tensor:

@@ -301,8 +301,7 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
     for block, dim, rot, groups in shapes + [(128, 128, True, 1)]:
         batched = groups > 1
         constexprs = _block_constexprs(dim, groups, block, dim if rot else 0, False, batched, 512)
-        constexprs.update(QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched, SEARCH_STEPS=10,
-                          DOT_DTYPE=tl.bfloat16)
+        constexprs.update(QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched, DOT_DTYPE=tl.bfloat16)
         options = dict(num_warps=4 if block * dim <= 128 * 128 else 8, num_stages=1)
         name = (f"fp8_fwd_b{block}_d{dim}{'_rope' if rot else ''}{'_gqa_causal_per_sequence' if batched else ''}")
         yield Build(name, _fp8_fwd_kernel, "fp8", _kernel_constexprs(_fp8_fwd_kernel, constexprs), options)

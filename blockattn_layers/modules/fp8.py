@@ -49,15 +49,14 @@ class FP8QKVProjection(nn.Module):
                     num_kv_heads: int, head_dim: int, margin: float) -> "FP8QKVProjection":
         """From a fused QKV ``linear`` and the calibrated absolute maxima of its input (scalar) and of
         each output column (``[N]``)."""
-        kinds = torch.tensor([num_heads, num_kv_heads, num_kv_heads]) * head_dim
-        parts = column_amax.float().split(kinds.tolist())
         groups = num_heads // num_kv_heads
+        parts = column_amax.float().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
         per_head = [parts[0].view(num_kv_heads, groups * head_dim), parts[1].view(num_kv_heads, head_dim),
                     parts[2].view(num_kv_heads, head_dim)]
         amax = torch.stack([p.amax(1) for p in per_head])  # [3, H_kv]
         descales = torch.where(amax > 0, amax * margin / FP8_MAX, torch.ones_like(amax))
-        widths = torch.tensor([groups * head_dim, head_dim, head_dim])
-        columns = torch.cat([descales[i].repeat_interleave(int(widths[i])) for i in range(3)])
+        widths = (groups * head_dim, head_dim, head_dim)  # columns per kv head of q, k, v
+        columns = torch.cat([descales[i].repeat_interleave(widths[i]) for i in range(3)])
         weight = linear.weight.detach().float() / columns[:, None]
         w_amax = weight.abs().amax()
         weight_scale = torch.where(w_amax > 0, w_amax / FP8_MAX, torch.ones_like(w_amax))

@@ -3,8 +3,8 @@
 One program per (block, kv head) and its ``GROUPS`` query heads, as the simple forward
 (``block.fwd``): q, k and v are read as e4m3 (one byte per element), multiplied by their
 descale factors in float32 (per kv head, and per sequence where ``QD_BATCH`` / ``KD_BATCH`` /
-``VD_BATCH``: the block's sequence is found by a binary search of the offsets), rotated there where rotary is on, and
-rounded to ``DOT_DTYPE`` (bfloat16 or float16) for the two products; the softmax is exact over
+``VD_BATCH``: the block's sequence is found by ``common.schedule.search_prefix`` over the
+offsets), rotated there where rotary is on, and rounded to ``DOT_DTYPE`` (bfloat16 or float16) for the two products; the softmax is exact over
 the block, and the output is stored in its own dtype. Bytes moved per token and head: 3 read
 (q, k, v) + the output's 2 or 4 written, against bfloat16's 6 + 2.
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, MAX_TILE, needs_int64, num_warps, tile_extent
 from ..common.rotary import block_sin_cos, rotate_pair
-from ..common.schedule import Schedule, block_of_program
+from ..common.schedule import Schedule, block_of_program, search_prefix
 from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
 from .variants import unverified_allowed
 
@@ -34,34 +34,21 @@ VERIFIED_ON_HARDWARE = False
 
 
 @triton.jit
-def _sequence_of(Offsets, start, num_seqs, SEARCH_STEPS: tl.constexpr):
-    """The largest ``i < num_seqs`` with ``offsets[i] <= start``: the sequence of the token at
-    ``start`` (empty sequences before it share its start and are skipped)."""
-    lo = num_seqs * 0
-    hi = num_seqs - 1
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi + 1) // 2
-        go = tl.load(Offsets + mid) <= start
-        lo, hi = tl.where(active & go, mid, lo), tl.where(active & ~go, mid - 1, hi)
-    return lo
-
-
-@triton.jit
 def _descaled(ptr, rows, row_ok, cols, col_ok, stride_t, factor, INT64: tl.constexpr):
     return load_cols(ptr, rows, row_ok, cols, col_ok, stride_t, 1, INT64).to(tl.float32) * factor
 
 
-@triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta"])
+@triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "search_top",
+                               "search_steps"])
 def _fp8_fwd_kernel(
     Q, K, V, O, Sched, Pos, Offsets, QD, KD, VD,
-    slots, num_seqs, block_size, qk_scale, log2_theta,
+    slots, num_seqs, block_size, qk_scale, log2_theta, search_top, search_steps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     INLINE_SEQS: tl.constexpr, QD_BATCH: tl.constexpr, KD_BATCH: tl.constexpr, VD_BATCH: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     hk = tl.program_id(1)
     kv_heads = tl.num_programs(1)
@@ -74,7 +61,9 @@ def _fp8_fwd_kernel(
         d_ok = offs_d < HEAD_DIM
         seq = 0
         if QD_BATCH or KD_BATCH or VD_BATCH:
-            seq = _sequence_of(Offsets, start, num_seqs, SEARCH_STEPS)
+            # The block's sequence: the last whose start is at or before the block's (offsets[B] = T
+            # lies past it; empty sequences share their neighbour's start and are skipped).
+            seq = search_prefix(Offsets, start, start >= 0, num_seqs, search_top, search_steps)
         kd = tl.load(KD + (seq * kv_heads if KD_BATCH else 0) + hk)
         vd = tl.load(VD + (seq * kv_heads if VD_BATCH else 0) + hk)
         qd = tl.load(QD + (seq * kv_heads if QD_BATCH else 0) + hk)
@@ -142,12 +131,13 @@ def fp8_attention_fwd(
         BLOCK_R=tile_extent(rot // 2), BLOCK_P=tile_extent(dim - rot), ROT_DIM=rot, INTERLEAVED=rotary_interleaved,
         HAS_POS=positions is not None, IS_CAUSAL=causal, FAST_TRIG=q.is_cuda, INT64=int64,
         INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2],
-        SEARCH_STEPS=max(1, math.ceil(math.log2(max(num_seqs, 2)))), DOT_DTYPE=_TORCH_TO_TL[dot],
+        DOT_DTYPE=_TORCH_TO_TL[dot],
         num_warps=num_warps(tile_extent(block_size), tile_extent(dim), False), num_stages=1,
     )
     pos = positions if positions is not None else sched.table
     args = (q, k, v, o, sched.table, pos, offsets, qd, kd, vd, sched.programs, num_seqs, block_size,
             scale * LOG2E, math.log2(rope_theta) if rope_theta is not None else 0.0,
+            1 << (num_seqs.bit_length() - 1), num_seqs.bit_length(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1))
     launch((sched.programs, kv_heads), args, meta, q)
     return o

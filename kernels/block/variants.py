@@ -127,9 +127,10 @@ def gluon_import_error() -> Optional[str]:
 
 
 def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], head_dims: Tuple[int, ...],
-                        import_error) -> List[str]:
+                        import_error, addresses_64bit: bool) -> List[str]:
     """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, head dims in
-    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary over all channels or none."""
+    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary over all channels or none,
+    and 32-bit offsets unless ``addresses_64bit``."""
     reasons = []
     if facts.device_type != "cuda" or facts.major != major:
         reasons.append(f"needs an sm_{major}0 GPU")
@@ -146,6 +147,8 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
         reasons.append(f"block_size {facts.block_size} < {low}")
     if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
         reasons.append("rotary other than split halves over all channels")
+    if facts.int64 and not addresses_64bit:
+        reasons.append("64-bit addressing")
     if not reasons and import_error() is not None:
         reasons.append(f"Gluon kernels unavailable ({import_error()})")
     return reasons
@@ -157,7 +160,7 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     tiles (H200 grid: no faster than the simple kernels forward, and their backward spills); in
     the backward no 128-row tiles wider than 128 (288 KB of shared memory) and no grouped query
     heads at D256 (dK and dV both live: ptxas spills 7.7 KB)."""
-    reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error)
+    reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
     if facts.rot and facts.head_dim not in (32, 64, 128):
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
     if facts.groups > 1 and facts.block_size > 64:
@@ -194,9 +197,7 @@ def sm100_import_error() -> Optional[str]:
 
 
 def _sm100_call_reasons(facts: CallFacts) -> List[str]:
-    reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, SM100_HEAD_DIMS, sm100_import_error)
-    if facts.int64:
-        reasons.append("64-bit addressing")
+    reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, SM100_HEAD_DIMS, sm100_import_error, False)
     if (facts.rot == facts.head_dim == 128 and not facts.interleaved and not facts.has_pos and facts.groups > 1
             and facts.block_size > 64):
         reasons.append("rotary at implicit positions with grouped-query heads, D128 and 128-row tiles "
@@ -205,9 +206,7 @@ def _sm100_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _hopper_ws_call_reasons(facts: CallFacts) -> List[str]:
-    reasons = _gluon_call_reasons(facts, 9, (1, 64), SM100_HEAD_DIMS, gluon_import_error)
-    if facts.int64:
-        reasons.append("64-bit addressing")
+    reasons = _gluon_call_reasons(facts, 9, (1, 64), SM100_HEAD_DIMS, gluon_import_error, False)
     if facts.groups != 1:
         reasons.append("grouped-query attention (needs one query head per kv head)")
     return reasons
