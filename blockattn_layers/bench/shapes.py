@@ -57,7 +57,21 @@ def rotary() -> List[Case]:
 
 
 def seed3() -> List[Case]:
-    return _heads("seed3", uniform_lengths(32, 1024, 3072, seed=3), None, heads=((8, 128),))
+    return _heads("seed3", _seed3_lengths(), None, heads=((8, 128),))
+
+
+def _seed3_lengths() -> Tensor:
+    return uniform_lengths(32, 1024, 3072, seed=3)
+
+
+def seed3_causal() -> List[Case]:
+    """seed3 with causal masking inside each sequence (issue 26)."""
+    return [Case("seed3_causal/d128h8", "seed3_causal", _seed3_lengths(), 8, 128, None, causal=True)]
+
+
+def seed3_gqa() -> List[Case]:
+    """seed3 with 8 query heads sharing 2 kv heads (issue 26)."""
+    return [Case("seed3_gqa/d128h8kv2", "seed3_gqa", _seed3_lengths(), 8, 128, None, num_kv_heads=2)]
 
 
 def prod_full() -> List[Case]:
@@ -95,6 +109,8 @@ SHAPES: Dict[str, Callable[[], List[Case]]] = {
     "small": small,
     "rotary": rotary,
     "seed3": seed3,
+    "seed3_causal": seed3_causal,
+    "seed3_gqa": seed3_gqa,
     "prod_full": prod_full,
     "block256": block256,
     "block512": block512,
