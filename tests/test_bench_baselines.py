@@ -205,3 +205,15 @@ def test_registry_applies_and_skips():
     assert (reason is None) if have_fa4 else ("flash_attn.cute" in reason)
     assert "fp16 / bf16" in flash.skip(block, CPU)
     assert "CUDA only" in varlen.skip(gqa_causal_full, CPU)
+
+
+def test_opt_in_methods_run_only_when_named():
+    """A method marked opt-in (known to break the CUDA context somewhere) is left out of the
+    default set and of the ``baselines`` group, and runs when ``--backends`` names it."""
+    from blockattn_layers.bench import cli
+
+    opt_in = [m.name for m in cli.all_methods() if m.opt_in]
+    assert "flex_blocks_triton" in opt_in
+    assert not {m.name for m in cli.select_methods(None)} & set(opt_in)
+    assert not {m.name for m in cli.select_methods("baselines")} & set(opt_in)
+    assert [m.name for m in cli.select_methods("flex_blocks_triton")] == ["flex_blocks_triton"]

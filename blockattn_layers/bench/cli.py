@@ -28,17 +28,18 @@ def all_methods() -> List[Method]:
 
 
 def select_methods(spec: Optional[str]) -> List[Method]:
-    """``None`` = every method; else names and/or the groups ``ours`` and ``baselines``, comma-separated."""
+    """``None`` = every method but the opt-in ones; else names and/or the groups ``ours`` and
+    ``baselines``, comma-separated (a group leaves out its opt-in methods; a name takes any)."""
     methods = all_methods()
     if not spec:
-        return methods
+        return [m for m in methods if not m.opt_in]
     wanted = {t.strip() for t in spec.split(",") if t.strip()}
     known = {m.name for m in methods} | set(GROUPS)
     unknown = sorted(wanted - known)
     if unknown:
         raise SystemExit(f"unknown --backends {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     kinds = {GROUPS[t] for t in wanted if t in GROUPS}
-    return [m for m in methods if m.name in wanted or m.kind in kinds]
+    return [m for m in methods if m.name in wanted or (m.kind in kinds and not m.opt_in)]
 
 
 def grid_methods(spec: Optional[str], methods: List[Method], device: torch.device) -> List[Method]:
@@ -119,7 +120,8 @@ def _list() -> None:
             print(f"  {case.name:<20} {case.describe()}")
     print("methods:")
     for m in all_methods():
-        print(f"  {m.name:<16} {m.kind:<9} {m.description}")
+        note = f" [opt-in, run only when --backends names it: {m.opt_in}]" if m.opt_in else ""
+        print(f"  {m.name:<16} {m.kind:<9} {m.description}{note}")
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:

@@ -211,6 +211,8 @@ class Method:
     ``applies(case)`` False leaves the method out of that case's table; ``skip(case, cfg)``
     returns a reason shown as a ``skipped: ...`` row; ``setup`` may raise, which the runner
     reports as ``failed: ...``. The whole row (check and timings) runs inside ``context()``.
+    ``opt_in``: run only when ``--backends`` names it (a method known to crash the process's CUDA
+    context somewhere, which would end the run for every method after it); its reason says why.
     """
 
     name: str
@@ -221,3 +223,4 @@ class Method:
     gpu_only: bool = True
     description: str = ""
     context: Callable[[], ContextManager] = contextlib.nullcontext
+    opt_in: Optional[str] = None

@@ -9,8 +9,8 @@ PERFORMANCE.md (4.27 TB/s): bfloat16 reads q, k, v and writes o (8 bytes per ele
 row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one line per shape and
 method, then the attention sub-layer (d_model 256) in bfloat16 and converted by
 ``to_fp8_inference``, with its error against the float64 layer; ``--out FILE`` also writes them
-as CSV. The fp8 kernel has no recorded hardware run:
-this sets ``BLOCKATTN_UNVERIFIED_KERNELS`` for itself (``variants.allow_unverified``).
+as CSV. Off sm_90 (where the fp8 kernel has no recorded hardware run) this sets
+``BLOCKATTN_UNVERIFIED_KERNELS`` for itself (``variants.allow_unverified``).
 """
 from __future__ import annotations
 

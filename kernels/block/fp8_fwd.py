@@ -28,9 +28,9 @@ from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, p
 from .variants import unverified_allowed
 
 FP8_DTYPE = torch.float8_e4m3fn
-# No GPU has run this kernel yet (compile-checked for sm_89 / 90 / 100, tested in the
-# interpreter): on CUDA it runs only with ``variants.allow_unverified`` until its GPU tests pass.
-VERIFIED_ON_HARDWARE = False
+# The generations whose GPU tests this kernel passed (the H200, 2026-12-01); elsewhere (sm_89,
+# sm_100: compile-checked only) it runs only with ``variants.allow_unverified``.
+VERIFIED_ON = frozenset({9})
 
 
 @triton.jit
@@ -148,8 +148,9 @@ def fp8_kernel_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     reasons = []
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
         reasons.append("an sm_89 or newer GPU (e4m3 conversions)")
-    if q.is_cuda and not VERIFIED_ON_HARDWARE and not unverified_allowed():
-        reasons.append("no hardware run recorded: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
+    if (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] not in VERIFIED_ON
+            and not unverified_allowed()):
+        reasons.append("no hardware run recorded on this GPU generation: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
     if block_size is None or block_size > MAX_TILE:
         reasons.append(f"blocks of up to {MAX_TILE} tokens (got block_size={block_size})")
     if any(x.stride(-1) != 1 for x in (q, k, v)):

@@ -267,8 +267,8 @@ HOPPER_WS = Variant(
 PACKED_MAX_BLOCK = 32
 PACKED = Variant(
     "packed", "experimental Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens "
-    "(block-diagonal mask); never run on a GPU: self-checked at first use there", None, True,
-    _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset())
+    "(block-diagonal mask); forced only: its speed beside simple's is not yet measured", None, True,
+    _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset({9}))
 
 SM100 = Variant(
     "sm100", "Gluon for sm_100, persistent and warp-specialized: TMA loads, tcgen05 MMA into tensor "
