@@ -173,13 +173,15 @@ def test_budget_overruns_fail():
 
 
 def test_fp8_kernels_compile(tmp_path):
-    """The fp8 forward builds for sm_89, sm_90 and sm_100 (e4m3 loads converted in registers,
-    each generation's products) and not before sm_89, where Triton has no e4m3."""
+    """The fp8 forward and the fp8 projection build for sm_89, sm_90 and sm_100 (e4m3 loads
+    converted in registers, or float32 results converted to e4m3 with saturation; each
+    generation's products) and not before sm_89, where Triton has no e4m3."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
-        assert len(ptx) == 9, arch
+        assert len(ptx) == 12, arch
         for name, text in ptx.items():
-            assert "cvt.rn.f16x2.e4m3x2" in text and instruction in text, (arch, name)
+            convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
+            assert convert in text and instruction in text, (arch, name)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
            str(tmp_path / "sm_80"), "--only", "fp8_"]

@@ -99,7 +99,8 @@ def _header(config: DemoConfig, device: torch.device, request: AttentionRequest,
                 print(f"    {name} not used: {'; '.join(why)}")
 
 
-def _build(config: DemoConfig, device: torch.device, use_torchrec: bool) -> Trainer:
+def build_trainer(config: DemoConfig, device: torch.device, use_torchrec: bool) -> Trainer:
+    """The demo's click model (seeded by the data seed), its Adam optimiser and autocast."""
     layer = config.encoder.layer
     torch.manual_seed(config.data.seed)
     model = build_click_model(
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(train_cfg.cpu_threads)
     _header(config, device, request, backend, no_torchrec)
 
-    trainer = _build(config, device, use_torchrec)
+    trainer = build_trainer(config, device, use_torchrec)
     data = SyntheticClicks(data_cfg, device)
     gen = torch.Generator(device).manual_seed(data_cfg.seed + 1)
     fit = trainer.fit(lambda: data.batch(data_cfg.batch_size, gen), train_cfg.steps, desc=f"train ({backend})")

@@ -2,17 +2,18 @@
 
 :func:`to_fp8_inference` calibrates every :class:`~blockattn_layers.BlockSelfAttention` of a
 model (``RotaryBlockAttention`` and the encoder layers' attention included) on sample batches,
-then gives each an :class:`FP8QKVProjection`: one ``torch._scaled_mm`` of the e4m3 input and
-e4m3 weights whose result is written in e4m3, with a factor per kind (q, k, v) and kv head, so no
-pass reads a 16-bit q, k or v back to quantize it. Attention then reads e4m3 q, k, v with those
-factors as descales; the output projection stays in the model's dtype.
+then gives each an :class:`FP8QKVProjection`: the layer's own 16-bit input times its weights,
+accumulated in float32 and written as e4m3 in the same kernel (``kernels.fp8_linear`` on CUDA),
+with a factor per kind (q, k, v) and kv head, so no pass quantizes the input and none reads a
+16-bit q, k or v back to quantize it. Attention then reads e4m3 q, k, v with those factors as
+descales; the output projection stays in the model's dtype.
 
 How the factors are folded in: with ``s[c]`` the factor of output column ``c`` (its kind's and
 kv head's calibrated absolute maximum over 448, times ``margin``), the weight rows and bias are
-divided by ``s`` before the weight is quantized (one factor for the whole weight), so the GEMM's
-e4m3 result is ``y / s`` and ``s`` is q's, k's and v's descale. The input is quantized with its
-calibrated factor: one elementwise pass over the ``[T, E]`` input. Values past the calibrated range
-saturate at 448 x their factor.
+divided by ``s``, so the projection's result is ``y / s`` and ``s`` is q's, k's and v's descale.
+Values past the calibrated range saturate at 448 x their factor. The input stays in its 16-bit
+dtype: at the ranking models' widths (d_model of a few hundred) the projection moves more bytes
+than it computes, and an e4m3 input would add its own rounding and a pass to make it.
 
 Forward only: a converted layer refuses inputs that require gradients; convert a trained model.
 """
@@ -24,31 +25,28 @@ import torch
 from torch import Tensor, nn
 
 from ..fp8 import FP8_DTYPE, FP8_MAX
+from ..kernels.fp8_linear import linear_e4m3, linear_e4m3_reasons
 
 
 class FP8QKVProjection(nn.Module):
     """``x [T, E]`` -> e4m3 ``q [T, H, D]``, ``k, v [T, H_kv, D]`` and their descales ``[H_kv]``.
 
-    Buffers: ``weight`` e4m3 ``[N, E]`` and ``weight_scale`` (float32 scalar); ``bias`` (or None)
-    already divided by the output factors; ``input_scale`` (the input's factor); ``descales``
-    float32 ``[3, H_kv]`` (q, k, v).
+    Buffers: ``weight`` ``[N, E]`` in the layer's dtype and ``bias`` float32 ``[N]`` (or None), both
+    already divided by the output factors; ``descales`` float32 ``[3, H_kv]`` (q, k, v).
     """
 
-    def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], input_scale: Tensor,
-                 descales: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], descales: Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", input_scale)
         self.register_buffer("descales", descales)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, input_amax: Tensor, column_amax: Tensor, num_heads: int,
-                    num_kv_heads: int, head_dim: int, margin: float) -> "FP8QKVProjection":
-        """From a fused QKV ``linear`` and the calibrated absolute maxima of its input (scalar) and of
-        each output column (``[N]``)."""
+    def from_linear(cls, linear: nn.Linear, column_amax: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                    margin: float) -> "FP8QKVProjection":
+        """From a fused QKV ``linear`` and the calibrated absolute maximum of each output column (``[N]``)."""
         groups = num_heads // num_kv_heads
         parts = column_amax.float().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
         per_head = [parts[0].view(num_kv_heads, groups * head_dim), parts[1].view(num_kv_heads, head_dim),
@@ -57,22 +55,23 @@ class FP8QKVProjection(nn.Module):
         descales = torch.where(amax > 0, amax * margin / FP8_MAX, torch.ones_like(amax))
         widths = (groups * head_dim, head_dim, head_dim)  # columns per kv head of q, k, v
         columns = torch.cat([descales[i].repeat_interleave(widths[i]) for i in range(3)])
-        weight = linear.weight.detach().float() / columns[:, None]
-        w_amax = weight.abs().amax()
-        weight_scale = torch.where(w_amax > 0, w_amax / FP8_MAX, torch.ones_like(w_amax))
-        weight8 = (weight / weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        bias = None
-        if linear.bias is not None:
-            bias = (linear.bias.detach().float() / columns).to(torch.bfloat16)
-        in_amax = input_amax.float() * margin
-        input_scale = torch.where(in_amax > 0, in_amax / FP8_MAX, torch.ones_like(in_amax))
-        return cls(weight8, weight_scale, bias, input_scale, descales, num_heads, num_kv_heads, head_dim)
+        weight = (linear.weight.detach().float() / columns[:, None]).to(linear.weight.dtype).contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float() / columns
+        return cls(weight, bias, descales, num_heads, num_kv_heads, head_dim)
+
+    def project(self, x: Tensor) -> Tensor:
+        """e4m3 ``[T, N]``: ``clamp(x @ weight.T + bias, -448, 448)``, by the fused kernel where it
+        takes the call (CUDA, 16-bit ``x``), else in float32 and cast."""
+        if x.is_cuda and not linear_e4m3_reasons(x, self.weight):
+            return linear_e4m3(x, self.weight, self.bias)
+        y = x.float() @ self.weight.float().t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(q8, k8, v8, q_descale, k_descale, v_descale)`` of ``x [T, E]``."""
-        x8 = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        y = torch._scaled_mm(x8, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                             bias=self.bias, out_dtype=FP8_DTYPE)
+        y = self.project(x)
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = y.split([h * d, hk * d, hk * d], dim=-1)
         return (q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d)),
@@ -83,19 +82,17 @@ class FP8QKVProjection(nn.Module):
 
 
 class _Calibration:
-    """Absolute maxima of each attention layer's QKV input and output columns, over sample batches."""
+    """Absolute maximum of each attention layer's QKV output columns, over sample batches."""
 
     def __init__(self, layers) -> None:
-        self.stats: Dict[nn.Module, list] = {layer: [None, None] for layer in layers}
+        self.stats: Dict[nn.Module, Optional[Tensor]] = {layer: None for layer in layers}
         self.hooks = [layer.in_proj.register_forward_hook(self._hook(layer)) for layer in layers]
 
     def _hook(self, layer):
         def record(module, inputs, output):
-            x_amax = inputs[0].detach().abs().amax().float()
-            y_amax = output.detach().abs().flatten(0, -2).amax(0).float()
+            amax = output.detach().abs().flatten(0, -2).amax(0).float()
             seen = self.stats[layer]
-            seen[0] = x_amax if seen[0] is None else torch.maximum(seen[0], x_amax)
-            seen[1] = y_amax if seen[1] is None else torch.maximum(seen[1], y_amax)
+            self.stats[layer] = amax if seen is None else torch.maximum(seen, amax)
 
         return record
 
@@ -136,10 +133,10 @@ def to_fp8_inference(model: nn.Module, calibration: Iterable[Any], *, margin: fl
     if batches == 0:
         raise ValueError("to_fp8_inference: calibration gave no batches")
     for layer in layers:
-        x_amax, y_amax = calib.stats[layer]
-        if x_amax is None:
+        y_amax = calib.stats[layer]
+        if y_amax is None:
             raise ValueError(f"to_fp8_inference: no calibration batch reached {type(layer).__name__} "
                              f"({layer.extra_repr()})")
-        layer.fp8 = FP8QKVProjection.from_linear(layer.in_proj, x_amax, y_amax, layer.num_heads, layer.num_kv_heads,
+        layer.fp8 = FP8QKVProjection.from_linear(layer.in_proj, y_amax, layer.num_heads, layer.num_kv_heads,
                                                  layer.head_dim, float(margin))
     return model
