@@ -1,5 +1,6 @@
 """blockattn-layers: block-diagonal self-attention over jagged sequences for ranking models."""
 from .dispatch import AttentionRequest, Backend, BackendSpec, explain, explain_variants, registered_backends
+from .determinism import fast_backward, use_fast_backward
 from .config import EncoderConfig, EncoderLayerConfig, build_encoder, list_presets, load_config
 from .fp8 import quantize_fp8
 from .functional import block_attention, jagged_attention
@@ -30,6 +31,7 @@ __all__ = [
     "build_encoder",
     "explain",
     "explain_variants",
+    "fast_backward",
     "from_torch_encoder",
     "jagged_attention",
     "jagged_to_padded",
@@ -43,4 +45,5 @@ __all__ = [
     "registered_backends",
     "to_fp8_inference",
     "to_values_offsets",
+    "use_fast_backward",
 ]

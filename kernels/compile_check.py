@@ -39,7 +39,10 @@ from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
 from .block.plan import head_loop, max_registers
 from .block.variants import HOPPER, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
-from .flash.bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, bwd_launch_options
+from .flash.bwd import (
+    _flash_bwd_delta_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_dq_store_kernel,
+    bwd_launch_options,
+)
 from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
 from .common.meta import num_warps, tile_extent
 from .flash.schedule import flash_tiles
@@ -95,6 +98,8 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
             sig[name] = "*fp32"
         elif name == "Offsets":
             sig[name] = "*i64"
+        elif name == "DQA":  # the fast flash backward's float32 dQ sums
+            sig[name] = "*fp32"
         elif name == "B":  # the fp8 projection's bias
             sig[name] = "*fp32"
         elif name == "Y":  # ... and its e4m3 output
@@ -252,26 +257,52 @@ def _sm100_builds(capability: int) -> Iterator[Build]:
 
 def _flash_builds(capability: int) -> Iterator[Build]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
-    on) and half rotary (pointer loads), with the tiles and options of full attention."""
+    on) and half rotary (pointer loads), with the tiles and options of full attention; the
+    backward's deterministic passes and the fast one's (the dK/dV pass with atomic dQ, the delta
+    and dQ store passes)."""
     major, dim = capability // 10, 128
+    kinds = (("fwd", "fwd", _flash_fwd_kernel), ("dkv", "dkv", _flash_bwd_dkdv_kernel),
+             ("dq", "dq", _flash_bwd_dq_kernel), ("dkv_fast", "dkv", _flash_bwd_dkdv_kernel),
+             ("dq_store", "dq", _flash_bwd_dq_store_kernel))
     for dtype, rot in itertools.product(("bf16", "fp16", "fp32"), (0, 64)):
         size = 4 if dtype == "fp32" else 2
         tiles = flash_tiles(dim, "cuda", size, major)
-        for kind, kernel in (("fwd", _flash_fwd_kernel), ("dkv", _flash_bwd_dkdv_kernel), ("dq", _flash_bwd_dq_kernel)):
-            outer, inner = tiles[kind]
-            block_m, block_n = (inner, outer) if kind == "dkv" else (outer, inner)
-            tma = rot == 0 and major >= 9
+        for kind, tile_kind, kernel in kinds:
+            outer, inner = tiles[tile_kind]
+            block_m, block_n = (inner, outer) if tile_kind == "dkv" else (outer, inner)
+            tma = rot == 0 and major >= 9 and kind != "dq_store"
             constexprs = dict(
                 HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
                 BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True,
-                FAST_TRIG=True, INT64=False, PRECISION="tf32", TMA=tma,
+                FAST_TRIG=True, INT64=False, PRECISION="tf32", TMA=tma, DQ_ATOMIC=kind == "dkv_fast",
             )
             if kind == "fwd":
                 options = fwd_launch_options(outer, dim, "cuda", major)
+            elif kind == "dq_store":
+                options = dict(num_warps=4)
             else:
-                options = bwd_launch_options(outer, dim, "cuda", inner if kind == "dkv" else 64)
+                options = bwd_launch_options(outer, dim, "cuda", inner if tile_kind == "dkv" else 64,
+                                             dq_atomic=kind == "dkv_fast")
             name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
             yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
+        if rot == 0:
+            constexprs = dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_D=dim, INT64=False)
+            yield Build(f"flash_delta_{dtype}_d{dim}", _flash_bwd_delta_kernel, dtype, constexprs, dict(num_warps=4))
+
+
+# Builds with no matrix products: the fast flash backward's row-wise passes.
+_NO_PRODUCTS = ("flash_delta_", "flash_dq_store_")
+
+
+def required_products(build: Build, arch: str) -> Tuple[str, ...]:
+    """The generation's matrix instruction, for every build that multiplies matrices; the fast
+    dK/dV pass must also add dQ's terms atomically (``red`` or ``atom`` ``.add.f32``)."""
+    if build.name.startswith(_NO_PRODUCTS):
+        return ()
+    if build.name.startswith("flash_dkv_fast_"):
+        return EXPECTED[arch] + (("atom.global.gpu.relaxed.add", "red.global.gpu.relaxed.add", "atom.global.add",
+                                  "red.global.add"),)
+    return EXPECTED[arch]
 
 
 def required_copies(build: Build) -> Tuple[str, ...]:
@@ -429,7 +460,7 @@ def main(argv=None) -> int:
             failures.append(f"{build.name}: does not compile: {type(err).__name__}: {str(err).splitlines()[-1][:200]}")
             continue
         (args.out / f"{build.name}.ptx").write_text(ptx)
-        wanted = EXPECTED[args.arch] + required_copies(build)
+        wanted = required_products(build, args.arch) + required_copies(build)
         missing = [" or ".join(ins) if isinstance(ins, tuple) else ins for ins in wanted
                    if not any(alt in ptx for alt in (ins if isinstance(ins, tuple) else (ins,)))]
         if missing:

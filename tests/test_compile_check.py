@@ -83,13 +83,20 @@ def test_hopper_ws_kernels_compile(tmp_path):
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)
 def test_flash_kernels_compile(arch, instruction, tmp_path):
-    """bf16 flash forward, dK/dV and dQ (GQA, causal, D128, the generation's tiles): plain heads take
-    tensor-map loads from sm_90 on (TMA copies in the PTX), rotary heads pointer loads everywhere."""
-    ptx = _compile_check(arch, "_bf16_d128_causal_gqa", tmp_path)
+    """bf16 flash forward, dK/dV and dQ, and the fast backward's dK/dV pass with atomic dQ (GQA,
+    causal, D128, the generation's tiles): plain heads take tensor-map loads from sm_90 on (TMA
+    copies in the PTX), rotary heads pointer loads everywhere; the fast backward's dQ store and
+    delta passes build (row-wise, no products)."""
+    ptx = _compile_check(arch, "flash_fwd_bf16,flash_dkv_bf16,flash_dq_bf16,flash_dkv_fast_bf16,flash_dq_store_bf16,"
+                                 "flash_delta_bf16", tmp_path)
     plain = "" if arch == "sm_80" else "_tma"
-    assert set(ptx) == {f"flash_{k}_bf16_d128_causal_gqa{v}" for k in ("fwd", "dkv", "dq") for v in (plain, "_rope")}
-    assert all(instruction in text for text in ptx.values())
-    assert all(("cp.async.bulk.tensor" in text) == name.endswith("_tma") for name, text in ptx.items())
+    products = {f"flash_{k}_bf16_d128_causal_gqa{v}" for k in ("fwd", "dkv", "dq", "dkv_fast") for v in (plain, "_rope")}
+    assert products <= set(ptx)
+    assert {"flash_dq_store_bf16_d128_causal_gqa", "flash_dq_store_bf16_d128_causal_gqa_rope",
+            "flash_delta_bf16_d128"} <= set(ptx)
+    for name in products:
+        assert instruction in ptx[name] and ("cp.async.bulk.tensor" in ptx[name]) == name.endswith("_tma")
+        assert ("atom.global.gpu.relaxed.add" in ptx[name]) == ("dkv_fast" in name)
 
 
 def test_register_caps():

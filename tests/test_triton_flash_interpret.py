@@ -263,6 +263,61 @@ def test_backward_bitwise_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+FAST_CASES = [
+    dict(lengths=FULL_LENGTHS, heads=2, kv_heads=2, dim=32, dtype=torch.float32, block_size=None),
+    dict(lengths=FULL_LENGTHS, heads=4, kv_heads=2, dim=16, dtype=torch.float16, block_size=None, causal=True),
+    dict(lengths=BLOCK_LENGTHS, heads=2, kv_heads=1, dim=24, dtype=torch.float32, block_size=256, causal=True),
+    dict(lengths=ROTARY_LENGTHS, heads=2, kv_heads=1, dim=32, dtype=torch.float32, block_size=None,
+         rope_theta=500.0, rotary_dim=16, rotary_interleaved=True, causal=True),
+]
+
+
+@interpret_only
+@pytest.mark.parametrize("case", FAST_CASES, ids=["full-fp32", "full-gqa-causal-fp16", "b256-mqa-causal-d24",
+                                                  "rotary-interleaved-partial-gqa-causal"])
+def test_fast_backward_matches_oracle_and_the_deterministic_dk_dv(monkeypatch, case):
+    """The fast backward (dQ by atomic adds in the dK/dV pass) runs under ``fast_backward()`` and
+    matches the float64 oracle; its dK and dV are the deterministic backward's, bit for bit."""
+    from blockattn_layers.kernels.flash import bwd
+
+    case = dict(case)
+    lengths, heads, kv_heads, dim, dtype = (case.pop(n) for n in ("lengths", "heads", "kv_heads", "dim", "dtype"))
+    fast = []
+    real = bwd._fast_bwd
+    monkeypatch.setattr(bwd, "_fast_bwd", lambda *a: fast.append(1) or real(*a))
+    with bl.fast_backward():
+        _check(lengths, heads, kv_heads, dim, dtype, seed=3, **case)
+    assert fast == [1]
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, heads, kv_heads, dim, dtype, 3))
+    offsets = offsets_from_lengths(lengths)
+    out = bl.block_attention(q, k, v, offsets, backend="triton_flash", **case)
+    g = torch.randn_like(out)
+    with bl.fast_backward():
+        fast_grads = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert fast == [1, 1]
+    assert torch.equal(fast_grads[1], grads[1]) and torch.equal(fast_grads[2], grads[2])
+    assert rel_err(fast_grads[0], grads[0].double()) < TOL[dtype]
+
+
+@interpret_only
+def test_fast_backward_keeps_non_finite_values_in_their_sequence():
+    """A NaN in one sequence stays there in the fast backward too: the atomic adds touch only the
+    rows of the key tile's own block."""
+    lengths = [70, 65, 100]
+    q, k, v = _inputs(lengths, 2, 2, 32, torch.float32, 14)
+    for x in (q, k, v):
+        x[70:135] = float("nan")
+    offsets = offsets_from_lengths(lengths)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, None, causal=True, backend="triton_flash")
+    with bl.fast_backward():
+        grads = torch.autograd.grad(out, (qs, ks, vs), torch.ones_like(out))
+    for x in grads:
+        assert torch.isfinite(x[:70]).all() and torch.isfinite(x[135:]).all()
+        assert torch.isnan(x[70:135]).all()
+
+
 @interpret_only
 def test_opcheck_forward_op():
     lengths = [5, 0, 33]
@@ -374,3 +429,37 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
         runs.append((out, *torch.autograd.grad(out, leaves, grad_out)))
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(rel_err(a, b) < 1e-2 for a, b in zip(runs[0][1:], runs[1][1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_fast_backward_matches_float64_reference(case, dtype):
+    """The fast backward on the GPU: gradients within 3x of the naive same-dtype error of the
+    float64 oracle (with a floor), zero-length and length-1 sequences included, finite; dK and dV
+    equal to the deterministic backward's up to rounding."""
+    from blockattn_layers import reference
+
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    total = sum(GPU_LENGTHS)
+    q, k, v = (torch.randn(total, h, dim, device="cuda", generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    offsets = offsets_from_lengths(GPU_LENGTHS, device="cuda")
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
+    grad_out = torch.randn_like(out)
+    with bl.fast_backward():
+        grads = torch.autograd.grad(out, (qs, ks, vs), grad_out, retain_graph=True)
+    exact = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    rot = case.get("rotary_dim", dim) if "rope_theta" in case else 0
+    args = (case["block_size"], dim ** -0.5, case.get("causal", False), case.get("rope_theta"), None, rot,
+            case.get("rotary_interleaved", False))
+    d = [x.double() for x in (q, k, v)]
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
+    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+    for got, want in zip(grads[1:], exact[1:]):
+        assert rel_err(got, want.double()) < 1e-2

@@ -90,14 +90,16 @@ def sublayer_rows(device: torch.device, steps: Optional[int]) -> List[dict]:
             errors = {"bf16": _rel(bf16(values, offsets), want), "fp8": _rel(served(values, offsets), want),
                       "v only": _rounded_qkv_error(layer64, values.double(), offsets, want, "v"),
                       "q, k only": _rounded_qkv_error(layer64, values.double(), offsets, want, "qk")}
-        shape = f"layer {i}: d_model {layer.embed_dim}, {layer.num_heads} heads, D {layer.head_dim}, T {values.shape[0]}"
+        shape = (f"layer {i}: d_model {layer.embed_dim}, {layer.num_heads} heads, D {layer.head_dim}, "
+                 f"T {values.shape[0]}")
         for method, err in errors.items():
             rows.append(dict(sublayer=shape, method=method, err=err, ratio_to_bf16=err / errors["bf16"]))
     return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blockattn_layers.bench.fp8_accuracy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m blockattn_layers.bench.fp8_accuracy",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
     parser.add_argument("--out", default=None, help="CSV file for the rows")

@@ -25,6 +25,15 @@ def store_cols(ptr, x, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64: tl
 
 
 @triton.jit
+def add_cols(ptr, x, rows, row_ok, cols, col_ok, stride_t, stride_d, INT64: tl.constexpr):
+    """Atomic ``ptr[rows, cols] += x`` (float32 accumulators; the order of the adds is not fixed)."""
+    if INT64:
+        rows = rows.to(tl.int64)
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.atomic_add(ptr + rows[:, None] * stride_t + cols[None, :] * stride_d, x, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def pair_cols(BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Columns of the first and second channel of each rotary pair, and their mask."""
     offs_r = tl.arange(0, BLOCK_R)

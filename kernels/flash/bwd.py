@@ -1,6 +1,7 @@
-"""Multi-tile ("jagged flash") attention backward, FA2-style, without atomics.
+"""Multi-tile ("jagged flash") attention backward, FA2-style: deterministic, or fast with atomic dQ.
 
-Two launches (besides the tile tables) after the forward has saved ``O`` and ``lse [H, T]``:
+The deterministic backward: two launches (besides the tile tables) after the forward has saved
+``O`` and ``lse [H, T]``:
 
 1. dQ: one program per query tile (``BLOCK_M`` rows) of a block and kv head, each query head
    in turn: it computes ``delta = rowsum(dO * O)`` of its rows (float32 ``[H, T]``, stored for
@@ -19,6 +20,12 @@ exactly one program in a fixed order, so the backward is bitwise deterministic. 
 gradients are rotated back by the transpose rotation before dq and dk are stored
 (``rotate_pair(..., INVERSE=True)``).
 
+The fast backward (``deterministic=False``) computes each score tile once instead of twice: a
+delta pass (``rowsum(dO * O)``), then the dK/dV pass, which also adds each (query tile, key tile)
+term ``dS K`` of dQ to float32 sums ``[T, H, D]`` by atomic adds, then a pass that scales, rotates
+back and casts those sums into dQ. dK and dV are as deterministic as above; dQ's float32 sums
+depend on the order of the adds, so dQ can differ between runs in its last bits.
+
 Loads: as in ``flash.fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
 tiles in the dQ pass) through tensor maps where ``tma_loads`` allows; then the dK/dV pass leaves
 the partial last query tile to its masked loop (seed3 backward on the H200: 4.18 -> 3.72 ms).
@@ -34,10 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.meta import LOG2E, kernel_meta, major_of
+from ..common.meta import LOG2E, kernel_meta, major_of, needs_int64
 from .schedule import (
-    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_acc, split_scores,
-    store_split, tile_of_program, tile_sin_cos, tma_loads,
+    FlashSchedule, add_split, allowed, flash_tiles, load_acc_split, load_row_tiles, load_split, row_ptrs, row_tiles,
+    split_acc, split_scores, store_split, tile_of_program, tile_sin_cos, tma_loads,
 )
 from ..common.launch import Launcher
 from ..common.tiles import load_cols, store_cols
@@ -45,26 +52,29 @@ from ..common.tiles import load_cols, store_cols
 _LOG2E = tl.constexpr(LOG2E)
 
 
-def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int = 64) -> dict:
-    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4; 2 stages to overlap inner-loop
-    loads, except over 32-row inner tiles: there Triton 3.6's pipelined dK/dV loop gave wrong,
-    run-to-run different dK on the H200 (measured; 1 stage and 64-row inner tiles were right)."""
-    warps = 8 if (block > 64 and head_dim > 64) or head_dim > 128 else 4
+def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int = 64, dq_atomic: bool = False) -> dict:
+    """8 warps for 128-row tiles at D > 64 and for D > 128, else 4 (the fast dK/dV pass: 8 at
+    D > 64, where its dQ term's accumulator spilled 748 bytes per thread at 4 warps, 228 at 8, in
+    ptxas for sm_90 at D128); 2 stages to overlap inner-loop loads, except over 32-row inner
+    tiles: there Triton 3.6's pipelined dK/dV loop gave wrong, run-to-run different dK on the H200
+    (measured; 1 stage and 64-row inner tiles were right)."""
+    warps = 8 if (block > 64 and head_dim > 64) or head_dim > 128 or (dq_atomic and head_dim > 64) else 4
     return dict(num_warps=warps, num_stages=2 if device_type == "cuda" and inner >= 64 else 1)
 
 
 @triton.jit
 def _dkdv_query_tiles(
-    dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+    dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
     offs_d, d_ok, m_lo, m_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
-    stride_dot, stride_doh, stride_dod, stride_lh,
+    stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
-    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """Accumulate ``dK`` (as ``a, b, p`` tiles) and ``dV`` of one key tile over ``m_tiles`` query
-    tiles from row ``m_lo``, for every query head of the group."""
+    tiles from row ``m_lo``, for every query head of the group; with ``DQ_ATOMIC`` also add each
+    query tile's share of ``dQ`` (``dS K``, rotated, unscaled) to the float32 ``DQA``."""
     dtype = ka.dtype
     # One flat loop over (query head, query tile): nested loops that carry the dK, dV
     # accumulators across the outer loop break the software pipeliner on sm_100.
@@ -87,8 +97,14 @@ def _dkdv_query_tiles(
             p = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None], p, 0.0)
         dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds_t = tl.trans((p * (dp - delta[:, None])).to(dtype))
-        dka, dkb, dkp = split_acc(ds_t, qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dka, dkb, dkp = split_acc(tl.trans(ds), qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
+        if DQ_ATOMIC:
+            dqa, dqb, dqp = split_acc(ds, ka, kb, kp, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
+                                      tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
+                                      tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32), HEAD_DIM, ROT_DIM, PRECISION)
+            add_split(DQA + h * stride_qah, dqa, dqb, dqp, rows_m, m_ok, stride_qat,
+                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
     return dka, dkb, dkp, dv
 
 
@@ -126,15 +142,15 @@ def _dq_key_tiles(
 
 @triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "qk_scale", "log2_theta", "stride_lh"])
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, QD, DOD, Lse, Delta, DK, DV, Table, Pos,
+    Q, K, V, DO, QD, DOD, Lse, Delta, DK, DV, DQA, Table, Pos,
     slots, kv_heads, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-    stride_dkt, stride_dkh, stride_dkd, stride_dvt, stride_dvh, stride_dvd, stride_lh,
+    stride_dkt, stride_dkh, stride_dkd, stride_dvt, stride_dvh, stride_dvd, stride_lh, stride_qat, stride_qah,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
-    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slot = pid // kv_heads
@@ -171,27 +187,27 @@ def _flash_bwd_dkdv_kernel(
     if TMA:
         m_full = (n // BLOCK_M) * BLOCK_M
     dka, dkb, dkp, dv = _dkdv_query_tiles(
-        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
         offs_d, d_ok, m_begin, masked_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
-        stride_dot, stride_doh, stride_dod, stride_lh,
+        stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-        FAST_TRIG, INT64, PRECISION, TMA,
+        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
     )
     dka, dkb, dkp, dv = _dkdv_query_tiles(
-        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, Pos, hk, start, first_row, n, offs_n, n_ok,
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
         offs_d, d_ok, m_free, tl.cdiv(m_full - m_free, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
-        stride_qd, stride_dot, stride_doh, stride_dod, stride_lh,
+        stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         False, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-        FAST_TRIG, INT64, PRECISION, TMA,
+        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
     )
     if TMA:
         tail = tl.maximum(m_free, m_full)
         dka, dkb, dkp, dv = _dkdv_query_tiles(
-            dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, Pos, hk, start, first_row, n, offs_n,
+            dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n,
             n_ok, offs_d, d_ok, tail, tl.cdiv(n - tail, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
-            stride_qd, stride_dot, stride_doh, stride_dod, stride_lh,
+            stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
             True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-            FAST_TRIG, INT64, PRECISION, TMA,
+            FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
         )
     store_split(DK + hk * stride_dkh, dka, dkb, dkp, scale, k_sin, k_cos, rows_n, n_ok, stride_dkt, stride_dkd,
                 HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
@@ -261,16 +277,61 @@ def _flash_bwd_dq_kernel(
                     HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
 
 
+@triton.jit(do_not_specialize=["total", "stride_lh"])
+def _flash_bwd_delta_kernel(
+    O, DO, Delta, total, stride_ot, stride_oh, stride_od, stride_dot, stride_doh, stride_dod, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INT64: tl.constexpr,
+):
+    """``delta[h, t] = rowsum(dO * O)`` of ``BLOCK_M`` rows of one head (the fast backward's first pass)."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < total
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    o = load_cols(O + h * stride_oh, rows, ok, offs_d, d_ok, stride_ot, stride_od, INT64)
+    do = load_cols(DO + h * stride_doh, rows, ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+    tl.store(row_ptrs(Delta, h, stride_lh, rows, INT64), tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "log2_theta"])
+def _flash_bwd_dq_store_kernel(
+    DQA, DQ, Table, Pos, slots, kv_heads, scale, log2_theta, stride_qat, stride_qah, stride_dqt, stride_dqh, stride_dqd,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+    FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+):
+    """The fast backward's last pass: ``dQ`` of one query tile and kv head's query heads from the
+    float32 sums, times ``scale``, rotated back where rotary is on, in dQ's dtype."""
+    pid = tl.program_id(0)
+    slot = pid // kv_heads
+    hk = pid % kv_heads
+    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    if n == 0:
+        return
+    offs_m = tile_row + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    rows_m = start + offs_m
+    q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
+                                BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        a, b, p = load_acc_split(DQA + h * stride_qah, rows_m, m_ok, stride_qat,
+                                 HEAD_DIM, BLOCK_M, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        store_split(DQ + h * stride_dqh, a, b, p, scale, q_sin, q_cos, rows_m, m_ok, stride_dqt, stride_dqd,
+                    HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+
+
 def flash_attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     offsets: torch.Tensor, block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
     positions: Optional[torch.Tensor], rotary_dim: int, rotary_interleaved: bool,
-    cpu_offsets: Optional[torch.Tensor], tiles: Optional[dict] = None,
+    cpu_offsets: Optional[torch.Tensor], tiles: Optional[dict] = None, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
 
     ``block_size == 0``: full attention; ``tiles``: ``{"dkv": (key, query), "dq": (query, key)}``
-    tile rows, default ``flash_tiles``.
+    tile rows, default ``flash_tiles``. ``deterministic=False``: the fast backward (module
+    docstring): no dQ pass, dQ summed by atomic adds in the dK/dV pass.
     """
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -300,6 +361,9 @@ def flash_attention_bwd(
         meta["TMA"] = tma and not meta["INT64"]
         return meta
 
+    if not deterministic:
+        return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
+                         log2_theta, pass_meta)
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
     meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
@@ -311,19 +375,60 @@ def flash_attention_bwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), lse.stride(0),
     ), meta, q)
 
-    meta = pass_meta((k, v, do, dk, dv), dkv_m, dkv_n, bwd_launch_options(dkv_n, head_dim, q.device.type, inner=dkv_m))
-    table = dkv_sched.table(late_first=False)
-    qd, dod = row_tiles(q, dkv_m, meta["TMA"]), row_tiles(do, dkv_m, meta["TMA"])
-    (_launch_dkdv_tma if meta["TMA"] else _launch_dkdv)((dkv_sched.programs * kv_heads,), (
-        q, k, v, do, qd, dod, lse, delta, dk, dv, table, positions if positions is not None else table,
-        dkv_sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
-    ), meta, q)
+    _dkdv_pass(do, q, k, v, lse, delta, dk, dv, None, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta, pass_meta)
     return dq, dk, dv
+
+
+def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n, positions, scale, log2_theta,
+               pass_meta) -> None:
+    """The dK/dV pass; with ``dq_sums`` (float32 ``[T, H, D]``, zeroed) it also adds dQ's terms there."""
+    kv_heads = k.shape[1]
+    options = bwd_launch_options(block_n, q.shape[-1], q.device.type, inner=block_m, dq_atomic=dq_sums is not None)
+    meta = pass_meta((k, v, do, dk, dv), block_m, block_n, options)
+    meta["DQ_ATOMIC"] = dq_sums is not None
+    table = sched.table(late_first=False)
+    qd, dod = row_tiles(q, block_m, meta["TMA"]), row_tiles(do, block_m, meta["TMA"])
+    sums = dq_sums if dq_sums is not None else dk
+    (_launch_dkdv_tma if meta["TMA"] else _launch_dkdv)((sched.programs * kv_heads,), (
+        q, k, v, do, qd, dod, lse, delta, dk, dv, sums, table, positions if positions is not None else table,
+        sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
+        sums.stride(0), sums.stride(1),
+    ), meta, q)
+
+
+def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
+              log2_theta, pass_meta):
+    """The fast backward: delta, then the dK/dV pass adding dQ's terms to float32 sums, then dQ from them."""
+    total, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
+                      INT64=needs_int64(o, do), num_warps=4)
+    _launch_delta((triton.cdiv(total, 64), num_heads), (
+        o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)), delta_meta, q)
+    sums = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _dkdv_pass(do, q, k, v, lse, delta, dk, dv, sums, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta,
+               pass_meta)
+    dq = q.new_empty(q.shape)
+    meta = pass_meta((sums, dq), dq_m, dq_m, dict(num_warps=4))
+    store_meta = {name: meta[name] for name in _STORE_CONSTEXPRS}
+    store_meta["num_warps"] = 4
+    table = dq_sched.table(late_first=False)
+    _launch_dq_store((dq_sched.programs * kv_heads,), (
+        sums, dq, table, positions if positions is not None else table, dq_sched.programs, kv_heads, scale,
+        log2_theta, sums.stride(0), sums.stride(1), *dq.stride(),
+    ), store_meta, q)
+    return dq, dk, dv
+
+
+_STORE_CONSTEXPRS = ("HEAD_DIM", "GROUPS", "BLOCK_M", "BLOCK_R", "BLOCK_P", "ROT_DIM", "INTERLEAVED", "HAS_POS",
+                     "FAST_TRIG", "INT64")
 
 
 _launch_dkdv = Launcher(_flash_bwd_dkdv_kernel)
 _launch_dq = Launcher(_flash_bwd_dq_kernel)
+_launch_delta = Launcher(_flash_bwd_delta_kernel)
+_launch_dq_store = Launcher(_flash_bwd_dq_store_kernel)
 # A launcher keys its cache by the kinds of arguments at each position: tensor-map launches,
 # which pass descriptors where the others pass tensors, have their own.
 _launch_dkdv_tma = Launcher(_flash_bwd_dkdv_kernel)

@@ -32,7 +32,7 @@ from ..common.meta import major_of
 from ..common.launch import Launcher
 from ..common.rotary import rotary_sin_cos, rotate_pair
 from ..common.schedule import search_prefix
-from ..common.tiles import block_positions, load_cols, pair_cols, pass_cols, store_cols
+from ..common.tiles import add_cols, block_positions, load_cols, pair_cols, pass_cols, store_cols
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
@@ -357,6 +357,44 @@ def store_split(
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
         store_cols(ptr, p * scale, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
+
+
+@triton.jit
+def add_split(
+    ptr, a, b, p, rows, ok, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
+):
+    """Atomically add a gradient held as ``(a, b, p)`` to float32 rows at its own columns (not rotated back)."""
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        add_cols(ptr, a, rows, ok, cols_a, r_ok, stride_t, 1, INT64)
+        add_cols(ptr, b, rows, ok, cols_b, r_ok, stride_t, 1, INT64)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        add_cols(ptr, p, rows, ok, cols_p, p_ok, stride_t, 1, INT64)
+
+
+@triton.jit
+def load_acc_split(
+    ptr, rows, ok, stride_t,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
+):
+    """Float32 rows accumulated by :func:`add_split`, as its ``(a, b, p)`` tiles."""
+    if ROT_DIM > 0:
+        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
+        a = load_cols(ptr, rows, ok, cols_a, r_ok, stride_t, 1, INT64)
+        b = load_cols(ptr, rows, ok, cols_b, r_ok, stride_t, 1, INT64)
+    else:
+        a = tl.zeros((BLOCK, BLOCK_R), dtype=tl.float32)
+        b = tl.zeros((BLOCK, BLOCK_R), dtype=tl.float32)
+    if ROT_DIM < HEAD_DIM:
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+        p = load_cols(ptr, rows, ok, cols_p, p_ok, stride_t, 1, INT64)
+    else:
+        p = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
+    return a, b, p
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from blockattn_layers.kernels.common.meta import MAX_TILE
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
+from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from ..library import SINGLE_TILE_MAX
 
@@ -64,7 +65,8 @@ def _backward(
         out, lse = flash_attention_fwd(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
                                        rotary_dim, rotary_interleaved, cpu_offsets)
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
-                                   positions, rotary_dim, rotary_interleaved, cpu_offsets)
+                                   positions, rotary_dim, rotary_interleaved, cpu_offsets,
+                                   deterministic=deterministic_backward())
     return block_attention_bwd(
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,

@@ -3,8 +3,8 @@
 For blocks longer than one tile (``block_size > SINGLE_TILE_MAX``) and full per-sequence
 attention (op argument ``block_size == 0``). As in FA2, the forward returns ``(out, lse)``:
 ``lse [H, T]`` float32 (natural-log logsumexp of the scaled scores of each query row) lets the
-deterministic backward (no atomics) recompute ``P`` without a second forward; autograd saves
-``out`` and ``lse`` for it. ``backend="auto"`` takes it on CUDA devices for what the
+backward recompute ``P`` without a second forward; autograd saves ``out`` and ``lse`` for it.
+The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). ``backend="auto"`` takes it on CUDA devices for what the
 single-tile ``triton`` backend does not serve.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import Tensor
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
+from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from ..library import SINGLE_TILE_MAX
 from .triton_block import cuda_reasons, triton_devices
@@ -40,7 +41,7 @@ def _backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return flash_attention_bwd(
         grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
-        rotary_dim, rotary_interleaved, cpu_offsets,
+        rotary_dim, rotary_interleaved, cpu_offsets, deterministic=deterministic_backward(),
     )
 
 
