@@ -83,11 +83,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                   + (f"  err {err:.2e}" if err is not None else ""), flush=True)
     rows += _sublayer_rows(commit)
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
     return 0
+
+
+def write_csv(path: str, rows: List[dict]) -> None:
+    """``rows`` (dicts with the first one's keys) as a CSV file with a header."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _sublayer_rows(commit: str) -> List[dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 from typing import Dict, List, Optional
 
 import torch
@@ -31,6 +30,7 @@ from blockattn_layers import fp8
 from ..cli.demo import build_trainer
 from ..cli.demo_config import load_demo_config
 from ..cli.demo_data import SyntheticClicks
+from .fp8 import write_csv
 
 
 def _rel(got: Tensor, want: Tensor) -> float:
@@ -108,10 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         print(f"{r['sublayer']:48} {r['method']:10} err {r['err']:.2e}  ({r['ratio_to_bf16']:.1f}x bf16's)")
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, rows)
     return 0
 
 

@@ -43,8 +43,8 @@ import triton.language as tl
 
 from ..common.meta import LOG2E, kernel_meta, major_of, needs_int64
 from .schedule import (
-    FlashSchedule, add_split, allowed, flash_tiles, load_acc_split, load_row_tiles, load_split, row_ptrs, row_tiles,
-    split_acc, split_scores, store_split, tile_of_program, tile_sin_cos, tma_loads,
+    FlashSchedule, add_split, allowed, flash_tiles, load_acc_split, load_row_tiles, load_split, program_rows, row_ptrs,
+    row_tiles, split_acc, split_scores, store_split, tile_sin_cos, tma_loads,
 )
 from ..common.launch import Launcher
 from ..common.tiles import load_cols, store_cols
@@ -152,15 +152,9 @@ def _flash_bwd_dkdv_kernel(
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
     INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // kv_heads
-    hk = pid % kv_heads
-    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    hk, start, n, first_row, tile_row, offs_n, n_ok, rows_n = program_rows(Table, slots, kv_heads, BLOCK_N)
     if n == 0:
         return
-    offs_n = tile_row + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n
-    rows_n = start + offs_n
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, n_ok, log2_theta,
@@ -226,15 +220,9 @@ def _flash_bwd_dq_kernel(
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
     INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // kv_heads
-    hk = pid % kv_heads
-    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    hk, start, n, first_row, tile_row, offs_m, m_ok, rows_m = program_rows(Table, slots, kv_heads, BLOCK_M)
     if n == 0:
         return
-    offs_m = tile_row + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n
-    rows_m = start + offs_m
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
@@ -302,15 +290,9 @@ def _flash_bwd_dq_store_kernel(
 ):
     """The fast backward's last pass: ``dQ`` of one query tile and kv head's query heads from the
     float32 sums, times ``scale``, rotated back where rotary is on, in dQ's dtype."""
-    pid = tl.program_id(0)
-    slot = pid // kv_heads
-    hk = pid % kv_heads
-    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    hk, start, n, first_row, tile_row, offs_m, m_ok, rows_m = program_rows(Table, slots, kv_heads, BLOCK_M)
     if n == 0:
         return
-    offs_m = tile_row + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n
-    rows_m = start + offs_m
     q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, m_ok, log2_theta,
                                 BLOCK_M, BLOCK_R, ROT_DIM, INTERLEAVED, HAS_POS, FAST_TRIG)
     for g in range(GROUPS):

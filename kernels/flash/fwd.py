@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..common.meta import LOG2E, kernel_meta, major_of
 from .schedule import (
-    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, row_ptrs, row_tiles, split_scores, tile_of_program,
+    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, program_rows, row_ptrs, row_tiles, split_scores,
     tile_sin_cos, tma_loads,
 )
 from ..common.launch import Launcher
@@ -94,15 +94,9 @@ def _flash_fwd_kernel(
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
     INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // kv_heads
-    hk = pid % kv_heads
-    start, n, first_row, tile_row = tile_of_program(Table, slots, slot)
+    hk, start, n, first_row, tile_row, offs_m, m_ok, rows_m = program_rows(Table, slots, kv_heads, BLOCK_M)
     if n == 0:
         return
-    offs_m = tile_row + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n
-    rows_m = start + offs_m
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     k_ptr = K + hk * stride_kh

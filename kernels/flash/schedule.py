@@ -242,6 +242,18 @@ def tile_of_program(Table, slots, slot):
 
 
 @triton.jit
+def program_rows(Table, slots, kv_heads, BLOCK: tl.constexpr):
+    """This program's kv head and tile: ``(hk, start, n, first_row, tile_row, offs, ok, rows)``
+    (:func:`tile_of_program`'s four, then the rows ``offs`` of the tile in its block, ``ok`` where
+    inside it, and their token indices ``rows``); the programs go through the tile table once per
+    kv head. ``n == 0``: no tile."""
+    pid = tl.program_id(0)
+    start, n, first_row, tile_row = tile_of_program(Table, slots, pid // kv_heads)
+    offs = tile_row + tl.arange(0, BLOCK)
+    return pid % kv_heads, start, n, first_row, tile_row, offs, offs < n, start + offs
+
+
+@triton.jit
 def tile_sin_cos(
     Pos, block_start, first_row, offs, ok, log2_theta,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
