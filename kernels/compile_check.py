@@ -305,12 +305,27 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
     return EXPECTED[arch]
 
 
+def _flash_ws_builds(capability: int) -> Iterator[Build]:
+    """The experimental warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
+    and 128, bf16 / fp16, causal with GQA or neither, the tiles ``flash.gluon_fwd`` launches."""
+    if capability // 10 != 9 or gluon_import_error() is not None:
+        return
+    from .sm90.flash_fwd import _flash_fwd_ws_kernel
+
+    for dtype, dim, (causal, groups) in itertools.product(("bf16", "fp16"), (64, 128), ((False, 1), (True, 4))):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal)
+        name = f"flash_gluon_fwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
+        yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
+
+
 def required_copies(build: Build) -> Tuple[str, ...]:
     """Copy instructions a build's PTX must hold: TMA copies for tensor-map loads, asynchronous
     copies for the hopper kernels (every tile); for the warp-specialized kernels TMA copies (full
     blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
     if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
+    if build.name.startswith("flash_gluon_"):
+        return (TMA_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
     if build.name.startswith("sm100_"):
         return SM100_REQUIRED
     if build.constexprs.get("TMA"):
@@ -357,6 +372,7 @@ def builds(capability: int) -> Iterator[Build]:
     yield from _hopper_ws_builds(capability)
     yield from _sm100_builds(capability)
     yield from _flash_builds(capability)
+    yield from _flash_ws_builds(capability)
 
 
 def compile_build(build: Build, capability: int) -> str:
@@ -465,7 +481,7 @@ def main(argv=None) -> int:
                    if not any(alt in ptx for alt in (ins if isinstance(ins, tuple) else (ins,)))]
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
-        if build.name.startswith("sm100_") or build.name.endswith("_hopper"):
+        if build.name.startswith(("sm100_", "flash_gluon_")) or build.name.endswith("_hopper"):
             used = usage(compiled, ARCHS[args.arch])
             print(f"{build.name}: {used}")
             over = used.over_budget(HOPPER_MAX_SPILL_BYTES if build.name.endswith("_hopper") else MAX_SPILL_BYTES)

@@ -81,6 +81,20 @@ def test_hopper_ws_kernels_compile(tmp_path):
         assert result.returncode == 1 and f"{arch}: 0 variants" in result.stdout
 
 
+def test_warp_specialized_flash_forward_compiles(tmp_path):
+    """The experimental Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
+    neither): wgmma, TMA loads and the output's TMA store, tensor maps made in the kernel,
+    mbarrier waits and the partitions' register reallocation, within the register, spill and
+    shared-memory budgets (``compile_check`` fails a build over them)."""
+    ptx = _compile_check("sm_90", "flash_gluon_", tmp_path / "sm_90")
+    assert len(ptx) == 8
+    for name, text in ptx.items():
+        for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
+                            "cp.async.bulk.tensor.2d.global.shared", "tensormap.replace", "setmaxnreg.inc",
+                            "mbarrier.try_wait"):
+            assert instruction in text, (name, instruction)
+
+
 @pytest.mark.parametrize("arch,instruction", ARCHS)
 def test_flash_kernels_compile(arch, instruction, tmp_path):
     """bf16 flash forward, dK/dV and dQ, and the fast backward's dK/dV pass with atomic dQ (GQA,

@@ -356,6 +356,16 @@ GPU_CASES = [
 ]
 
 
+def _gpu_inputs(case: dict, dtype, seed: int):
+    """``(call keywords, head dim, q, k, v, offsets)`` of a GPU case on GPU_LENGTHS."""
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(GPU_LENGTHS)
+    q, k, v = (torch.randn(total, h, dim, device="cuda", generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return case, dim, q, k, v, offsets_from_lengths(GPU_LENGTHS, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["deterministic", "fast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -366,12 +376,7 @@ def test_gpu_matches_float64_reference(case, dtype, mode):
     deterministic dK and dV up to rounding."""
     from blockattn_layers import reference
 
-    case = dict(case)
-    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    total = sum(GPU_LENGTHS)
-    q, k, v = (torch.randn(total, h, dim, device="cuda", generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
-    offsets = offsets_from_lengths(GPU_LENGTHS, device="cuda")
+    case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 0)
     qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
     out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
     grad_out = torch.randn_like(out)
@@ -421,3 +426,44 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(rel_err(a, b) < 1e-2 for a, b in zip(runs[0][1:], runs[1][1:]))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
+                         + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype):
+    """The experimental warp-specialized Gluon forward (taken with unverified kernels allowed): output
+    within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's,
+    and the backward on its output and logsumexp as accurate as on the Triton forward's."""
+    from blockattn_layers import reference
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90 import flash_fwd as ws
+
+    case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 2)
+    block, causal = case["block_size"] or 0, case.get("causal", False)
+    calls = []
+    real = ws.flash_attention_fwd_ws
+    monkeypatch.setattr(ws, "flash_attention_fwd_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+    assert calls == [1]
+    _, lse = real(q, k, v, offsets, block, dim ** -0.5, causal)
+    _, want_lse = flash_attention_fwd(q, k, v, offsets, block, dim ** -0.5, causal, None, None, 0, False, None)
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=0)
+    args = (case["block_size"], dim ** -0.5, causal, None, None, 0, False)
+    d = [x.double() for x in (q, k, v)]
+    oracle = reference.attention_forward(*d, offsets, *args)
+    naive = reference.attention_forward(q, k, v, offsets, *args, dtype=dtype)
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    assert torch.isfinite(out).all() and rel_err(out, oracle) <= max(2 * rel_err(naive, oracle), floor)
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
+    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
+    for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
+        assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"

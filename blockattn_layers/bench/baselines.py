@@ -455,7 +455,7 @@ def varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
 # ----------------------------------------------------------------------------- eager
 def eager(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     """matmul + softmax on the padded ``[n_blocks, H, block, D]`` view (a gather unless aligned)."""
-    T, H, D, bs = case.total, case.num_heads, case.head_dim, case.block_size
+    H, D, bs = case.num_heads, case.head_dim, case.block_size
     bounds = case.unit_bounds()
     starts, lengths = bounds[:-1], bounds.diff()
     nb = starts.numel()

@@ -1,6 +1,7 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -100,6 +101,38 @@ def _variant_methods(spec: blockattn_layers.BackendSpec) -> List[Method]:
     ]
 
 
+@contextlib.contextmanager
+def _unverified_allowed():
+    from blockattn_layers.kernels.block import variants
+
+    before = variants.unverified_allowed()
+    variants.allow_unverified(True)
+    try:
+        yield
+    finally:
+        variants.allow_unverified(before)
+
+
+def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    from blockattn_layers.kernels.block import variants
+
+    if case.block_size is not None and case.block_size <= 128:
+        return "blocks of up to 128 tokens run the single-tile kernels"
+    error = variants.gluon_import_error()
+    if error:
+        return error
+    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
+
+    return "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
+
+
+GLUON_FLASH = Method(
+    "triton_flash[gluon]", "ours", _setup("triton_flash"), _attention, skip=_gluon_flash_skip, gpu_only=True,
+    description="triton_flash with the experimental warp-specialized Gluon forward (sm_90; TMA loader warp, two "
+                "consumer warpgroups), its backward the Triton one's",
+    context=_unverified_allowed)
+
+
 def our_methods() -> List[Method]:
     """One method per registered backend, highest priority first, plus the ``triton`` block-kernel
     variants (a triton import failure shows as a row)."""
@@ -108,6 +141,8 @@ def our_methods() -> List[Method]:
         methods.append(Method(spec.name, "ours", _setup(spec.name), _attention, skip=_skip(spec), gpu_only=False,
                               description=spec.description))
         methods.extend(_variant_methods(spec))
+        if spec.name == "triton_flash":
+            methods.append(GLUON_FLASH)
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),

@@ -4,7 +4,9 @@ For blocks longer than one tile (``block_size > SINGLE_TILE_MAX``) and full per-
 attention (op argument ``block_size == 0``). As in FA2, the forward returns ``(out, lse)``:
 ``lse [H, T]`` float32 (natural-log logsumexp of the scaled scores of each query row) lets the
 backward recompute ``P`` without a second forward; autograd saves ``out`` and ``lse`` for it.
-The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). ``backend="auto"`` takes it on CUDA devices for what the
+The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). With
+``BLOCKATTN_UNVERIFIED_KERNELS=1`` the forward of the calls it admits runs the experimental
+warp-specialized Gluon kernel for sm_90 (``kernels.sm90.flash_fwd``), never yet run on a GPU. ``backend="auto"`` takes it on CUDA devices for what the
 single-tile ``triton`` backend does not serve.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
@@ -28,10 +31,21 @@ def _forward(
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
+    if gluon_forward_taken():
+        from blockattn_layers.kernels.sm90.flash_fwd import flash_attention_fwd_ws, flash_ws_reasons
+
+        if not flash_ws_reasons(q, k, v, rope_theta):
+            return flash_attention_fwd_ws(q, k, v, offsets, block_size, scale, causal, cpu_offsets)
     return flash_attention_fwd(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets,
     )
+
+
+def gluon_forward_taken() -> bool:
+    """Whether calls the experimental warp-specialized Gluon forward admits run it: only with
+    ``BLOCKATTN_UNVERIFIED_KERNELS=1`` (``variants.allow_unverified``), as it has never run on a GPU."""
+    return variants.unverified_allowed() and variants.gluon_import_error() is None
 
 
 def _backward(

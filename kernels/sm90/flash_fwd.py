@@ -1,0 +1,228 @@
+"""Warp-specialized flash-attention forward for Hopper (sm_90) in Gluon: the experimental
+``gluon`` forward of the ``triton_flash`` backend (full attention and blocks over 128 tokens).
+
+One program per 128-row query tile of a block (the flash tile table, longest blocks first) and
+query head. Three partitions share the program's shared memory:
+
+- a one-warp loader: the query tile (two 64-row halves) once, then each key tile's k and v into
+  a ring of ``STAGES`` slots, all by TMA;
+- two consumer warpgroups, one per 64-row half of the query tile: per key tile ``S = Q K^T``
+  by wgmma from the shared tiles, the online softmax in registers (running max and sum in
+  float32), ``O += P V`` with ``P`` from registers; each releases the slot after its product,
+  and the loader refills it once both have.
+
+Every tensor map is made in the kernel over the rows of the program's own block
+(``tma.make_tensor_descriptor`` on ``[n, heads * D]`` from the block's first row), so a box
+past the block's end is zero-filled on load and clipped on store: no tile reads or writes
+another block's rows, and a key tile at the block's end needs only its score columns masked.
+The output leaves through the dead query tile by a TMA store; the natural-log logsumexp of
+each row's scaled scores goes to ``lse [H, T]`` for the backward, as ``flash.fwd`` writes it.
+
+Admitted calls (``kernels.flash.gluon_fwd_reasons``): sm_90, bf16 / fp16, head dims 64 and
+128, no rotary, rows of ``H * D`` contiguous elements, 32-bit offsets. Compile-checked and run
+on CPU tensors through ``tests/gluon_shim.py``; never run on a GPU here.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from ..common.launch import Launcher
+from .block import _acc_layout, _smem_layout
+from .persistent import drop_ring, init_ring
+
+STAGES = gl.constexpr(2)
+LOADER_REGS = gl.constexpr(40)
+CONSUMER_REGS = gl.constexpr(232)
+HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup
+_LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def block_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Tensor map of the block's rows ``[start, start + n)`` of the ``[T, heads * HEAD_DIM]`` view,
+    ``[BOX_ROWS, HEAD_DIM]`` boxes (past row ``n``: zeros on load, dropped on store)."""
+    return tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads * HEAD_DIM], [stride_t, 1],
+                                      [BOX_ROWS, HEAD_DIM], _smem_layout(HEAD_DIM))
+
+
+@gluon.jit
+def key_tiles(n, tile_row, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(tiles, unmasked)``: the key tiles a query tile from row ``tile_row`` visits, and how many of
+    the first ones need no mask (wholly inside the block and, causal, left of the tile's first row)."""
+    end = n
+    unmasked = n // BLOCK_N
+    if IS_CAUSAL:
+        end = gl.minimum(n, tile_row + BLOCK_M)
+        unmasked = gl.minimum(unmasked, tile_row // BLOCK_N)
+    return (end + BLOCK_N - 1) // BLOCK_N, unmasked
+
+
+@gluon.jit
+def _loader(q_s, k_s, v_s, q_bar, kv_ready, kv_empty, Q, K, V, start, n, tile_row, h, hk, heads, kv_heads, tiles,
+            stride_qt, stride_kt, stride_vt, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Loader partition: the two query halves, then k and v of each key tile into the ring."""
+    q_map = block_map(Q, start, n, heads, stride_qt, HALF_M, HEAD_DIM)
+    k_map = block_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM)
+    v_map = block_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM)
+    nbytes: gl.constexpr = HEAD_DIM * q_s.dtype.primitive_bitwidth // 8
+    mbarrier.expect(q_bar, 2 * HALF_M * nbytes)
+    tma.async_copy_global_to_shared(q_map, [tile_row, h * HEAD_DIM], q_bar, q_s.index(0))
+    tma.async_copy_global_to_shared(q_map, [tile_row + HALF_M, h * HEAD_DIM], q_bar, q_s.index(1))
+    for j in range(tiles):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        bar = kv_ready.index(s)
+        mbarrier.expect(bar, 2 * BLOCK_N * nbytes)
+        tma.async_copy_global_to_shared(k_map, [j * BLOCK_N, hk * HEAD_DIM], bar, k_s.index(s))
+        tma.async_copy_global_to_shared(v_map, [j * BLOCK_N, hk * HEAD_DIM], bar, v_s.index(s))
+
+
+@gluon.jit
+def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads, tiles,
+              unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """Consumer partition (one warpgroup): rows ``tile_row + 64 * half`` onwards of the query tile."""
+    dtype: gl.constexpr = q_s.dtype
+    acc_s: gl.constexpr = _acc_layout(BLOCK_N)
+    acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    first = tile_row + half * HALF_M
+    rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_s))
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, acc_s))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, acc_s))
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, acc_d)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_s)
+    q = q_s.index(half)
+    mbarrier.wait(q_bar, 0)
+    for j in range(tiles):
+        s = j % STAGES
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
+        if j >= unmasked:
+            # Columns past the block (zero-filled keys) and, causal, right of each row's diagonal.
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
+            valid = gl.expand_dims(cols < n, 0)
+            if IS_CAUSAL:
+                valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+            scores = gl.where(valid, scores, float("-inf"))
+        # Every row has an allowed column in the first key tile (column 0; padding rows too), so
+        # m_new is finite from the first tile on and no row divides by zero.
+        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
+        mbarrier.arrive(kv_empty.index(s))
+        m_i = m_new
+    o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
+    o_map = block_map(O, start, n, heads, stride_ot, HALF_M, HEAD_DIM)
+    q.store(o.to(dtype))  # the query half is dead: its tile stages the output
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_map, [first, h * HEAD_DIM], q)
+    gl.store(Lse + h * stride_lh + start + rows, (m_i + gl.log2(l_i)) * _LN2, mask=rows < n)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "qk_scale", "stride_lh"])
+def _flash_fwd_ws_kernel(
+    Q, K, V, O, Lse, Table, slots, heads, kv_heads, qk_scale, stride_qt, stride_kt, stride_vt, stride_ot, stride_lh,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    slot = pid // heads
+    h = pid % heads
+    start = gl.load(Table + slot)
+    n = gl.load(Table + slots + slot)
+    tile_row = gl.load(Table + 3 * slots + slot)
+    if n > 0:
+        dtype: gl.constexpr = Q.dtype.element_ty
+        layout: gl.constexpr = _smem_layout(HEAD_DIM)
+        q_s = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], layout)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        init_ring(kv_ready, kv_empty, STAGES, 2)  # a slot is free once both consumers are done with it
+        tiles, unmasked = key_tiles(n, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        gl.warp_specialize([
+            (_consumer, (0, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
+                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL)),
+            (_consumer, (1, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
+                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL)),
+            (_loader, (q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, Q, K, V, start, n, tile_row, h,
+                       h // GROUPS, heads, kv_heads, tiles, stride_qt, stride_kt, stride_vt, BLOCK_N, HEAD_DIM)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        mbarrier.invalidate(q_bar.index(0))
+        drop_ring(kv_ready, kv_empty, STAGES)
+
+
+launch_fwd = Launcher(_flash_fwd_ws_kernel, scratch=True)
+
+
+def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
+    """Why the warp-specialized forward cannot take calls of these facts (empty: it can)."""
+    import torch
+
+    reasons = []
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        reasons.append("an sm_90 GPU")
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append("fp16 or bf16 q, k, v")
+    if head_dim not in (64, 128):
+        reasons.append(f"head dim 64 or 128 (got {head_dim})")
+    if rope_theta is not None:
+        reasons.append("no rotary")
+    return reasons
+
+
+def flash_ws_reasons(q, k, v, rope_theta) -> list:
+    """:func:`flash_ws_call_reasons` of a call, and what its tensors' layout must be."""
+    from ..common.meta import needs_int64
+
+    reasons = flash_ws_call_reasons(q.device, q.dtype, q.shape[-1], rope_theta)
+    if not (q.dtype == k.dtype == v.dtype):
+        reasons.append("q, k, v of one dtype")
+    if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):
+        reasons.append("rows of H * D contiguous elements")
+    if any(x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16 for x in (q, k, v)):
+        reasons.append("16-byte aligned rows")
+    if needs_int64(q, k, v):
+        reasons.append("32-bit offsets")
+    return reasons
+
+
+def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
+    """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
+    tokens, by the warp-specialized kernel (module docstring); the caller checks
+    :func:`flash_ws_reasons` first."""
+    import torch
+
+    from ..common.meta import LOG2E
+    from ..flash.schedule import FlashSchedule
+
+    total, heads, dim = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
+    if total == 0:
+        return o, lse
+    sched = FlashSchedule(offsets, total, block_size, TILE_M, cpu_offsets, longest_first=block_size == 0)
+    if sched.programs == 0:
+        return o, lse
+    table = sched.table(late_first=True)
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
+                num_warps=4)
+    args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], scale * LOG2E,
+            q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
+    launch_fwd((sched.programs * heads,), args, meta, q)
+    return o, lse
+
+
+TILE_M = 128  # query rows per program: two consumer warpgroups of 64
+TILE_N = 128  # key rows per ring slot
