@@ -116,8 +116,9 @@ def _unverified_allowed():
 def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     from blockattn_layers.kernels.block import variants
 
-    if case.block_size is not None and case.block_size <= 128:
-        return "blocks of up to 128 tokens run the single-tile kernels"
+    refused = _flash_skip(case, cfg)
+    if refused:
+        return refused
     error = variants.gluon_import_error()
     if error:
         return error
@@ -133,6 +134,18 @@ GLUON_FLASH = Method(
     context=_unverified_allowed)
 
 
+def _flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    if case.block_size is not None and case.block_size <= 128:
+        return "blocks of up to 128 tokens run the single-tile kernels"
+    return None
+
+
+FAST_BACKWARD = Method(
+    "triton_flash[fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_flash_skip, gpu_only=True,
+    description="triton_flash with the fast backward (dQ by atomic adds; blockattn_layers.fast_backward)",
+    context=blockattn_layers.fast_backward)
+
+
 def our_methods() -> List[Method]:
     """One method per registered backend, highest priority first, plus the ``triton`` block-kernel
     variants (a triton import failure shows as a row)."""
@@ -142,7 +155,7 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.append(GLUON_FLASH)
+            methods.extend([FAST_BACKWARD, GLUON_FLASH])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),
