@@ -345,13 +345,14 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
         return
     import triton.language as tl
 
-    from .block.fp8_fwd import _fp8_fwd_kernel
+    from .block.fp8_fwd import _fp8_fwd_kernel, e4m3_scores
 
     shapes = [(64, dim, rot, groups) for dim in (64, 128) for rot in (False, True) for groups in (1, 2)]
     for block, dim, rot, groups in shapes + [(128, 128, True, 1)]:
         batched = groups > 1
         constexprs = _block_constexprs(dim, groups, block, dim if rot else 0, False, batched, 512)
-        constexprs.update(QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched, DOT_DTYPE=tl.bfloat16)
+        constexprs.update(QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched, DOT_DTYPE=tl.bfloat16,
+                          E4M3_SCORES=e4m3_scores(dim if rot else 0, dim))
         options = dict(num_warps=4 if block * dim <= 128 * 128 else 8, num_stages=1)
         name = (f"fp8_fwd_b{block}_d{dim}{'_rope' if rot else ''}{'_gqa_causal_per_sequence' if batched else ''}")
         yield Build(name, _fp8_fwd_kernel, "fp8", _kernel_constexprs(_fp8_fwd_kernel, constexprs), options)

@@ -20,9 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .block.variants import unverified_allowed
 from .common.launch import Launcher
 from .common.meta import needs_int64
 
+# The generations whose GPU tests this kernel passed: none yet (written and compile-checked without
+# a GPU), so CUDA takes it only with ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1.
+VERIFIED_ON = frozenset()
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -91,6 +95,9 @@ def linear_e4m3_reasons(x: torch.Tensor, weight: torch.Tensor) -> list:
         reasons.append(f"a bfloat16 or float16 input (got {x.dtype})")
     if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
         reasons.append("an sm_89 or newer GPU (e4m3 conversions)")
+    if (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] not in VERIFIED_ON
+            and not unverified_allowed()):
+        reasons.append("no hardware run recorded on this GPU generation: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
     if x.dim() != 2 or x.stride(-1) != 1:
         reasons.append("a [T, E] input with unit column stride")
     if weight.dtype != x.dtype or not weight.is_contiguous():

@@ -106,10 +106,18 @@ def test_fused_projection_kernel_in_the_interpreter(case):
                     reason="needs an sm_89 or newer GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
-def test_fused_projection_kernel_on_the_gpu(case, dtype):
+def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype):
     """e4m3 out: every element is the float64 result rounded to e4m3 or, at a rounding tie or
-    within float32 accumulation of one, its neighbour on the e4m3 grid."""
-    from blockattn_layers.kernels.fp8_linear import linear_e4m3
+    within float32 accumulation of one, its neighbour on the e4m3 grid; the layer's projection
+    takes the kernel (with unverified kernels allowed: no hardware run is recorded yet)."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.fp8_linear import linear_e4m3, linear_e4m3_reasons
+
+    x = torch.zeros(1, 64, dtype=dtype, device="cuda")
+    monkeypatch.setattr(variants, "_UNVERIFIED", [False])
+    assert any("BLOCKATTN_UNVERIFIED_KERNELS" in r for r in linear_e4m3_reasons(x, x))
+    monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    assert linear_e4m3_reasons(x, x) == []
 
     (x, w, b), want = _linear_inputs(*case, dtype, device="cuda")
     got = linear_e4m3(x, w, b).cpu()

@@ -13,7 +13,7 @@ PACKAGE = "blockattn_layers"
 
 # Lowest first. A module may import its own layer and those below it.
 LAYERS = [
-    ("kernels", "reference", "_params", "runtime"),
+    ("kernels", "reference", "_params", "runtime", "determinism"),
     ("dispatch",),
     ("ops", "_validation", "fp8"),
     ("_checked_calls",),

@@ -3,7 +3,8 @@
 :func:`to_fp8_inference` calibrates every :class:`~blockattn_layers.BlockSelfAttention` of a
 model (``RotaryBlockAttention`` and the encoder layers' attention included) on sample batches,
 then gives each an :class:`FP8QKVProjection`: the layer's own 16-bit input times its weights,
-accumulated in float32 and written as e4m3 in the same kernel (``kernels.fp8_linear`` on CUDA),
+accumulated in float32 and written as e4m3 in the same kernel (``kernels.fp8_linear`` on CUDA
+with unverified kernels allowed: it has no recorded GPU run; else a float32 product, then cast),
 with a factor per kind (q, k, v) and kv head, so no pass quantizes the input and none reads a
 16-bit q, k or v back to quantize it. Attention then reads e4m3 q, k, v with those factors as
 descales; the output projection stays in the model's dtype.
@@ -61,7 +62,7 @@ class FP8QKVProjection(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """e4m3 ``[T, N]``: ``clamp(x @ weight.T + bias, -448, 448)``, by the fused kernel where it
-        takes the call (CUDA, 16-bit ``x``), else in float32 and cast."""
+        takes the call (``linear_e4m3_reasons``), else in float32 and cast."""
         if x.is_cuda and not linear_e4m3_reasons(x, self.weight):
             return linear_e4m3(x, self.weight, self.bias)
         y = x.float() @ self.weight.float().t()

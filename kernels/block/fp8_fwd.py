@@ -48,7 +48,7 @@ def _fp8_fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     INLINE_SEQS: tl.constexpr, QD_BATCH: tl.constexpr, KD_BATCH: tl.constexpr, VD_BATCH: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, E4M3_SCORES: tl.constexpr,
 ):
     hk = tl.program_id(1)
     kv_heads = tl.num_programs(1)
@@ -76,7 +76,10 @@ def _fp8_fwd_kernel(
             ka, kb = rotate_pair(_descaled(k_ptr, rows, row_ok, cols_a, r_ok, stride_kt, kd, INT64),
                                  _descaled(k_ptr, rows, row_ok, cols_b, r_ok, stride_kt, kd, INT64), sin, cos, False)
             ka, kb = ka.to(DOT_DTYPE), kb.to(DOT_DTYPE)
-        if ROT_DIM < HEAD_DIM:
+        if E4M3_SCORES:  # the stored e4m3 k, its factor applied to the scores
+            cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
+            kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, 1, INT64)
+        elif ROT_DIM < HEAD_DIM:
             cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
             kp = _descaled(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, kd, INT64).to(DOT_DTYPE)
         for g in range(GROUPS):
@@ -89,15 +92,26 @@ def _fp8_fwd_kernel(
                                      False)
                 s = tl.dot(qa.to(DOT_DTYPE), tl.trans(ka), s)
                 s = tl.dot(qb.to(DOT_DTYPE), tl.trans(kb), s)
-            if ROT_DIM < HEAD_DIM:
-                qp = _descaled(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, qd, INT64).to(DOT_DTYPE)
-                s = tl.dot(qp, tl.trans(kp), s)
-            p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, True)
+            if E4M3_SCORES:
+                s = tl.dot(load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, 1, INT64), tl.trans(kp), s)
+                p = block_probs(s, offs_m, row_ok, qk_scale * qd * kd, IS_CAUSAL, True)
+            else:
+                if ROT_DIM < HEAD_DIM:
+                    qp = _descaled(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, qd, INT64).to(DOT_DTYPE)
+                    s = tl.dot(qp, tl.trans(kp), s)
+                p = block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL, True)
             o = tl.dot(p.to(DOT_DTYPE), v)
             store_cols(O + h * stride_oh, o, rows, row_ok, offs_d, d_ok, stride_ot, 1, INT64)
 
 
 launch = Launcher(_fp8_fwd_kernel)
+
+
+def e4m3_scores(rot: int, dim: int) -> bool:
+    """Whether the scores are the product of the stored e4m3 q and k (their factors applied to the
+    scores, no 16-bit copy of either in registers): without rotary (which rotates descaled
+    values) and for products of at least 32 channels (e4m3 MMAs reduce over 32)."""
+    return rot == 0 and tile_extent(dim) >= 32
 _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -132,6 +146,8 @@ def fp8_attention_fwd(
         HAS_POS=positions is not None, IS_CAUSAL=causal, FAST_TRIG=q.is_cuda, INT64=int64,
         INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2],
         DOT_DTYPE=_TORCH_TO_TL[dot],
+        # Not yet run on a GPU: the interpreter takes it, CUDA only with unverified kernels allowed.
+        E4M3_SCORES=e4m3_scores(rot, dim) and (not q.is_cuda or unverified_allowed()),
         num_warps=num_warps(tile_extent(block_size), tile_extent(dim), False), num_stages=1,
     )
     pos = positions if positions is not None else sched.table
