@@ -9,12 +9,15 @@ PERFORMANCE.md (4.27 TB/s): bfloat16 reads q, k, v and writes o (8 bytes per ele
 row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one line per shape and
 method, then the attention sub-layer (d_model 256) in bfloat16 and converted by
 ``to_fp8_inference``, with its error against the float64 layer; ``--out FILE`` also writes them
-as CSV. Off sm_90 (where the fp8 kernel has no recorded hardware run) this sets
-``BLOCKATTN_UNVERIFIED_KERNELS`` for itself (``variants.allow_unverified``).
+as CSV. Rows marked ``unverified paths`` run with unverified kernels allowed
+(``variants.allow_unverified``): the e4m3-score attention kernel and the fused e4m3 projection,
+which no GPU has run yet, beside the verified rows (off sm_90 the fp8 kernel itself is unverified
+and its plain row falls back to descaled copies).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 from typing import List, Optional
@@ -49,9 +52,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     import triton.testing
 
-    from blockattn_layers.kernels.block import variants
-
-    variants.allow_unverified()
     commit = git_commit()[0]
     rows = []
     for case in prod() + rotary():
@@ -67,19 +67,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         deq = [fp8.dequantize(x[:total_check], d, check_offsets, 1, torch.float32)
                for x, d in ((q8, qd), (k8, kd), (v8, vd))]
         want = bl.block_attention(*deq, check_offsets, case.block_size, backend="reference", **kw).float()
+        def fp8_call():
+            return bl.block_attention(q8, k8, v8, offsets, case.block_size, **factors, **kw)
+
         methods = {
-            "bf16": (lambda: bl.block_attention(q, k, v, offsets, case.block_size, **kw), 2),
-            "fp8 kernel": (lambda: bl.block_attention(q8, k8, v8, offsets, case.block_size, **factors, **kw), 1),
-            "fp8 descaled copies": (_descaled_copies(q8, k8, v8, offsets, case.block_size, factors, kw), 1),
+            "bf16": (lambda: bl.block_attention(q, k, v, offsets, case.block_size, **kw), 2, False),
+            "fp8 kernel": (fp8_call, 1, False),
+            "fp8 kernel, unverified paths": (fp8_call, 1, True),
+            "fp8 descaled copies": (_descaled_copies(q8, k8, v8, offsets, case.block_size, factors, kw), 1, False),
         }
-        for name, (run, in_bytes) in methods.items():
-            with torch.no_grad():
+        for name, (run, in_bytes, unverified) in methods.items():
+            with torch.no_grad(), _unverified(unverified):
                 err = _check(run, total_check, want) if name != "bf16" else None
                 ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
             floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, in_bytes, 2)
             rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=floor, x_floor=ms / floor,
                              err=err, commit=commit))
-            print(f"{case.name:16} {name:20} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
+            print(f"{case.name:16} {name:31} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
                   + (f"  err {err:.2e}" if err is not None else ""), flush=True)
     rows += _sublayer_rows(commit)
     if args.out:
@@ -114,14 +118,31 @@ def _sublayer_rows(commit: str) -> List[dict]:
         served = bl.to_fp8_inference(copy.deepcopy(layer), [(sample, check_offsets)])
         with torch.no_grad():
             want = copy.deepcopy(layer).double()(sample.double(), check_offsets)
-            for name, model in (("bf16 sub-layer", layer), ("fp8 sub-layer", served)):
-                got = model(sample, check_offsets)
+            for name, model, unverified in (("bf16 sub-layer", layer, False), ("fp8 sub-layer", served, False),
+                                            ("fp8 sub-layer, unverified paths", served, True)):
+                with _unverified(unverified):
+                    got = model(sample, check_offsets)
                 err = float((got.double() - want).norm() / want.norm())
-                ms = triton.testing.do_bench(lambda: model(values, offsets), warmup=25, rep=150, return_mode="median")
+                with _unverified(unverified):
+                    ms = triton.testing.do_bench(lambda: model(values, offsets), warmup=25, rep=150,
+                                                 return_mode="median")
                 rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=None, x_floor=None, err=err,
                                  commit=commit))
-                print(f"{case.name:16} {name:20} {ms:8.3f} ms  err {err:.2e} (against the float64 layer)", flush=True)
+                print(f"{case.name:16} {name:31} {ms:8.3f} ms  err {err:.2e} (against the float64 layer)", flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def _unverified(allow: bool):
+    """Unverified kernels allowed inside (``variants.allow_unverified``) or not."""
+    from blockattn_layers.kernels.block import variants
+
+    before = variants.unverified_allowed()
+    variants.allow_unverified(allow)
+    try:
+        yield
+    finally:
+        variants.allow_unverified(before)
 
 
 def _descaled_copies(q8, k8, v8, offsets, block_size, factors, kw):
