@@ -115,6 +115,7 @@ def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, 
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
+        gl.thread_barrier()  # every warp of the warpgroup is done with the slot (one arrival for all)
         mbarrier.arrive(kv_empty.index(s))
         m_i = m_new
     o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
