@@ -305,7 +305,7 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
     return EXPECTED[arch]
 
 
-def _flash_ws_builds(capability: int) -> Iterator[Build]:
+def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     """The experimental warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
     and 128, bf16 / fp16, causal with GQA or neither, the tiles ``flash.gluon_fwd`` launches."""
     if capability // 10 != 9 or gluon_import_error() is not None:
@@ -373,7 +373,7 @@ def builds(capability: int) -> Iterator[Build]:
     yield from _hopper_ws_builds(capability)
     yield from _sm100_builds(capability)
     yield from _flash_builds(capability)
-    yield from _flash_ws_builds(capability)
+    yield from _flash_gluon_builds(capability)
 
 
 def compile_build(build: Build, capability: int) -> str:

@@ -17,7 +17,6 @@ and its plain row falls back to descaled copies).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import csv
 from typing import List, Optional
@@ -26,6 +25,8 @@ import torch
 
 import blockattn_layers as bl
 from blockattn_layers import fp8
+
+from blockattn_layers.kernels.block.variants import unverified_kernels
 
 from .env import git_commit
 from .shapes import prod, rotary
@@ -77,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "fp8 descaled copies": (_descaled_copies(q8, k8, v8, offsets, case.block_size, factors, kw), 1, False),
         }
         for name, (run, in_bytes, unverified) in methods.items():
-            with torch.no_grad(), _unverified(unverified):
+            with torch.no_grad(), unverified_kernels(unverified):
                 err = _check(run, total_check, want) if name != "bf16" else None
                 ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
             floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, in_bytes, 2)
@@ -120,29 +121,16 @@ def _sublayer_rows(commit: str) -> List[dict]:
             want = copy.deepcopy(layer).double()(sample.double(), check_offsets)
             for name, model, unverified in (("bf16 sub-layer", layer, False), ("fp8 sub-layer", served, False),
                                             ("fp8 sub-layer, unverified paths", served, True)):
-                with _unverified(unverified):
+                with unverified_kernels(unverified):
                     got = model(sample, check_offsets)
                 err = float((got.double() - want).norm() / want.norm())
-                with _unverified(unverified):
+                with unverified_kernels(unverified):
                     ms = triton.testing.do_bench(lambda: model(values, offsets), warmup=25, rep=150,
                                                  return_mode="median")
                 rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=None, x_floor=None, err=err,
                                  commit=commit))
                 print(f"{case.name:16} {name:31} {ms:8.3f} ms  err {err:.2e} (against the float64 layer)", flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def _unverified(allow: bool):
-    """Unverified kernels allowed inside (``variants.allow_unverified``) or not."""
-    from blockattn_layers.kernels.block import variants
-
-    before = variants.unverified_allowed()
-    variants.allow_unverified(allow)
-    try:
-        yield
-    finally:
-        variants.allow_unverified(before)
 
 
 def _descaled_copies(q8, k8, v8, offsets, block_size, factors, kw):

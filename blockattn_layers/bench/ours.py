@@ -1,7 +1,6 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional
 
 import torch
@@ -101,16 +100,10 @@ def _variant_methods(spec: blockattn_layers.BackendSpec) -> List[Method]:
     ]
 
 
-@contextlib.contextmanager
-def _unverified_allowed():
-    from blockattn_layers.kernels.block import variants
+def _unverified_kernels():
+    from blockattn_layers.kernels.block.variants import unverified_kernels
 
-    before = variants.unverified_allowed()
-    variants.allow_unverified(True)
-    try:
-        yield
-    finally:
-        variants.allow_unverified(before)
+    return unverified_kernels()
 
 
 def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -131,7 +124,7 @@ GLUON_FLASH = Method(
     "triton_flash[gluon]", "ours", _setup("triton_flash"), _attention, skip=_gluon_flash_skip, gpu_only=True,
     description="triton_flash with the experimental warp-specialized Gluon forward (sm_90; TMA loader warp, two "
                 "consumer warpgroups), its backward the Triton one's",
-    context=_unverified_allowed)
+    context=_unverified_kernels)
 
 
 def _flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:

@@ -296,6 +296,17 @@ def allow_unverified(allow: bool = True) -> None:
     _UNVERIFIED[0] = bool(allow)
 
 
+@contextlib.contextmanager
+def unverified_kernels(allow: bool = True):
+    """:func:`allow_unverified` (``allow``) inside the block, the previous setting after it."""
+    before = _UNVERIFIED[0]
+    allow_unverified(allow)
+    try:
+        yield
+    finally:
+        _UNVERIFIED[0] = before
+
+
 def unverified_allowed() -> bool:
     """Whether kernels with no recorded hardware run may be taken (:func:`allow_unverified`)."""
     return _UNVERIFIED[0]

@@ -393,8 +393,7 @@ def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv
                pass_meta)
     dq = q.new_empty(q.shape)
     meta = pass_meta((sums, dq), dq_m, dq_m, dict(num_warps=4))
-    store_meta = {name: meta[name] for name in _STORE_CONSTEXPRS}
-    store_meta["num_warps"] = 4
+    store_meta = {name: meta[name] for name in _STORE_CONSTEXPRS + ("num_warps",)}
     table = dq_sched.table(late_first=False)
     _launch_dq_store((dq_sched.programs * kv_heads,), (
         sums, dq, table, positions if positions is not None else table, dq_sched.programs, kv_heads, scale,

@@ -24,11 +24,14 @@ on CPU tensors through ``tests/gluon_shim.py``; never run on a GPU here.
 """
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from ..common.launch import Launcher
+from ..common.meta import LOG2E, empty_contiguous, needs_int64
+from ..flash.schedule import FlashSchedule
 from .block import _acc_layout, _smem_layout
 from .persistent import drop_ring, init_ring
 
@@ -36,6 +39,8 @@ STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(232)
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup
+TILE_M = 128  # query rows per program: two consumer warpgroups of 64
+TILE_N = 128  # key rows per ring slot
 _LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -169,8 +174,6 @@ launch_fwd = Launcher(_flash_fwd_ws_kernel, scratch=True)
 
 def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
     """Why the warp-specialized forward cannot take calls of these facts (empty: it can)."""
-    import torch
-
     reasons = []
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         reasons.append("an sm_90 GPU")
@@ -185,8 +188,6 @@ def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
 
 def flash_ws_reasons(q, k, v, rope_theta) -> list:
     """:func:`flash_ws_call_reasons` of a call, and what its tensors' layout must be."""
-    from ..common.meta import needs_int64
-
     reasons = flash_ws_call_reasons(q.device, q.dtype, q.shape[-1], rope_theta)
     if not (q.dtype == k.dtype == v.dtype):
         reasons.append("q, k, v of one dtype")
@@ -203,13 +204,8 @@ def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, caus
     """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
     tokens, by the warp-specialized kernel (module docstring); the caller checks
     :func:`flash_ws_reasons` first."""
-    import torch
-
-    from ..common.meta import LOG2E
-    from ..flash.schedule import FlashSchedule
-
     total, heads, dim = q.shape
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o = empty_contiguous(q)
     lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     if total == 0:
         return o, lse
@@ -224,6 +220,3 @@ def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, caus
     launch_fwd((sched.programs * heads,), args, meta, q)
     return o, lse
 
-
-TILE_M = 128  # query rows per program: two consumer warpgroups of 64
-TILE_N = 128  # key rows per ring slot
