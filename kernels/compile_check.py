@@ -53,6 +53,7 @@ EXPECTED = {"sm_80": ("mma.sync",), "sm_89": ("mma.sync",), "sm_90": ("wgmma",),
 # 16-bit floats in registers (``cvt.rn.f16x2.e4m3x2``), from sm_89 on.
 FP8_CONVERT = "e4m3x2"
 TMA_COPY = "cp.async.bulk.tensor"
+TMA_REDUCE = "cp.reduce.async.bulk.tensor"
 SET_MAX_REGISTERS = "setmaxnreg"
 ASYNC_COPY = "cp.async.cg.shared.global"
 MBARRIER_WAIT = "mbarrier.try_wait"
@@ -62,7 +63,7 @@ SM100_REQUIRED = (("tcgen05.ld", "tcgen05.st"), TMA_COPY, ASYNC_COPY, MBARRIER_W
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8": "*fp8e4nv"}
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Tensor-descriptor arguments of the flash kernels: which tile rows (constexpr) each one loads.
-_DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M"}
+_DESCRIPTORS = {"KD": "BLOCK_N", "VD": "BLOCK_N", "QD": "BLOCK_M", "DOD": "BLOCK_M", "DQD": "BLOCK_M"}
 
 
 class Build(NamedTuple):
@@ -90,7 +91,8 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
             continue
         if name in _DESCRIPTORS and constexprs.get("TMA"):
             rows = constexprs[_DESCRIPTORS[name]]
-            sig[name] = f"tensordesc<{_DTYPES[dtype][1:]}[{rows},{constexprs['BLOCK_D']}]>"
+            element = "fp32" if name == "DQD" else _DTYPES[dtype][1:]  # the fast backward's dQ sums
+            sig[name] = f"tensordesc<{element}[{rows},{constexprs['BLOCK_D']}]>"
             continue
         if name in ("Sched", "Table", "Pos"):
             sig[name] = "*i32"
@@ -98,7 +100,7 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
             sig[name] = "*fp32"
         elif name == "Offsets":
             sig[name] = "*i64"
-        elif name == "DQA":  # the fast flash backward's float32 dQ sums
+        elif name in ("DQA", "DQD"):  # the fast flash backward's float32 dQ sums
             sig[name] = "*fp32"
         elif name == "B":  # the fp8 projection's bias
             sig[name] = "*fp32"
@@ -262,26 +264,27 @@ def _flash_builds(capability: int) -> Iterator[Build]:
     and dQ store passes)."""
     major, dim = capability // 10, 128
     kinds = (("fwd", "fwd", _flash_fwd_kernel), ("dkv", "dkv", _flash_bwd_dkdv_kernel),
-             ("dq", "dq", _flash_bwd_dq_kernel), ("dkv_fast", "dkv", _flash_bwd_dkdv_kernel),
+             ("dq", "dq", _flash_bwd_dq_kernel), ("dkv_fast", "dkv_fast", _flash_bwd_dkdv_kernel),
              ("dq_store", "dq", _flash_bwd_dq_store_kernel))
     for dtype, rot in itertools.product(("bf16", "fp16", "fp32"), (0, 64)):
         size = 4 if dtype == "fp32" else 2
         tiles = flash_tiles(dim, "cuda", size, major)
         for kind, tile_kind, kernel in kinds:
             outer, inner = tiles[tile_kind]
-            block_m, block_n = (inner, outer) if tile_kind == "dkv" else (outer, inner)
+            block_m, block_n = (inner, outer) if tile_kind.startswith("dkv") else (outer, inner)
             tma = rot == 0 and major >= 9 and kind != "dq_store"
             constexprs = dict(
                 HEAD_DIM=dim, GROUPS=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_R=max(16, rot // 2),
                 BLOCK_P=dim - rot, ROT_DIM=rot, INTERLEAVED=False, HAS_POS=False, IS_CAUSAL=True,
                 FAST_TRIG=True, INT64=False, PRECISION="tf32", TMA=tma, DQ_ATOMIC=kind == "dkv_fast",
+                DQ_TMA=tma and kind == "dkv_fast" and dtype != "fp32",
             )
             if kind == "fwd":
                 options = fwd_launch_options(outer, dim, "cuda", major)
             elif kind == "dq_store":
                 options = dict(num_warps=4)
             else:
-                options = bwd_launch_options(outer, dim, "cuda", inner if tile_kind == "dkv" else 64,
+                options = bwd_launch_options(outer, dim, "cuda", inner if tile_kind.startswith("dkv") else 64,
                                              dq_atomic=kind == "dkv_fast")
             name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
             yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
@@ -296,12 +299,14 @@ _NO_PRODUCTS = ("flash_delta_", "flash_dq_store_")
 
 def required_products(build: Build, arch: str) -> Tuple[str, ...]:
     """The generation's matrix instruction, for every build that multiplies matrices; the fast
-    dK/dV pass must also add dQ's terms atomically (``red`` or ``atom`` ``.add.f32``)."""
+    dK/dV pass must also add dQ's terms atomically (``red`` or ``atom`` ``.add.f32``), and with
+    tensor-map reductions (``DQ_TMA``) add whole query tiles' terms that way."""
     if build.name.startswith(_NO_PRODUCTS):
         return ()
     if build.name.startswith("flash_dkv_fast_"):
-        return EXPECTED[arch] + (("atom.global.gpu.relaxed.add", "red.global.gpu.relaxed.add", "atom.global.add",
-                                  "red.global.add"),)
+        atomic = ("atom.global.gpu.relaxed.add", "red.global.gpu.relaxed.add", "atom.global.add", "red.global.add")
+        reduce = build.constexprs.get("DQ_TMA")
+        return EXPECTED[arch] + (atomic,) + ((TMA_REDUCE,) if reduce else ())
     return EXPECTED[arch]
 
 

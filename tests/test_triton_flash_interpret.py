@@ -278,9 +278,10 @@ FAST_CASES = [
 @interpret_only
 @pytest.mark.parametrize("case", FAST_CASES, ids=["full-fp32", "full-gqa-causal-fp16", "b256-mqa-causal-d24",
                                                   "rotary-interleaved-partial-gqa-causal"])
-def test_fast_backward_matches_oracle_and_the_deterministic_dk_dv(monkeypatch, case):
+def test_fast_backward_matches_oracle_and_the_deterministic_backward(monkeypatch, case):
     """The fast backward (dQ by atomic adds in the dK/dV pass) runs under ``fast_backward()`` and
-    matches the float64 oracle; its dK and dV are the deterministic backward's, bit for bit."""
+    matches the float64 oracle; its gradients agree with the deterministic backward's to rounding
+    (its dK/dV pass takes the scores transposed, so not bit for bit)."""
     from blockattn_layers.kernels.flash import bwd
 
     case = dict(case)
@@ -299,8 +300,7 @@ def test_fast_backward_matches_oracle_and_the_deterministic_dk_dv(monkeypatch, c
         fast_grads = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
     grads = torch.autograd.grad(out, (q, k, v), g)
     assert fast == [1, 1]
-    assert torch.equal(fast_grads[1], grads[1]) and torch.equal(fast_grads[2], grads[2])
-    assert rel_err(fast_grads[0], grads[0].double()) < TOL[dtype]
+    assert all(rel_err(a, b.double()) < TOL[dtype] for a, b in zip(fast_grads, grads))
 
 
 @interpret_only

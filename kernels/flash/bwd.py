@@ -64,13 +64,13 @@ def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int =
 
 @triton.jit
 def _dkdv_query_tiles(
-    dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
+    dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
     offs_d, d_ok, m_lo, m_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
     stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
-    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """Accumulate ``dK`` (as ``a, b, p`` tiles) and ``dV`` of one key tile over ``m_tiles`` query
     tiles from row ``m_lo``, for every query head of the group; with ``DQ_ATOMIC`` also add each
@@ -91,20 +91,35 @@ def _dkdv_query_tiles(
         )
         lse = tl.load(row_ptrs(Lse, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0) * _LOG2E
         delta = tl.load(row_ptrs(Delta, h, stride_lh, rows_m, INT64), mask=m_ok, other=0.0)
-        s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
-        p = tl.exp2(s * qk_scale - lse[:, None])
-        if MASKED:
-            p = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None], p, 0.0)
-        dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = (p * (dp - delta[:, None])).to(dtype)
-        dka, dkb, dkp = split_acc(tl.trans(ds), qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
         if DQ_ATOMIC:
-            dqa, dqb, dqp = split_acc(ds, ka, kb, kp, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
+            # Scores as [key rows, query rows]: the (128-row) key tile is the M side of every
+            # product but dQ's, so 8 warps split it between two m64 warpgroups (in ptxas for sm_90
+            # at 128 x 64 tiles: 488 bytes spilled against 2628 the other way round).
+            st = split_scores(ka, kb, kp, qa, qb, qp, BLOCK_N, BLOCK_M, HEAD_DIM, ROT_DIM, PRECISION)
+            pt = tl.exp2(st * qk_scale - lse[None, :])
+            if MASKED:
+                pt = tl.where(tl.trans(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None]), pt, 0.0)
+            dv = tl.dot(pt.to(dtype), do, dv, input_precision=PRECISION)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dka, dkb, dkp = split_acc(dst, qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
+            dqa, dqb, dqp = split_acc(tl.trans(dst), ka, kb, kp, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
                                       tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
                                       tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32), HEAD_DIM, ROT_DIM, PRECISION)
-            add_split(DQA + h * stride_qah, dqa, dqb, dqp, rows_m, m_ok, stride_qat,
-                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+            if DQ_TMA and not MASKED:
+                DQD.atomic_add([start + m0, h * HEAD_DIM], dqp)
+            else:
+                add_split(DQA + h * stride_qah, dqa, dqb, dqp, rows_m, m_ok, stride_qat,
+                          HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+        else:
+            s = split_scores(qa, qb, qp, ka, kb, kp, BLOCK_M, BLOCK_N, HEAD_DIM, ROT_DIM, PRECISION)
+            p = tl.exp2(s * qk_scale - lse[:, None])
+            if MASKED:
+                p = tl.where(allowed(offs_m, offs_n, n_ok, IS_CAUSAL) & m_ok[:, None], p, 0.0)
+            dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = (p * (dp - delta[:, None])).to(dtype)
+            dka, dkb, dkp = split_acc(tl.trans(ds), qa, qb, qp, dka, dkb, dkp, HEAD_DIM, ROT_DIM, PRECISION)
     return dka, dkb, dkp, dv
 
 
@@ -142,7 +157,7 @@ def _dq_key_tiles(
 
 @triton.jit(do_not_specialize=["slots", "kv_heads", "scale", "qk_scale", "log2_theta", "stride_lh"])
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, QD, DOD, Lse, Delta, DK, DV, DQA, Table, Pos,
+    Q, K, V, DO, QD, DOD, Lse, Delta, DK, DV, DQA, DQD, Table, Pos,
     slots, kv_heads, scale, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
@@ -151,6 +166,7 @@ def _flash_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr,
     INT64: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
 ):
     hk, start, n, first_row, tile_row, offs_n, n_ok, rows_n = program_rows(Table, slots, kv_heads, BLOCK_N)
     if n == 0:
@@ -181,27 +197,27 @@ def _flash_bwd_dkdv_kernel(
     if TMA:
         m_full = (n // BLOCK_M) * BLOCK_M
     dka, dkb, dkp, dv = _dkdv_query_tiles(
-        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
         offs_d, d_ok, m_begin, masked_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
         stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
+        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
     )
     dka, dkb, dkp, dv = _dkdv_query_tiles(
-        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n, n_ok,
+        dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
         offs_d, d_ok, m_free, tl.cdiv(m_full - m_free, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
         stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         False, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
+        FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
     )
     if TMA:
         tail = tl.maximum(m_free, m_full)
         dka, dkb, dkp, dv = _dkdv_query_tiles(
-            dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, Pos, hk, start, first_row, n, offs_n,
+            dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n,
             n_ok, offs_d, d_ok, tail, tl.cdiv(n - tail, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
             stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
             True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
-            FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC,
+            FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
         )
     store_split(DK + hk * stride_dkh, dka, dkb, dkp, scale, k_sin, k_cos, rows_n, n_ok, stride_dkt, stride_dkd,
                 HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
@@ -312,7 +328,8 @@ def flash_attention_bwd(
     """Launch the backward kernels; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
 
     ``block_size == 0``: full attention; ``tiles``: ``{"dkv": (key, query), "dq": (query, key)}``
-    tile rows, default ``flash_tiles``. ``deterministic=False``: the fast backward (module
+    tile rows, and ``"dkv_fast"`` for the fast backward's dK/dV pass (else ``"dkv"``), default
+    ``flash_tiles``. ``deterministic=False``: the fast backward (module
     docstring): no dQ pass, dQ summed by atomic adds in the dK/dV pass.
     """
     total, num_heads, head_dim = q.shape
@@ -321,7 +338,7 @@ def flash_attention_bwd(
     if total == 0:
         return q.new_empty(q.shape), dk, dv
     tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q))
-    dkv_n, dkv_m = tiles["dkv"]
+    dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
     longest_first = block_size == 0
     dkv_sched = FlashSchedule(offsets, total, block_size, dkv_n, cpu_offsets, longest_first)
@@ -371,8 +388,13 @@ def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n
     table = sched.table(late_first=False)
     qd, dod = row_tiles(q, block_m, meta["TMA"]), row_tiles(do, block_m, meta["TMA"])
     sums = dq_sums if dq_sums is not None else dk
-    (_launch_dkdv_tma if meta["TMA"] else _launch_dkdv)((sched.programs * kv_heads,), (
-        q, k, v, do, qd, dod, lse, delta, dk, dv, sums, table, positions if positions is not None else table,
+    # Whole query tiles' dQ terms go by tensor-map reductions on the GPU (the interpreter has
+    # none), in 16-bit types (float32 tiles would stage 32 KB more than sm_90's shared memory).
+    meta["DQ_TMA"] = meta["TMA"] and dq_sums is not None and q.is_cuda and q.element_size() == 2
+    sums_tiles = row_tiles(sums, block_m, meta["DQ_TMA"])
+    launch = _launch_dkdv_fast_tma if meta["DQ_TMA"] else _launch_dkdv_tma if meta["TMA"] else _launch_dkdv
+    launch((sched.programs * kv_heads,), (
+        q, k, v, do, qd, dod, lse, delta, dk, dv, sums, sums_tiles, table, positions if positions is not None else table,
         sched.programs, kv_heads, scale, scale * LOG2E, log2_theta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
         sums.stride(0), sums.stride(1),
@@ -413,4 +435,5 @@ _launch_dq_store = Launcher(_flash_bwd_dq_store_kernel)
 # A launcher keys its cache by the kinds of arguments at each position: tensor-map launches,
 # which pass descriptors where the others pass tensors, have their own.
 _launch_dkdv_tma = Launcher(_flash_bwd_dkdv_kernel)
+_launch_dkdv_fast_tma = Launcher(_flash_bwd_dkdv_kernel)  # and a tensor map of the dQ sums
 _launch_dq_tma = Launcher(_flash_bwd_dq_kernel)

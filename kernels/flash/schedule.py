@@ -174,28 +174,32 @@ _launch_table = Launcher(_tile_table_kernel)
 
 def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int = 9, block_size: int = 0) -> dict:
     """Tile rows per pass: ``fwd`` (query tile, key tile), ``dkv`` (key tile, query tile),
-    ``dq`` (query tile, key tile) for a GPU of compute capability ``major`` and blocks of
+    ``dkv_fast`` (the same, for the fast backward's dK/dV pass), ``dq`` (query tile, key tile) for a GPU of compute capability ``major`` and blocks of
     ``block_size`` rows (0: full attention); FA2-style starting points, the dK/dV tiles and
     the forward's short-block tiles measured on the H200;
     64-row tiles under the interpreter so that edge lengths (63, 64, 65) cross tile borders.
     """
     if device_type != "cuda":
-        return dict(fwd=(64, 64), dkv=(64, 64), dq=(64, 64))
+        return dict(fwd=(64, 64), dkv=(64, 64), dq=(64, 64), dkv_fast=(64, 64))
     if head_dim <= 128:
         # dK/dV over 64-row query tiles and dQ of 64-row query tiles: right and fastest on the
         # H200 (measured; seed3 backward 5.03 -> 4.23 ms with the 64-row dQ tiles); sm_100
         # (major 10+) cannot pipeline that loop in Triton 3.6, so it keeps 32-row inner tiles.
         if major >= 10:
-            return dict(fwd=(128, 64), dkv=(128, 32), dq=(128, 32))
+            return dict(fwd=(128, 64), dkv=(128, 32), dq=(128, 32), dkv_fast=(128, 32))
         # Blocks of at most 512 rows have few key tiles per query tile; 32-row key tiles give the
         # forward's 3-stage pipeline more of them (H200, bf16 D128: block 256 2.61 -> 2.11 ms,
         # block 512 3.59 -> 3.34 ms; full attention keeps 64-row key tiles).
         short = major == 9 and 0 < block_size <= 512
-        return dict(fwd=(128, 32) if short else (128, 64), dkv=(64, 64), dq=(64, 64))
+        # The fast backward's dK/dV pass adds dQ's terms once per key tile, so it takes 128-row
+        # key tiles at D > 64 in 16-bit types (H200, seed3 backward 8.11 -> 5.66 ms against 64-row
+        # ones; float32 ones would need 361 KB of shared memory).
+        fast = (128, 64) if major == 9 and head_dim > 64 and itemsize == 2 else (64, 64)
+        return dict(fwd=(128, 32) if short else (128, 64), dkv=(64, 64), dq=(64, 64), dkv_fast=fast)
     if itemsize > 2:
         # float32 at D > 128: 64-row tiles need more shared memory than sm_90 has.
-        return dict(fwd=(32, 32), dkv=(32, 32), dq=(32, 32))
-    return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32))
+        return dict(fwd=(32, 32), dkv=(32, 32), dq=(32, 32), dkv_fast=(32, 32))
+    return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32), dkv_fast=(64, 32))
 
 
 # False: pointer loads everywhere (the tests run both kinds of loads); ``BLOCKATTN_TENSOR_MAPS=0``
