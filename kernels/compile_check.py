@@ -154,7 +154,7 @@ def _block_builds(capability: int) -> Iterator[Build]:
 
 
 def _packed_builds(capability: int) -> Iterator[Build]:
-    """The experimental packed variant (the simple kernels on 64-row tiles of blocks of 16 or 32
+    """The packed variant (the simple kernels on 64-row tiles of blocks of 16 or 32
     rows): bf16, D 64 / 128, rotary or none, causal, in-kernel schedule or table, GQA."""
     kernels = (("fwd", _block_fwd_kernel), ("bwd", _block_bwd_kernel))
     for (kind, kernel), slot, dim, rotary, groups in itertools.product(

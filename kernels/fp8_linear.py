@@ -24,9 +24,9 @@ from .block.variants import unverified_allowed
 from .common.launch import Launcher
 from .common.meta import needs_int64
 
-# The generations whose GPU tests this kernel passed: none yet (written and compile-checked without
-# a GPU), so CUDA takes it only with ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1.
-VERIFIED_ON = frozenset()
+# The generations whose GPU tests this kernel passed (the H200, 2026-12-01); elsewhere (compile-checked
+# only) CUDA takes it only with ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1.
+VERIFIED_ON = frozenset({9})
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 _TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -211,7 +211,7 @@ def test_fp8_kernels_compile(tmp_path):
 
 
 def test_packed_kernels_compile(tmp_path):
-    """The experimental packed variant's kernels (fwd and bwd, blocks of 16 / 32 rows four or two to
+    """The packed variant's kernels (fwd and bwd, blocks of 16 / 32 rows four or two to
     a 64-row tile, D 64 / 128, rotary, GQA) build for sm_90 with its products."""
     ptx = _compile_check("sm_90", "packed_fwd_bf16_s16,packed_bwd_bf16_s32", tmp_path)
     assert len(ptx) == 16 and all("wgmma" in text for text in ptx.values())

@@ -211,9 +211,9 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_
 @pytest.mark.parametrize("unverified", [False, True], ids=["verified", "unverified-allowed"])
 def test_fp8_kernel_on_the_gpu(monkeypatch, kw, out_dtype, unverified):
     """The fp8 kernel (auto on CUDA) against the float64 oracle of the descaled inputs, per-head
-    factors for q and v, per-sequence ones for k; the output in ``out_dtype``; NaN-free. With
-    unverified kernels allowed (sm_89 / sm_100 need it) the scores without rotary come from the
-    stored e4m3 q and k (``fp8_fwd.e4m3_scores``: not yet run on a GPU)."""
+    factors for q and v, per-sequence ones for k; the output in ``out_dtype``; NaN-free. Without
+    rotary the scores come from the stored e4m3 q and k (``fp8_fwd.e4m3_scores``) where that is
+    verified (``E4M3_SCORES_VERIFIED_ON``) or unverified kernels are allowed (sm_89 / sm_100 need it)."""
     from blockattn_layers.kernels.block import fp8_fwd, variants
 
     if not unverified and torch.cuda.get_device_capability()[0] not in fp8_fwd.VERIFIED_ON:

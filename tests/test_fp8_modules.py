@@ -109,13 +109,18 @@ def test_fused_projection_kernel_in_the_interpreter(case):
 def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype):
     """e4m3 out: every element is the float64 result rounded to e4m3 or, at a rounding tie or
     within float32 accumulation of one, its neighbour on the e4m3 grid; the layer's projection
-    takes the kernel (with unverified kernels allowed: no hardware run is recorded yet)."""
+    takes the kernel: by default where a hardware run is recorded (``fp8_linear.VERIFIED_ON``),
+    elsewhere with unverified kernels allowed."""
     from blockattn_layers.kernels.block import variants
-    from blockattn_layers.kernels.fp8_linear import linear_e4m3, linear_e4m3_reasons
+    from blockattn_layers.kernels.fp8_linear import VERIFIED_ON, linear_e4m3, linear_e4m3_reasons
 
     x = torch.zeros(1, 64, dtype=dtype, device="cuda")
     monkeypatch.setattr(variants, "_UNVERIFIED", [False])
-    assert any("BLOCKATTN_UNVERIFIED_KERNELS" in r for r in linear_e4m3_reasons(x, x))
+    reasons = linear_e4m3_reasons(x, x)
+    if torch.cuda.get_device_capability()[0] in VERIFIED_ON:
+        assert reasons == []
+    else:
+        assert any("BLOCKATTN_UNVERIFIED_KERNELS" in r for r in reasons)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     assert linear_e4m3_reasons(x, x) == []
 

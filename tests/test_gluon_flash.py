@@ -92,14 +92,20 @@ def test_flash_ws_forward_keeps_non_finite_values_in_their_sequence():
     assert torch.isfinite(o[:130]).all() and torch.isfinite(o[200:]).all() and torch.isnan(o[130:200]).all()
 
 
-def test_the_backend_takes_it_only_when_unverified_kernels_are_allowed(monkeypatch):
-    """``triton_flash`` runs the Gluon forward only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``."""
+def test_the_backend_takes_it_where_measured_faster_else_only_when_unverified_kernels_are_allowed(monkeypatch):
+    """``triton_flash`` runs the Gluon forward for full attention at D = 128; blocks and D 64 only
+    with ``BLOCKATTN_UNVERIFIED_KERNELS=1``."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.ops.backends import triton_flash
 
-    assert not triton_flash.gluon_forward_taken()
+    monkeypatch.setattr(variants, "gluon_import_error", lambda: None)
+    monkeypatch.setattr(variants, "_UNVERIFIED", [False])
+    assert triton_flash.gluon_forward_taken(0, 128)
+    assert not triton_flash.gluon_forward_taken(256, 128) and not triton_flash.gluon_forward_taken(0, 64)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
-    assert triton_flash.gluon_forward_taken()
+    assert triton_flash.gluon_forward_taken(256, 128) and triton_flash.gluon_forward_taken(0, 64)
+    monkeypatch.setattr(variants, "gluon_import_error", lambda: "no gluon")
+    assert not triton_flash.gluon_forward_taken(0, 128)
     cpu = torch.device("cpu")
     assert flash_fwd.flash_ws_call_reasons(cpu, torch.bfloat16, 96, 1e4) == [
         "an sm_90 GPU", "head dim 64 or 128 (got 96)", "no rotary"]

@@ -157,7 +157,7 @@ def test_forward_signature_separates_what_the_launch_depends_on(monkeypatch):
 
 
 def test_packed_plan_puts_blocks_of_up_to_32_rows_into_64_row_tiles():
-    """The experimental packed variant: 64-row tiles of ``64 // SLOT`` blocks, ``SLOT`` their
+    """The packed variant: 64-row tiles of ``64 // SLOT`` blocks, ``SLOT`` their
     tile extent, one program per tile (the last one partly empty); the simple kernels keep
     ``SLOT`` 0 and one program per block."""
     q = torch.empty(3, 4, 64, dtype=torch.float16)

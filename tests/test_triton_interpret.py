@@ -236,7 +236,7 @@ PACKED_CASES = [  # (case, block table instead of the in-kernel schedule)
 @pytest.mark.parametrize("case,table", PACKED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
                          if isinstance(c, dict) else ("table" if c else "inline"))
 def test_packed_variant_matches_the_oracle(monkeypatch, case, table):
-    """The experimental ``packed`` variant (several blocks of up to 32 tokens in one 64-row tile,
+    """The ``packed`` variant (several blocks of up to 32 tokens in one 64-row tile,
     masked block-diagonally) forced: forward and gradients against the float64 oracle on edge
     lengths (empty tiles and slots, 1-token and ragged blocks), GQA, causal, every rotary form,
     with the in-kernel schedule or the block table (its last tile partly past the table)."""

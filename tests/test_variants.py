@@ -107,8 +107,30 @@ def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
     assert variants.choose(_facts(head_dim=96), q, (q, q)) is variants.HOPPER
     assert variants.choose(_facts(head_dim=72), q, (q, q)) is variants.SIMPLE
     assert variants.choose(_facts(groups=2, head_dim=256, backward=True), q, (q, q)) is variants.SIMPLE
-    assert variants.choose(_facts(block_size=16), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(block_size=16, head_dim=256), q, (q, q)) is variants.SIMPLE
     assert variants.HOPPER_WS.experimental and variants.HOPPER_WS not in variants.AUTO_ORDER
+
+
+def test_auto_takes_packed_for_short_blocks_where_it_was_measured_faster():
+    """Blocks of up to 32 tokens on sm_90: packed forward at D <= 128, backward at D <= 64;
+    simple at D 256, for rotary and float32 (not measured), off sm_90, for blocks over 32.
+    Forcing packed is not bound by where auto takes it."""
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+
+    def auto(**kw):
+        return variants.choose(_facts(**kw), q, (q, q)).name
+
+    assert [auto(block_size=b, head_dim=d) for b in (16, 32) for d in (32, 64, 96, 128, 256)] == (
+        ["packed"] * 4 + ["simple"]) * 2
+    assert [auto(block_size=16, head_dim=d, backward=True) for d in (32, 64, 96, 128)] == ["packed"] * 2 + ["simple"] * 2
+    assert auto(block_size=16, head_dim=64, rot=64) == "simple"
+    assert auto(block_size=16, head_dim=64, dtype=torch.float32) == "simple"
+    assert auto(block_size=16, head_dim=64, major=8) == "simple"
+    assert auto(block_size=33, head_dim=72) == "simple"
+    reasons = variants.explain(_facts(block_size=16, head_dim=256))
+    assert reasons["packed"] == ["head dim 256 > 128: slower than simple on the H200"] and reasons["simple"] == []
+    with variants.forced_variant("packed"):
+        assert auto(block_size=16, head_dim=256, backward=True) == "packed"
 
 
 def test_a_forced_variant_that_cannot_serve_warns_once_with_the_reasons(restore_auto):
@@ -164,14 +186,14 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["hopper", "sm100", "simple", "hopper_ws", "packed"]
+    assert list(reasons) == ["hopper", "sm100", "packed", "simple", "hopper_ws"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
     assert any("grouped-query" in r for r in reasons["hopper_ws"])
     assert any("runs only when forced" in r for r in reasons["hopper_ws"])
-    assert reasons["packed"][0] == "block_size 64 > 32" and "runs only when forced" in reasons["packed"][1]
+    assert reasons["packed"] == ["block_size 64 > 32"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "hopper", "sm100", "simple", "packed"] and forced["hopper_ws"] == []
+    assert list(forced) == ["hopper_ws", "hopper", "sm100", "packed", "simple"] and forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 
 

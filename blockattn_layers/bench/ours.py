@@ -116,15 +116,47 @@ def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     if error:
         return error
     from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
+    from blockattn_layers.ops.backends.triton_flash import gluon_forward_taken
 
-    return "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
+    reasons = flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)
+    if reasons:
+        return "; ".join(reasons)
+    if gluon_forward_taken(case.block_size or 0, case.head_dim):
+        return "the 'triton_flash' row runs the Gluon forward here"
+    return None
 
 
 GLUON_FLASH = Method(
     "triton_flash[gluon]", "ours", _setup("triton_flash"), _attention, skip=_gluon_flash_skip, gpu_only=True,
-    description="triton_flash with the experimental warp-specialized Gluon forward (sm_90; TMA loader warp, two "
-                "consumer warpgroups), its backward the Triton one's",
+    description="triton_flash with the warp-specialized Gluon forward (sm_90; TMA loader warp, two consumer "
+                "warpgroups) on every call it admits, its backward the Triton one's",
     context=_unverified_kernels)
+
+
+def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
+    from blockattn_layers.ops.backends.triton_flash import gluon_forward_taken
+
+    refused = _flash_skip(case, cfg)
+    if refused:
+        return refused
+    if (flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)
+            or not gluon_forward_taken(case.block_size or 0, case.head_dim)):
+        return "the 'triton_flash' row runs the Triton forward here"
+    return None
+
+
+def _triton_forward():
+    from blockattn_layers.ops.backends.triton_flash import gluon_forward
+
+    return gluon_forward(False)
+
+
+TRITON_FORWARD = Method(
+    "triton_flash[triton_fwd]", "ours", _setup("triton_flash"), _attention, skip=_triton_forward_skip, gpu_only=True,
+    description="triton_flash with the Triton forward where the backend takes the Gluon one (full attention, D 128, "
+                "sm_90)",
+    context=_triton_forward)
 
 
 def _flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -148,7 +180,7 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, GLUON_FLASH])
+            methods.extend([FAST_BACKWARD, GLUON_FLASH, TRITON_FORWARD])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),

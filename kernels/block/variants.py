@@ -3,8 +3,10 @@
 Every variant declares the calls it admits: ``call_reasons`` (from dtypes, shapes and flags) and
 ``layout_reasons`` (from the tensors' strides and addresses) say why it cannot compute a call,
 and are empty when it can. ``auto`` takes, among the variants declared for the call's GPU
-generation, the first in ``AUTO_ORDER`` that admits the call; ``simple`` admits every call
-of the ``triton`` backend. Experimental variants are never taken by ``auto``.
+generation, the first in ``AUTO_ORDER`` that admits the call and has no ``auto_reasons`` (where
+it was measured slower than the next); ``simple`` admits every call of the ``triton`` backend.
+The forward and the backward choose apart (``CallFacts.backward``). Experimental variants are
+never taken by ``auto``.
 
 A variant is forced with :func:`force_variant` (or ``BLOCKATTN_KERNELS=<name>`` in the
 environment, read at import and checked at the first call: an unknown name raises there).
@@ -18,7 +20,8 @@ Each variant also records the GPU generations where it was run and checked on ha
 today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
-(BENCHMARKS.md); the persistent Triton variant, slower everywhere, was deleted; the
+(BENCHMARKS.md); ``packed`` beats ``simple`` for blocks of up to 32 tokens at D <= 128 forward and
+D <= 64 backward (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was deleted; the
 warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape,
 are kept beside the ``sm100`` kernels that grew from their design.
 """
@@ -77,7 +80,8 @@ class Variant(NamedTuple):
     ``verified_on``: the generations
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
-    use (``block.self_check``).
+    use (``block.self_check``); ``auto_reasons``: why ``auto`` leaves a call it admits to the
+    variants after it (where it was measured slower), no bar to forcing it.
     """
 
     name: str
@@ -95,6 +99,7 @@ class Variant(NamedTuple):
     maxnreg: Optional[int] = None
     verified_on: Optional[FrozenSet[int]] = None
     num_warps: Optional[int] = None
+    auto_reasons: Optional[Callable[[CallFacts], List[str]]] = None
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -241,6 +246,22 @@ def _packed_call_reasons(facts: CallFacts) -> List[str]:
     return [] if facts.block_size <= PACKED_MAX_BLOCK else [f"block_size {facts.block_size} > {PACKED_MAX_BLOCK}"]
 
 
+def _packed_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``packed`` was slower than ``simple`` on the H200 (bf16, blocks of 16 and 32, prod
+    lengths; BENCHMARKS.md): the forward at D 256 (1.13-1.38x slower; 1.07-1.32x faster at D 32-128),
+    the backward from D 96 on (up to 1.6x slower; 1.02-1.48x faster at D 32 and 64). Rotary: not
+    measured, nor float32."""
+    if facts.rot:
+        return ["rotary: not measured beside simple (auto keeps simple)"]
+    if facts.dtype not in HOPPER_DTYPES:
+        return ["float32: not measured beside simple (auto keeps simple)"]
+    if facts.backward and facts.head_dim > 64:
+        return [f"backward at head dim {facts.head_dim} > 64: slower than simple's on the H200"]
+    if facts.head_dim > 128:
+        return [f"head dim {facts.head_dim} > 128: slower than simple on the H200"]
+    return []
+
+
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
     from ..experimental import sm90_ws
 
@@ -266,9 +287,10 @@ HOPPER_WS = Variant(
 # Blocks of up to this many tokens share 64-row tiles in the packed variant (2 or 4 per tile).
 PACKED_MAX_BLOCK = 32
 PACKED = Variant(
-    "packed", "experimental Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens "
-    "(block-diagonal mask); forced only: its speed beside simple's is not yet measured", None, True,
-    _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset({9}))
+    "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
+    "mask); auto takes it on sm_90 where it was measured faster than simple", frozenset({9}), False,
+    _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset({9}),
+    auto_reasons=_packed_auto_reasons)
 
 SM100 = Variant(
     "sm100", "Gluon for sm_100, persistent and warp-specialized: TMA loads, tcgen05 MMA into tensor "
@@ -280,7 +302,7 @@ SM100 = Variant(
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS, PACKED)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SM100, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SM100, PACKED, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"
@@ -363,12 +385,16 @@ def _state_reasons(variant: Variant, facts: CallFacts, by_auto: bool) -> List[st
     return []
 
 
+def _auto_reasons(variant: Variant, facts: CallFacts) -> List[str]:
+    return variant.auto_reasons(facts) if variant.auto_reasons is not None else []
+
+
 def _auto(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
     for variant in AUTO_ORDER:
         if variant.generations is not None and facts.major not in variant.generations:
             continue
-        if (not variant.call_reasons(facts) and not _state_reasons(variant, facts, True)
-                and not variant.layout_reasons(q, tensors)):
+        if (not variant.call_reasons(facts) and not _auto_reasons(variant, facts)
+                and not _state_reasons(variant, facts, True) and not variant.layout_reasons(q, tensors)):
             return variant
     return SIMPLE
 
@@ -404,6 +430,8 @@ def explain(facts: CallFacts) -> Dict[str, List[str]]:
     taken = False
     for variant in order:
         why = list(variant.call_reasons(facts)) or _state_reasons(variant, facts, variant is not chosen)
+        if variant is not chosen and not why:
+            why = _auto_reasons(variant, facts)
         if variant is not chosen:
             if variant.experimental:
                 why.append(f"experimental: runs only when forced ({_ENVIRONMENT}={variant.name})")

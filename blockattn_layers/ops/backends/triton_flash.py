@@ -4,14 +4,18 @@ For blocks longer than one tile (``block_size > SINGLE_TILE_MAX``) and full per-
 attention (op argument ``block_size == 0``). As in FA2, the forward returns ``(out, lse)``:
 ``lse [H, T]`` float32 (natural-log logsumexp of the scaled scores of each query row) lets the
 backward recompute ``P`` without a second forward; autograd saves ``out`` and ``lse`` for it.
-The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). With
-``BLOCKATTN_UNVERIFIED_KERNELS=1`` the forward of the calls it admits runs the experimental
-warp-specialized Gluon kernel for sm_90 (``kernels.sm90.flash_fwd``), never yet run on a GPU. ``backend="auto"`` takes it on CUDA devices for what the
-single-tile ``triton`` backend does not serve.
+The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). The
+forward of full attention at D = 128 on sm_90 runs the warp-specialized Gluon kernel
+(``kernels.sm90.flash_fwd``; GPU tests passed on the H200, 1.02-1.06x faster than the Triton
+forward there on the full-attention shapes, 1.1-1.4x slower on blocks of 256 and 512, which keep
+the Triton one); with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` it takes every call it admits (D 64,
+blocks over 128). ``backend="auto"`` takes this backend on CUDA devices for what the single-tile
+``triton`` backend does not serve.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,7 +35,7 @@ def _forward(
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
-    if gluon_forward_taken():
+    if gluon_forward_taken(block_size, q.shape[-1]):
         from blockattn_layers.kernels.sm90.flash_fwd import flash_attention_fwd_ws, flash_ws_reasons
 
         if not flash_ws_reasons(q, k, v, rope_theta):
@@ -42,10 +46,32 @@ def _forward(
     )
 
 
-def gluon_forward_taken() -> bool:
-    """Whether calls the experimental warp-specialized Gluon forward admits run it: only with
-    ``BLOCKATTN_UNVERIFIED_KERNELS=1`` (``variants.allow_unverified``), as it has never run on a GPU."""
-    return variants.unverified_allowed() and variants.gluon_import_error() is None
+# Where the Gluon forward was measured faster than the Triton one (H200, bf16): full attention
+# (``block_size == 0``) at these head dims.
+GLUON_FORWARD_HEAD_DIMS = frozenset({128})
+_GLUON_FORWARD = [True]
+
+
+@contextlib.contextmanager
+def gluon_forward(enabled: bool) -> Iterator[None]:
+    """Inside the block the Gluon forward is taken as :func:`gluon_forward_taken` says (``True``)
+    or never (``False``: the Triton forward everywhere, as the benchmark's ``triton_flash[triton_fwd]``
+    row runs it); the previous setting after it."""
+    before = _GLUON_FORWARD[0]
+    _GLUON_FORWARD[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _GLUON_FORWARD[0] = before
+
+
+def gluon_forward_taken(block_size: int, head_dim: int) -> bool:
+    """Whether a call of these facts that the warp-specialized Gluon forward admits runs it: full
+    attention at D = 128 (measured faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``
+    (``variants.allow_unverified``); never inside ``gluon_forward(False)``."""
+    if not _GLUON_FORWARD[0] or variants.gluon_import_error() is not None:
+        return False
+    return (block_size == 0 and head_dim in GLUON_FORWARD_HEAD_DIMS) or variants.unverified_allowed()
 
 
 def _backward(
