@@ -311,7 +311,7 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
 
 
 def _flash_gluon_builds(capability: int) -> Iterator[Build]:
-    """The experimental warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
+    """The warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
     and 128, bf16 / fp16, causal with GQA or neither, the tiles ``flash.gluon_fwd`` launches."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return

@@ -82,7 +82,7 @@ def test_hopper_ws_kernels_compile(tmp_path):
 
 
 def test_warp_specialized_flash_forward_compiles(tmp_path):
-    """The experimental Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
+    """The Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
     neither): wgmma, TMA loads and the output's TMA store, tensor maps made in the kernel,
     mbarrier waits and the partitions' register reallocation, within the register, spill and
     shared-memory budgets (``compile_check`` fails a build over them)."""

@@ -1,4 +1,4 @@
-"""The experimental warp-specialized Gluon flash forward (``kernels.sm90.flash_fwd``) on CPU
+"""The warp-specialized Gluon flash forward (``kernels.sm90.flash_fwd``) on CPU
 tensors through ``tests/gluon_shim.py`` (Gluon has no interpreter): the whole kernel (loader and
 two consumer partitions in threads, the mbarrier ring, tensor maps over each block's rows) on
 the flash tile table, against the float64 reference, output and logsumexp, each output element

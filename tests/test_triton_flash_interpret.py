@@ -436,7 +436,7 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype):
-    """The experimental warp-specialized Gluon forward (taken with unverified kernels allowed): output
+    """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed): output
     within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's,
     and the backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference

@@ -476,16 +476,18 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 @SM90
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
-    environment forces): fp32, blocks of 32 or fewer rows or over 128, partial or interleaved
-    rotary, rows not 16-byte aligned; 128-row blocks and 64-bit addressing run hopper."""
+    environment forces): fp32, blocks over 128, partial or interleaved rotary, rows not 16-byte
+    aligned; blocks of 32 or fewer rows the packed ones at D 64 (simple with rotary); 128-row
+    blocks and 64-bit addressing run hopper."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
     with variants.forced_variant("auto"):
         assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
         assert _variant(q, k, (q, k, v), 128, 0) == "hopper" and _variant(q, k, (q, k, v), 64, 0, int64=True) == "hopper"
+        assert _variant(q, k, (q, k, v), 32, 0) == "packed"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
-                (q, (q, k, v), 32, 0, False, False),
+                (q, (q, k, v), 32, 64, False, False),
                 (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
                 (q, (odd, k, v), 64, 0, False, False)]:
             assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"

@@ -113,7 +113,8 @@ def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
 
 def test_auto_takes_packed_for_short_blocks_where_it_was_measured_faster():
     """Blocks of up to 32 tokens on sm_90: packed forward at D <= 128, backward at D <= 64;
-    simple at D 256, for rotary and float32 (not measured), off sm_90, for blocks over 32.
+    simple at D 256, for rotary, float32 and 64-bit offsets (not measured), off sm_90, for blocks
+    over 32.
     Forcing packed is not bound by where auto takes it."""
     q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
 
@@ -125,6 +126,7 @@ def test_auto_takes_packed_for_short_blocks_where_it_was_measured_faster():
     assert [auto(block_size=16, head_dim=d, backward=True) for d in (32, 64, 96, 128)] == ["packed"] * 2 + ["simple"] * 2
     assert auto(block_size=16, head_dim=64, rot=64) == "simple"
     assert auto(block_size=16, head_dim=64, dtype=torch.float32) == "simple"
+    assert auto(block_size=16, head_dim=64, int64=True) == "simple"
     assert auto(block_size=16, head_dim=64, major=8) == "simple"
     assert auto(block_size=33, head_dim=72) == "simple"
     reasons = variants.explain(_facts(block_size=16, head_dim=256))

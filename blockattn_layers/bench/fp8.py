@@ -10,9 +10,9 @@ row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one lin
 method, then the attention sub-layer (d_model 256) in bfloat16 and converted by
 ``to_fp8_inference``, with its error against the float64 layer; ``--out FILE`` also writes them
 as CSV. Rows marked ``unverified paths`` run with unverified kernels allowed
-(``variants.allow_unverified``): the e4m3-score attention kernel and the fused e4m3 projection,
-which no GPU has run yet, beside the verified rows (off sm_90 the fp8 kernel itself is unverified
-and its plain row falls back to descaled copies).
+(``variants.allow_unverified``) beside the default rows: on sm_90, where the fp8 kernel, its
+e4m3-score products and the fused e4m3 projection are verified, both rows run the same kernels;
+on sm_89 / sm_100 the default row falls back to descaled copies (and a float32 projection).
 """
 from __future__ import annotations
 

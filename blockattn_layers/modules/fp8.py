@@ -4,7 +4,8 @@
 model (``RotaryBlockAttention`` and the encoder layers' attention included) on sample batches,
 then gives each an :class:`FP8QKVProjection`: the layer's own 16-bit input times its weights,
 accumulated in float32 and written as e4m3 in the same kernel (``kernels.fp8_linear`` on CUDA
-with unverified kernels allowed: it has no recorded GPU run; else a float32 product, then cast),
+GPUs where it passed its GPU tests, sm_90, elsewhere with unverified kernels allowed; else a
+float32 product, then cast),
 with a factor per kind (q, k, v) and kv head, so no pass quantizes the input and none reads a
 16-bit q, k or v back to quantize it. Attention then reads e4m3 q, k, v with those factors as
 descales; the output projection stays in the model's dtype.

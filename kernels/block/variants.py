@@ -250,11 +250,13 @@ def _packed_auto_reasons(facts: CallFacts) -> List[str]:
     """Where ``packed`` was slower than ``simple`` on the H200 (bf16, blocks of 16 and 32, prod
     lengths; BENCHMARKS.md): the forward at D 256 (1.13-1.38x slower; 1.07-1.32x faster at D 32-128),
     the backward from D 96 on (up to 1.6x slower; 1.02-1.48x faster at D 32 and 64). Rotary: not
-    measured, nor float32."""
+    measured, nor float32, nor 64-bit offsets (nor run with them on a GPU)."""
     if facts.rot:
         return ["rotary: not measured beside simple (auto keeps simple)"]
     if facts.dtype not in HOPPER_DTYPES:
         return ["float32: not measured beside simple (auto keeps simple)"]
+    if facts.int64:
+        return ["64-bit offsets: not run on a GPU (auto keeps simple)"]
     if facts.backward and facts.head_dim > 64:
         return [f"backward at head dim {facts.head_dim} > 64: slower than simple's on the H200"]
     if facts.head_dim > 128:
