@@ -191,3 +191,17 @@ def test_report_names_the_device_and_the_floor():
     table = report.format_table([], {}, meta)
     assert "| AMD EPYC, 2 threads of 2 CPUs |" in table
     assert "memory floor at 41.0 GB/s, measured (256 MiB host copy" in table
+
+
+def test_kernel_times_sums_each_kernel_per_call_longest_first():
+    """``bench.fp8.kernel_times`` (its ``--kernels`` breakdown), here over CPU operators: the
+    matrix product dominates, each time is per call, all are positive."""
+    from torch.profiler import ProfilerActivity
+
+    from blockattn_layers.bench.fp8 import kernel_times
+
+    a = torch.randn(384, 384)
+    times = kernel_times(lambda: (a @ a).sum(), calls=3, activity=ProfilerActivity.CPU)
+    names = [name for name, _ in times]
+    assert names[0] == "aten::mm" and "aten::sum" in names
+    assert all(ms > 0 for _, ms in times) and [ms for _, ms in times] == sorted((ms for _, ms in times), reverse=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -47,6 +47,8 @@ def _check(run, total_check: int, want: torch.Tensor) -> float:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="CSV file for the rows")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print where each sub-layer's time goes at prod D128: GPU time per kernel and call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.fp8 needs a CUDA GPU")
@@ -86,7 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              err=err, commit=commit))
             print(f"{case.name:16} {name:31} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
                   + (f"  err {err:.2e}" if err is not None else ""), flush=True)
-    rows += _sublayer_rows(commit)
+    rows += _sublayer_rows(commit, args.kernels)
     if args.out:
         write_csv(args.out, rows)
     return 0
@@ -100,14 +102,38 @@ def write_csv(path: str, rows: List[dict]) -> None:
         writer.writerows(rows)
 
 
-def _sublayer_rows(commit: str) -> List[dict]:
+def kernel_times(run, calls: int = 10, activity=None) -> List[Tuple[str, float]]:
+    """``(kernel name, ms per call)`` of ``run()``'s device kernels, longest first, from
+    ``calls`` profiled calls after one warm-up (``activity``: the profiler's, CUDA by default)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if activity is None else activity
+    kind = DeviceType.CUDA if activity == ProfilerActivity.CUDA else DeviceType.CPU
+    run()
+    with profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    times = []
+    for event in prof.key_averages():
+        total = event.self_device_time_total if kind == DeviceType.CUDA else event.self_cpu_time_total
+        if event.device_type == kind and total > 0:
+            times.append((event.key, total / calls / 1e3))
+    return sorted(times, key=lambda item: -item[1])
+
+
+def _sublayer_rows(commit: str, kernels: bool = False) -> List[dict]:
     """The attention sub-layer (QKV projection, attention, output projection; d_model 256) at the
     prod shapes, bfloat16 against ``to_fp8_inference``'s (calibrated on the first 64 sequences),
-    each with its output's error against the float64 layer on those sequences."""
+    each with its output's error against the float64 layer on those sequences; ``kernels``: the
+    first shape's time per kernel too (:func:`kernel_times`)."""
     import triton.testing
 
     rows = []
-    for case in prod() + rotary():
+    cases = prod() + rotary()
+    for case in cases:
         g = torch.Generator(device="cuda").manual_seed(1)
         kind = bl.RotaryBlockAttention if case.rope_theta else bl.BlockSelfAttention
         extra = dict(rope_theta=case.rope_theta) if case.rope_theta else {}
@@ -130,6 +156,10 @@ def _sublayer_rows(commit: str) -> List[dict]:
                 rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=None, x_floor=None, err=err,
                                  commit=commit))
                 print(f"{case.name:16} {name:31} {ms:8.3f} ms  err {err:.2e} (against the float64 layer)", flush=True)
+                if kernels and case is cases[0]:
+                    with torch.no_grad(), unverified_kernels(unverified):
+                        for kernel, kernel_ms in kernel_times(lambda: model(values, offsets))[:8]:
+                            print(f"    {kernel_ms:8.3f} ms  {kernel[:100]}", flush=True)
     return rows
 
 
