@@ -217,3 +217,46 @@ def test_opt_in_methods_run_only_when_named():
     assert not {m.name for m in cli.select_methods(None)} & set(opt_in)
     assert not {m.name for m in cli.select_methods("baselines")} & set(opt_in)
     assert [m.name for m in cli.select_methods("flex_blocks_triton")] == ["flex_blocks_triton"]
+
+
+def test_unit_chunks_split_the_units_into_runs_within_fa2s_limit():
+    bounds = torch.tensor([0, 3, 3, 10, 11, 20])  # 5 units, one empty
+    assert baselines.unit_chunks(bounds, 5) is None
+    assert baselines.unit_chunks(bounds, 2) == [(0, 2, 0, 3), (2, 4, 3, 11), (4, 5, 11, 20)]
+    assert baselines.FA2_MAX_UNITS == 65535
+
+
+def test_fa2_in_chunks_matches_one_call(monkeypatch):
+    """``FlashVarlen`` over chunks of units (FA2's kernels stood in for by the reference, which
+    CPU has): each call gets at most the chunk's units with its own cu_seqlens from 0, and the
+    output and gradients are those of one call over every unit."""
+    calls = []
+
+    def attend(q, k, v, cu, scale, causal):
+        return blockattn_layers.block_attention(q, k, v, cu.long(), None, scale=scale, causal=causal,
+                                                backend="reference")
+
+    def forward(q, k, v, cu, max_len, scale, causal):
+        calls.append((int(cu[0]), len(cu) - 1, int(cu[-1]), q.shape[0]))
+        return attend(q, k, v, cu, scale, causal), None, None, None, None
+
+    def backward(grad_out, q, k, v, out, lse, cu, max_len, causal, rng_state, unused, scale):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.enable_grad():
+            return torch.autograd.grad(attend(*leaves, cu, scale, causal), leaves, grad_out)
+
+    monkeypatch.setattr(baselines, "_fa2_forward", forward)
+    monkeypatch.setattr(baselines, "_fa2_backward", backward)
+    lengths = [5, 0, 17, 1, 9, 30, 2]
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(int(bounds[-1]), h, 16, generator=gen, dtype=torch.float64).requires_grad_()
+               for h in (4, 2, 2))
+    grad = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    results = []
+    for chunks in (None, baselines.unit_chunks(bounds, 3)):
+        out = baselines.FlashVarlen.apply(q, k, v, bounds.int(), 30, 0.25, True, chunks)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    assert calls == [(0, 7, 64, 64), (0, 3, 22, 22), (0, 3, 40, 40), (0, 1, 2, 2)]
+    for one, chunked in zip(*results):
+        torch.testing.assert_close(chunked, one, rtol=1e-12, atol=1e-12)

@@ -23,7 +23,7 @@ Signatures used (checked against torch 2.11's schema, which the run records in i
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,28 +35,62 @@ from .common import Case, Inputs, Method, Prepared, RunConfig
 _FRACTION_OF_FREE = 0.5  # a padded baseline runs only if its tensors fit in this share of free memory
 
 
+# FA2's kernels put the batch (here: the attention units) on the grid's y dimension, at most
+# 65,535; more units (blocks of 16 tokens at prod lengths: 66,9xx) fail with "invalid argument".
+FA2_MAX_UNITS = 65535
+
+
+def unit_chunks(bounds: Tensor, max_units: int = FA2_MAX_UNITS) -> Optional[List[Tuple[int, int, int, int]]]:
+    """``(first unit, end unit, first token, end token)`` of consecutive runs of at most
+    ``max_units`` units of the host ``bounds``, or None where one call takes them all."""
+    units = len(bounds) - 1
+    if units <= max_units:
+        return None
+    ends = [min(u + max_units, units) for u in range(0, units, max_units)]
+    return [(u, end, int(bounds[u]), int(bounds[end])) for u, end in zip(range(0, units, max_units), ends)]
+
+
+def _fa2_forward(q, k, v, cu, max_len, scale, causal):
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale)
+
+
+def _fa2_backward(grad_out, q, k, v, out, lse, cu, max_len, causal, rng_state, unused, scale):
+    return torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, causal, rng_state, unused, scale=scale)
+
+
 class FlashVarlen(torch.autograd.Function):
     """FA2 varlen (``torch.ops.aten._flash_attention_*``) with ``cu`` as both cu_seqlens; k, v may
-    have fewer heads than q (GQA, native in FA2)."""
+    have fewer heads than q (GQA, native in FA2). ``chunks`` (:func:`unit_chunks`): one FA2 call per
+    run of units, as a user past FA2's unit limit would make them, the outputs and gradients
+    concatenated (one more copy of each)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float,
-                causal: bool = False) -> Tensor:
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale,
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
-        ctx.max_len, ctx.scale, ctx.causal = max_len, scale, causal
+                causal: bool = False, chunks: Optional[List[Tuple[int, int, int, int]]] = None) -> Tensor:
+        parts = chunks or [(0, len(cu) - 1, 0, q.shape[0])]
+        outs, saved = [], []
+        for u0, u1, t0, t1 in parts:
+            part_cu = cu if chunks is None else cu[u0:u1 + 1] - cu[u0]
+            out, lse, rng_state, unused, _ = _fa2_forward(q[t0:t1], k[t0:t1], v[t0:t1], part_cu, max_len, scale, causal)
+            outs.append(out)
+            saved += [part_cu, lse, rng_state, unused]
+        out = outs[0] if chunks is None else torch.cat(outs)
+        ctx.save_for_backward(q, k, v, out, *saved)
+        ctx.parts, ctx.max_len, ctx.scale, ctx.causal = parts, max_len, scale, causal
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, ctx.causal,
-            rng_state, unused, scale=ctx.scale,
-        )
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, *saved = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grads = []
+        for i, (u0, u1, t0, t1) in enumerate(ctx.parts):
+            part_cu, lse, rng_state, unused = saved[4 * i:4 * i + 4]
+            grads.append(_fa2_backward(grad_out[t0:t1], q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], lse, part_cu,
+                                       ctx.max_len, ctx.causal, rng_state, unused, ctx.scale))
+        dq, dk, dv = grads[0] if len(grads) == 1 else (torch.cat(g) for g in zip(*grads))
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _scale(case: Case) -> float:
@@ -70,9 +104,10 @@ def _qkv(inp: Inputs):
 # ----------------------------------------------------------------------------- FA2 varlen
 def fa2_varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     scale = _scale(case)
+    chunks = unit_chunks(case.unit_bounds())
 
     def forward():
-        return FlashVarlen.apply(inp.q, inp.k, inp.v, inp.bounds, inp.max_unit, scale, case.causal)
+        return FlashVarlen.apply(inp.q, inp.k, inp.v, inp.bounds, inp.max_unit, scale, case.causal, chunks)
 
     return Prepared(forward, _qkv(inp), inp.grad_out)
 
@@ -533,10 +568,11 @@ def _rotary_fa2(compiled: bool):
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
         scale = _scale(case)
         rotate = _rotary_prelude(case, inp, compiled)
+        chunks = unit_chunks(case.unit_bounds())
 
         def forward():
             q, k = rotate(inp.q, inp.k)
-            return FlashVarlen.apply(q, k, inp.v, inp.bounds, inp.max_unit, scale, case.causal)
+            return FlashVarlen.apply(q, k, inp.v, inp.bounds, inp.max_unit, scale, case.causal, chunks)
 
         return Prepared(forward, _qkv(inp), inp.grad_out)
 
@@ -599,7 +635,7 @@ def _rotary_block(case: Case) -> bool:
 
 BASELINES = [
     Method("fa2_varlen", "baseline", fa2_varlen, _plain,
-           description="aten._flash_attention_forward/backward, cu_seqlens = unit bounds"),
+           description="aten._flash_attention_forward/backward, cu_seqlens = unit bounds (one call per 65,535 units)"),
     Method("sdpa_flash", "baseline", _sdpa_block_view(SDPBackend.FLASH_ATTENTION), _block, skip=_needs_aligned,
            description="SDPA FLASH_ATTENTION on the [n_blocks, H, block, D] view"),
     Method("sdpa_cudnn", "baseline", _sdpa_block_view(SDPBackend.CUDNN_ATTENTION), _block, skip=_needs_aligned,
