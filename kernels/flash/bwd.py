@@ -65,7 +65,7 @@ def bwd_launch_options(block: int, head_dim: int, device_type: str, inner: int =
 @triton.jit
 def _dkdv_query_tiles(
     dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
-    offs_d, d_ok, m_lo, m_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
+    offs_d, d_ok, m_lo, m_tiles, spread, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
     stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
@@ -74,13 +74,18 @@ def _dkdv_query_tiles(
 ):
     """Accumulate ``dK`` (as ``a, b, p`` tiles) and ``dV`` of one key tile over ``m_tiles`` query
     tiles from row ``m_lo``, for every query head of the group; with ``DQ_ATOMIC`` also add each
-    query tile's share of ``dQ`` (``dS K``, rotated, unscaled) to the float32 ``DQA``."""
+    query tile's share of ``dQ`` (``dS K``, rotated, unscaled) to the float32 ``DQA``, starting
+    ``spread`` tiles in and wrapping round, so that the key tiles of a block, running at once, add
+    to different query tiles' sums at any one time."""
     dtype = ka.dtype
     # One flat loop over (query head, query tile): nested loops that carry the dK, dV
     # accumulators across the outer loop break the software pipeliner on sm_100.
     for it in range(0, GROUPS * m_tiles):
         h = hk * GROUPS + it // m_tiles
-        m0 = m_lo + (it % m_tiles) * BLOCK_M
+        j = it % m_tiles
+        if DQ_ATOMIC:
+            j = (j + spread) % m_tiles
+        m0 = m_lo + j * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n
         rows_m = start + offs_m
@@ -191,6 +196,7 @@ def _flash_bwd_dkdv_kernel(
         m_begin = (tile_row // BLOCK_M) * BLOCK_M
         masked_tiles = tl.cdiv(tl.minimum(n, tile_row + BLOCK_N) - m_begin, BLOCK_M)
     m_free = m_begin + masked_tiles * BLOCK_M
+    spread = tile_row // BLOCK_N  # this key tile's index in its block (the fast pass's first query tile)
     # Pointer loads give zeros past the block, so the unmasked loop may take its partial last
     # tile; tensor-map loads take whole tiles only and leave that one to a masked tail.
     m_full = n
@@ -198,14 +204,14 @@ def _flash_bwd_dkdv_kernel(
         m_full = (n // BLOCK_M) * BLOCK_M
     dka, dkb, dkp, dv = _dkdv_query_tiles(
         dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
-        offs_d, d_ok, m_begin, masked_tiles, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
+        offs_d, d_ok, m_begin, masked_tiles, spread, qk_scale, log2_theta, stride_qt, stride_qh, stride_qd,
         stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
         FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
     )
     dka, dkb, dkp, dv = _dkdv_query_tiles(
         dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n, n_ok,
-        offs_d, d_ok, m_free, tl.cdiv(m_full - m_free, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
+        offs_d, d_ok, m_free, tl.cdiv(m_full - m_free, BLOCK_M), spread, qk_scale, log2_theta, stride_qt, stride_qh,
         stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
         False, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
         FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
@@ -214,7 +220,7 @@ def _flash_bwd_dkdv_kernel(
         tail = tl.maximum(m_free, m_full)
         dka, dkb, dkp, dv = _dkdv_query_tiles(
             dka, dkb, dkp, dv, ka, kb, kp, v, Q, DO, QD, DOD, Lse, Delta, DQA, DQD, Pos, hk, start, first_row, n, offs_n,
-            n_ok, offs_d, d_ok, tail, tl.cdiv(n - tail, BLOCK_M), qk_scale, log2_theta, stride_qt, stride_qh,
+            n_ok, offs_d, d_ok, tail, tl.cdiv(n - tail, BLOCK_M), spread, qk_scale, log2_theta, stride_qt, stride_qh,
             stride_qd, stride_dot, stride_doh, stride_dod, stride_lh, stride_qat, stride_qah,
             True, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL,
             FAST_TRIG, INT64, PRECISION, TMA, DQ_ATOMIC, DQ_TMA,
