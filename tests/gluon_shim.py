@@ -21,7 +21,8 @@ What it models:
   checks, ``index``, ``slice``, ``permute``, ``_reinterpret`` as a view of the same bytes), filled
   with NaN (floats) or the smallest integer when allocated, so reading what no one wrote shows;
 - ``cp.async`` copies happen at once, masked rows zero-filled; ``warpgroup_mma`` is a float32
-  matmul of its operands (which must share a dtype); fences and thread barriers do nothing;
+  matmul of its operands (which must share a dtype), done at issue even when asynchronous, so
+  ``warpgroup_mma_wait`` hands back its ``deps``; fences and thread barriers do nothing;
 - ``gl.associative_scan`` is a generic inclusive scan calling the kernel's own combine function;
   ``inline_asm_elementwise`` knows ``sin.approx.f32`` / ``cos.approx.f32`` of float32 operands
   (torch's sin / cos, exact: the approximations' error is not modelled) and ``mov.b32`` (a bit
@@ -68,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared 
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier as _real_mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import tma as _real_tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma as _real_wgmma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait as _real_wgmma_wait
 from triton.runtime.jit import ConstexprFunction, JITFunction
 
 __all__ = [
@@ -453,6 +455,13 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise
     return tensor(product + acc if use_acc else product)
 
 
+def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """The products are done at issue here, so the wait hands its ``deps`` back (one, or a tuple)."""
+    if deps is None:
+        raise ValueError("warpgroup_mma_wait deps must be given")
+    return deps[0] if len(deps) == 1 else tuple(deps)
+
+
 # ----------------------------------------------------------------------------- async copies
 def _async_copy_global_to_shared(smem: SharedTile, pointer: Pointer, mask=None, **_ignored) -> None:
     offsets, mask = _mask_like(pointer.offsets, mask)
@@ -731,7 +740,7 @@ _REPLACEMENTS = {
     id(_real_blackwell.get_tmem_reg_layout): blackwell.get_tmem_reg_layout,
     id(_real_blackwell.tcgen05_mma): _tcgen05_mma, id(_real_blackwell.tcgen05_commit): _tcgen05_commit, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
     id(_real_ampere_mbarrier): mbarrier, id(_real_tma): tma,
-    id(_real_fence): _nothing, id(_real_wgmma): _warpgroup_mma,
+    id(_real_fence): _nothing, id(_real_wgmma): _warpgroup_mma, id(_real_wgmma_wait): _warpgroup_mma_wait,
 }
 
 

@@ -2,6 +2,7 @@
 generation's matrix instructions in the PTX (``mma.sync``, ``wgmma``, ``tcgen05.mma``) and, from
 sm_90 on, TMA copies in the flash kernels' tensor-map variants."""
 import os
+import re
 import subprocess
 import sys
 
@@ -83,16 +84,21 @@ def test_hopper_ws_kernels_compile(tmp_path):
 
 def test_warp_specialized_flash_forward_compiles(tmp_path):
     """The Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
-    neither): wgmma, TMA loads and the output's TMA store, tensor maps made in the kernel,
-    mbarrier waits and the partitions' register reallocation, within the register, spill and
-    shared-memory budgets (``compile_check`` fails a build over them)."""
+    neither, consumers serial or overlapped): wgmma, TMA loads and the output's TMA store, tensor
+    maps made in the kernel, mbarrier waits and the partitions' register reallocation, within the
+    register, spill and shared-memory budgets (``compile_check`` fails a build over them); the
+    overlapped builds commit two wgmma groups (the next ``Q K^T``, then ``P V``) before a wait,
+    the serial ones never."""
     ptx = _compile_check("sm_90", "flash_gluon_", tmp_path / "sm_90")
-    assert len(ptx) == 8
+    assert len(ptx) == 16
     for name, text in ptx.items():
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "tensormap.replace", "setmaxnreg.inc",
                             "mbarrier.try_wait"):
             assert instruction in text, (name, instruction)
+        order = "".join("C" if op == "commit_group" else "W"
+                        for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
+        assert ("CC" in order) == name.endswith("_overlap"), (name, order)
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)

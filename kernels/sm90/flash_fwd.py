@@ -30,8 +30,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
+from ..block.variants import unverified_allowed
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, needs_int64
 from ..flash.schedule import FlashSchedule
@@ -88,10 +91,39 @@ def _loader(q_s, k_s, v_s, q_bar, kv_ready, kv_empty, Q, K, V, start, n, tile_ro
 
 
 @gluon.jit
+def _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Key tile ``j``'s raw scores -> ``(p, alpha, m_new, l_new)``: its probabilities against the
+    running row maxima ``m_new`` (log2 units), the factor ``alpha`` that rescales what came before,
+    and the running sums."""
+    acc_s: gl.constexpr = _acc_layout(BLOCK_N)
+    if j >= unmasked:
+        # Columns past the block (zero-filled keys) and, causal, right of each row's diagonal.
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
+        valid = gl.expand_dims(cols < n, 0)
+        if IS_CAUSAL:
+            valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        scores = gl.where(valid, scores, float("-inf"))
+    # Every row has an allowed column in the first key tile (column 0; padding rows too), so
+    # m_new is finite from the first tile on and no row divides by zero.
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(scores * qk_scale - gl.expand_dims(m_new, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _release(kv_empty, s):
+    gl.thread_barrier()  # every warp of the warpgroup is done with the slot (one arrival for all)
+    mbarrier.arrive(kv_empty.index(s))
+
+
+@gluon.jit
 def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads, tiles,
               unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):
-    """Consumer partition (one warpgroup): rows ``tile_row + 64 * half`` onwards of the query tile."""
+              IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+    """Consumer partition (one warpgroup): rows ``tile_row + 64 * half`` onwards of the query tile.
+    ``OVERLAP``: key tile ``j + 1``'s ``Q K^T`` runs on the tensor cores while the warpgroup does
+    tile ``j``'s softmax (both products asynchronous, waited for together)."""
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -104,28 +136,35 @@ def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, 
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_s)
     q = q_s.index(half)
     mbarrier.wait(q_bar, 0)
-    for j in range(tiles):
-        s = j % STAGES
-        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-        scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
-        if j >= unmasked:
-            # Columns past the block (zero-filled keys) and, causal, right of each row's diagonal.
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
-            valid = gl.expand_dims(cols < n, 0)
-            if IS_CAUSAL:
-                valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-            scores = gl.where(valid, scores, float("-inf"))
-        # Every row has an allowed column in the first key tile (column 0; padding rows too), so
-        # m_new is finite from the first tile on and no row divides by zero.
-        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
+    if OVERLAP:
+        mbarrier.wait(kv_ready.index(0), 0)
+        scores = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        for j in range(tiles - 1):
+            s = j % STAGES
+            t = (j + 1) % STAGES
+            mbarrier.wait(kv_ready.index(t), ((j + 1) // STAGES) & 1)
+            following = warpgroup_mma(q, k_s.index(t).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
+            acc, scores = warpgroup_mma_wait(num_outstanding=0, deps=(acc, following))
+            _release(kv_empty, s)
+        last = tiles - 1
+        p, alpha, m_i, l_i = _online_softmax(scores, last, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-        gl.thread_barrier()  # every warp of the warpgroup is done with the slot (one arrival for all)
-        mbarrier.arrive(kv_empty.index(s))
-        m_i = m_new
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _release(kv_empty, last % STAGES)
+    else:
+        for j in range(tiles):
+            s = j % STAGES
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+            scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
+            p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
+            _release(kv_empty, s)
     o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
     o_map = block_map(O, start, n, heads, stride_ot, HALF_M, HEAD_DIM)
     q.store(o.to(dtype))  # the query half is dead: its tile stages the output
@@ -140,7 +179,7 @@ def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, 
 def _flash_fwd_ws_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, qk_scale, stride_qt, stride_kt, stride_vt, stride_ot, stride_lh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
 ):
     pid = gl.program_id(0)
     slot = pid // heads
@@ -162,9 +201,9 @@ def _flash_fwd_ws_kernel(
         tiles, unmasked = key_tiles(n, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
-                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL)),
+                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL, OVERLAP)),
             (_consumer, (1, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
-                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL)),
+                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL, OVERLAP)),
             (_loader, (q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, Q, K, V, start, n, tile_row, h,
                        h // GROUPS, heads, kv_heads, tiles, stride_qt, stride_kt, stride_vt, BLOCK_N, HEAD_DIM)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -203,6 +242,13 @@ def flash_ws_reasons(q, k, v, rope_theta) -> list:
     return reasons
 
 
+def overlap_taken() -> bool:
+    """Whether the consumers overlap one key tile's ``Q K^T`` with the previous one's softmax
+    (``OVERLAP``): compile-checked and run through the CPU shim, not yet on a GPU, so only with
+    unverified kernels allowed (``variants.allow_unverified``)."""
+    return unverified_allowed()
+
+
 def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
     """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
     tokens, by the warp-specialized kernel (module docstring); the caller checks
@@ -217,7 +263,7 @@ def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, caus
         return o, lse
     table = sched.table(late_first=True)
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
-                num_warps=4)
+                OVERLAP=overlap_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch_fwd((sched.programs * heads,), args, meta, q)
