@@ -312,16 +312,19 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
 
 def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
-    and 128, bf16 / fp16, causal with GQA or neither, with and without the consumers' overlap of
-    ``Q K^T`` and softmax (``OVERLAP``), the tiles ``flash.gluon_fwd`` launches."""
+    and 128, bf16 / fp16, causal with GQA or neither, the consumers serial, overlapped
+    (``OVERLAP``) or overlapped and taking turns (``PINGPONG``), the tiles ``flash.gluon_fwd`` launches."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     from .sm90.flash_fwd import _flash_fwd_ws_kernel
 
-    for dtype, dim, (causal, groups), overlap in itertools.product(
-            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
-        name = f"flash_gluon_fwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_overlap' if overlap else ''}"
+    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (True, True)}
+    for dtype, dim, (causal, groups), loop in itertools.product(
+            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
+        overlap, pingpong = loops[loop]
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
+                          PINGPONG=pingpong)
+        name = f"flash_gluon_fwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
 
 

@@ -84,13 +84,13 @@ def test_hopper_ws_kernels_compile(tmp_path):
 
 def test_warp_specialized_flash_forward_compiles(tmp_path):
     """The Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
-    neither, consumers serial or overlapped): wgmma, TMA loads and the output's TMA store, tensor
+    neither, consumers serial, overlapped or in ping-pong): wgmma, TMA loads and the output's TMA store, tensor
     maps made in the kernel, mbarrier waits and the partitions' register reallocation, within the
     register, spill and shared-memory budgets (``compile_check`` fails a build over them); the
-    overlapped builds commit two wgmma groups (the next ``Q K^T``, then ``P V``) before a wait,
-    the serial ones never."""
+    overlapped and ping-pong builds commit two wgmma groups (the next ``Q K^T``, then ``P V``)
+    before a wait, the serial ones never."""
     ptx = _compile_check("sm_90", "flash_gluon_", tmp_path / "sm_90")
-    assert len(ptx) == 16
+    assert len(ptx) == 24
     for name, text in ptx.items():
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "tensormap.replace", "setmaxnreg.inc",
@@ -98,7 +98,7 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
             assert instruction in text, (name, instruction)
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
-        assert ("CC" in order) == name.endswith("_overlap"), (name, order)
+        assert ("CC" in order) == name.endswith(("_overlap", "_pingpong")), (name, order)
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)

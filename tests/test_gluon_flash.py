@@ -31,7 +31,7 @@ CASES = {
 }
 
 
-def _run(lengths, heads, kv_heads, dim, block_size, causal, overlap=False):
+def _run(lengths, heads, kv_heads, dim, block_size, causal, overlap=False, pingpong=False):
     g = torch.Generator().manual_seed(len(lengths) + dim)
     total = sum(lengths)
     q, k, v = (torch.randn(total, h, dim, generator=g).to(torch.float16) for h in (heads, kv_heads, kv_heads))
@@ -45,18 +45,21 @@ def _run(lengths, heads, kv_heads, dim, block_size, causal, overlap=False):
         slots=sched.programs, heads=heads, kv_heads=kv_heads, qk_scale=dim ** -0.5 * LOG2E,
         stride_qt=q.stride(0), stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0),
         stride_lh=lse.stride(0), HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=flash_fwd.TILE_M,
-        BLOCK_N=flash_fwd.TILE_N, IS_CAUSAL=causal, OVERLAP=overlap,
+        BLOCK_N=flash_fwd.TILE_N, IS_CAUSAL=causal, OVERLAP=overlap, PINGPONG=pingpong,
     )
     return q, k, v, offsets, o, lse, run
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (True, True)],
+                         ids=["serial", "overlap", "pingpong"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_flash_ws_forward_matches_the_reference(name, overlap):
-    """Both consumer loops: one product after the other, and ``OVERLAP`` (the next key tile's
-    ``Q K^T`` issued before this one's softmax; its asynchrony is not modelled, its order is)."""
+def test_flash_ws_forward_matches_the_reference(name, overlap, pingpong):
+    """The consumer loops: one product after the other; ``OVERLAP`` (the next key tile's ``Q K^T``
+    and this one's ``P V`` issued together, the next softmax under ``P V``: the asynchrony is not
+    modelled, the order is); ``PINGPONG`` (the warpgroups' turns on their mbarriers: a wrong phase
+    deadlocks the shim's threads)."""
     (lengths, heads, kv_heads, dim, block_size, causal), _ = CASES[name]
-    q, k, v, offsets, o, lse, run = _run(lengths, heads, kv_heads, dim, block_size, causal, overlap)
+    q, k, v, offsets, o, lse, run = _run(lengths, heads, kv_heads, dim, block_size, causal, overlap, pingpong)
     d = [x.double() for x in (q, k, v)]
     want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
     assert rel_err(o, want) < 3e-3
@@ -91,7 +94,7 @@ def test_flash_ws_forward_keeps_non_finite_values_in_their_sequence():
               Table=sched.table(late_first=True), slots=sched.programs, heads=2, kv_heads=2, qk_scale=0.18,
               stride_qt=q.stride(0), stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0),
               stride_lh=lse.stride(0), HEAD_DIM=64, GROUPS=1, BLOCK_M=flash_fwd.TILE_M, BLOCK_N=flash_fwd.TILE_N,
-              IS_CAUSAL=False, OVERLAP=False)
+              IS_CAUSAL=False, OVERLAP=False, PINGPONG=False)
     assert torch.isfinite(o[:130]).all() and torch.isfinite(o[200:]).all() and torch.isnan(o[130:200]).all()
 
 

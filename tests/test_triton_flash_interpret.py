@@ -435,10 +435,11 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap):
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (True, True)],
+                         ids=["serial", "overlap", "pingpong"])
+def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
-    its consumers' products one after the other or overlapped (``OVERLAP``): output within 2x the
+    its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong: output within 2x the
     naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and the
     backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference
@@ -452,6 +453,7 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     monkeypatch.setattr(ws, "flash_attention_fwd_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     monkeypatch.setattr(ws, "overlap_taken", lambda: overlap)
+    monkeypatch.setattr(ws, "pingpong_taken", lambda: pingpong)
     qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
     out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
     grad_out = torch.randn_like(out)

@@ -10,7 +10,9 @@ query head. Three partitions share the program's shared memory:
 - two consumer warpgroups, one per 64-row half of the query tile: per key tile ``S = Q K^T``
   by wgmma from the shared tiles, the online softmax in registers (running max and sum in
   float32), ``O += P V`` with ``P`` from registers; each releases the slot after its product,
-  and the loader refills it once both have.
+  and the loader refills it once both have. With unverified kernels allowed the consumers
+  overlap their products with their softmax (``OVERLAP``) and take turns (``PINGPONG``), as
+  FlashAttention-3 does; not yet run on a GPU.
 
 Every tensor map is made in the kernel over the rows of the program's own block
 (``tma.make_tensor_descriptor`` on ``[n, heads * D]`` from the block's first row), so a box
@@ -44,6 +46,10 @@ from .persistent import drop_ring, init_ring
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(232)
+# The overlapped consumers hold two score tiles: at 232 registers ptxas spilled 44-68 bytes for
+# sm_90 at D 128, at 240 (the loader at 24, FA3's split) none.
+OVERLAP_LOADER_REGS = gl.constexpr(24)
+OVERLAP_CONSUMER_REGS = gl.constexpr(240)
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup
 TILE_M = 128  # query rows per program: two consumer warpgroups of 64
 TILE_N = 128  # key rows per ring slot
@@ -118,12 +124,16 @@ def _release(kv_empty, s):
 
 
 @gluon.jit
-def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads, tiles,
+def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, turn, O, Lse, start, n, tile_row, h, heads, tiles,
               unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer partition (one warpgroup): rows ``tile_row + 64 * half`` onwards of the query tile.
-    ``OVERLAP``: key tile ``j + 1``'s ``Q K^T`` runs on the tensor cores while the warpgroup does
-    tile ``j``'s softmax (both products asynchronous, waited for together)."""
+
+    ``OVERLAP`` (as FlashAttention-3 orders it): per key tile ``j``, issue ``S = Q K^T`` of tile
+    ``j + 1`` and ``O += P V`` of tile ``j`` asynchronously, wait for ``S`` only, and run tile
+    ``j + 1``'s softmax while ``P V`` is still on the tensor cores. ``PINGPONG`` (with
+    ``OVERLAP``): the two warpgroups take turns to issue their products (the ``turn`` mbarriers),
+    so one's softmax runs under the other's products."""
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -138,24 +148,33 @@ def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, 
     mbarrier.wait(q_bar, 0)
     if OVERLAP:
         mbarrier.wait(kv_ready.index(0), 0)
-        scores = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        scores = warpgroup_mma(q, k_s.index(0).permute((1, 0)), zero_s, use_acc=False)
+        p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
         for j in range(tiles - 1):
             s = j % STAGES
             t = (j + 1) % STAGES
+            if PINGPONG:
+                # Warpgroup 0 goes first; each waits for the other's previous turn.
+                if half == 0:
+                    if j > 0:
+                        mbarrier.wait(turn.index(0), (j - 1) & 1)
+                else:
+                    mbarrier.wait(turn.index(1), j & 1)
             mbarrier.wait(kv_ready.index(t), ((j + 1) // STAGES) & 1)
-            following = warpgroup_mma(q, k_s.index(t).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+            scores = warpgroup_mma(q, k_s.index(t).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
-            acc, scores = warpgroup_mma_wait(num_outstanding=0, deps=(acc, following))
+            if PINGPONG:
+                gl.thread_barrier()  # the whole warpgroup has issued its products
+                mbarrier.arrive(turn.index(1 - half))
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            p, alpha, m_i, l_i = _online_softmax(scores, j + 1, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
+                                                 IS_CAUSAL)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(kv_empty, s)
-        last = tiles - 1
-        p, alpha, m_i, l_i = _online_softmax(scores, last, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N, IS_CAUSAL)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(kv_empty, last % STAGES)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+        last = (tiles - 1) % STAGES
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(last), acc)
+        _release(kv_empty, last)
     else:
         for j in range(tiles):
             s = j % STAGES
@@ -179,7 +198,7 @@ def _consumer(half, q_s, k_s, v_s, q_bar, kv_ready, kv_empty, O, Lse, start, n, 
 def _flash_fwd_ws_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, qk_scale, stride_qt, stride_kt, stride_vt, stride_ot, stride_lh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     pid = gl.program_id(0)
     slot = pid // heads
@@ -196,18 +215,28 @@ def _flash_fwd_ws_kernel(
         q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar.index(0), count=1)
+        if PINGPONG:
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
         init_ring(kv_ready, kv_empty, STAGES, 2)  # a slot is free once both consumers are done with it
         tiles, unmasked = key_tiles(n, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
         gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
-                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL, OVERLAP)),
-            (_consumer, (1, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, O, Lse, start, n, tile_row, h, heads,
-                         tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL, OVERLAP)),
+            (_consumer, (0, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, turn, O, Lse, start, n, tile_row,
+                         h, heads, tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL,
+                         OVERLAP, PINGPONG)),
+            (_consumer, (1, q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, turn, O, Lse, start, n, tile_row,
+                         h, heads, tiles, unmasked, qk_scale, stride_ot, stride_lh, BLOCK_N, HEAD_DIM, IS_CAUSAL,
+                         OVERLAP, PINGPONG)),
             (_loader, (q_s, k_s, v_s, q_bar.index(0), kv_ready, kv_empty, Q, K, V, start, n, tile_row, h,
                        h // GROUPS, heads, kv_heads, tiles, stride_qt, stride_kt, stride_vt, BLOCK_N, HEAD_DIM)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
+                    OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
         mbarrier.invalidate(q_bar.index(0))
+        if PINGPONG:
+            mbarrier.invalidate(turn.index(0))
+            mbarrier.invalidate(turn.index(1))
         drop_ring(kv_ready, kv_empty, STAGES)
 
 
@@ -249,6 +278,12 @@ def overlap_taken() -> bool:
     return unverified_allowed()
 
 
+def pingpong_taken() -> bool:
+    """Whether the overlapped consumers also take turns (``PINGPONG``): as :func:`overlap_taken`,
+    only with unverified kernels allowed."""
+    return overlap_taken() and unverified_allowed()
+
+
 def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
     """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
     tokens, by the warp-specialized kernel (module docstring); the caller checks
@@ -263,7 +298,7 @@ def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, caus
         return o, lse
     table = sched.table(late_first=True)
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
-                OVERLAP=overlap_taken(), num_warps=4)
+                OVERLAP=overlap_taken(), PINGPONG=pingpong_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch_fwd((sched.programs * heads,), args, meta, q)
