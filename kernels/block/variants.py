@@ -22,9 +22,8 @@ today the ``sm100`` kernels, which no GPU here could run.
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); ``packed`` beats ``simple`` for blocks of up to 32 tokens at D <= 128 forward and
 D <= 64 backward (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was
-deleted; the
-warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape,
-are kept beside the ``sm100`` kernels that grew from their design.
+deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every
+prod shape, are kept beside the ``sm100`` kernels that grew from their design.
 """
 from __future__ import annotations
 
