@@ -21,9 +21,9 @@ today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); ``packed`` beats ``simple`` for blocks of up to 32 tokens at D <= 128 forward and
-D <= 64 backward (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was deleted; the
-warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape,
-are kept beside the ``sm100`` kernels that grew from their design.
+D <= 64 backward (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was
+deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every
+prod shape, are kept beside the ``sm100`` kernels that grew from their design.
 """
 from __future__ import annotations
 
@@ -248,9 +248,9 @@ def _packed_call_reasons(facts: CallFacts) -> List[str]:
 
 def _packed_auto_reasons(facts: CallFacts) -> List[str]:
     """Where ``packed`` was slower than ``simple`` on the H200 (bf16, blocks of 16 and 32, prod
-    lengths; BENCHMARKS.md): the forward at D 256 (1.13-1.38x slower; 1.07-1.32x faster at D 32-128),
-    the backward from D 96 on (up to 1.6x slower; 1.02-1.48x faster at D 32 and 64). Rotary: not
-    measured, nor float32, nor 64-bit offsets (nor run with them on a GPU)."""
+    lengths; BENCHMARKS.md): the forward at D 256 (1.14-1.38x slower; 1.07-1.53x faster at D
+    32-128), the backward from D 96 on (up to 1.6x slower at 11 of 12 points; 1.02-1.48x faster at
+    D 32 and 64). Rotary: not measured, nor float32, nor 64-bit offsets (nor run with them on a GPU)."""
     if facts.rot:
         return ["rotary: not measured beside simple (auto keeps simple)"]
     if facts.dtype not in HOPPER_DTYPES:
