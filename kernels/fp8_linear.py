@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block.variants import unverified_allowed
+from .block.variants import taken_on
 from .common.launch import Launcher
 from .common.meta import major_of, needs_int64
 
@@ -143,8 +143,7 @@ def linear_e4m3_reasons(x: torch.Tensor, weight: torch.Tensor) -> list:
         reasons.append(f"a bfloat16 or float16 input (got {x.dtype})")
     if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
         reasons.append("an sm_89 or newer GPU (e4m3 conversions)")
-    if (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] not in VERIFIED_ON
-            and not unverified_allowed()):
+    if not taken_on(x.device, VERIFIED_ON):
         reasons.append("no hardware run recorded on this GPU generation: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
     if x.dim() != 2 or x.stride(-1) != 1:
         reasons.append("a [T, E] input with unit column stride")

@@ -106,24 +106,26 @@ def _unverified_kernels():
     return unverified_kernels()
 
 
-def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+def _gluon_refusal(case: Case, cfg: RunConfig) -> Optional[str]:
+    """Why the Gluon flash forward cannot compute ``case`` here (None: it can)."""
     from blockattn_layers.kernels.block import variants
-
-    refused = _flash_skip(case, cfg)
-    if refused:
-        return refused
-    error = variants.gluon_import_error()
-    if error:
-        return error
     from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
+
+    refused = _flash_skip(case, cfg) or variants.gluon_import_error()
+    return refused or "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
+
+
+def _gluon_by_default(case: Case) -> bool:
     from blockattn_layers.ops.backends.triton_flash import gluon_forward_taken
 
-    reasons = flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)
-    if reasons:
-        return "; ".join(reasons)
-    if gluon_forward_taken(case.block_size or 0, case.head_dim):
-        return "the 'triton_flash' row runs the Gluon forward here"
-    return None
+    return gluon_forward_taken(case.block_size or 0, case.head_dim)
+
+
+def _gluon_flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    refused = _gluon_refusal(case, cfg)
+    if refused:
+        return refused
+    return "the 'triton_flash' row runs the Gluon forward here" if _gluon_by_default(case) else None
 
 
 GLUON_FLASH = Method(
@@ -134,14 +136,10 @@ GLUON_FLASH = Method(
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
-    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
-    from blockattn_layers.ops.backends.triton_flash import gluon_forward_taken
-
     refused = _flash_skip(case, cfg)
     if refused:
         return refused
-    if (flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)
-            or not gluon_forward_taken(case.block_size or 0, case.head_dim)):
+    if _gluon_refusal(case, cfg) or not _gluon_by_default(case):
         return "the 'triton_flash' row runs the Triton forward here"
     return None
 

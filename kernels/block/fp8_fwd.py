@@ -25,7 +25,7 @@ from ..common.meta import LOG2E, MAX_TILE, needs_int64, num_warps, tile_extent
 from ..common.rotary import block_sin_cos, rotate_pair
 from ..common.schedule import Schedule, block_of_program, search_prefix
 from ..common.tiles import block_positions, block_probs, load_cols, pair_cols, pass_cols, store_cols
-from .variants import unverified_allowed
+from .variants import taken_on
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The generations whose GPU tests this kernel passed (the H200, 2026-12-01); elsewhere (sm_89,
@@ -150,9 +150,7 @@ def fp8_attention_fwd(
         HAS_POS=positions is not None, IS_CAUSAL=causal, FAST_TRIG=q.is_cuda, INT64=int64,
         INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2],
         DOT_DTYPE=_TORCH_TO_TL[dot],
-        E4M3_SCORES=e4m3_scores(rot, dim) and (
-            not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] in E4M3_SCORES_VERIFIED_ON
-            or unverified_allowed()),
+        E4M3_SCORES=e4m3_scores(rot, dim) and taken_on(q.device, E4M3_SCORES_VERIFIED_ON),
         num_warps=num_warps(tile_extent(block_size), tile_extent(dim), False), num_stages=1,
     )
     pos = positions if positions is not None else sched.table
@@ -169,8 +167,7 @@ def fp8_kernel_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     reasons = []
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
         reasons.append("an sm_89 or newer GPU (e4m3 conversions)")
-    if (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] not in VERIFIED_ON
-            and not unverified_allowed()):
+    if not taken_on(q.device, VERIFIED_ON):
         reasons.append("no hardware run recorded on this GPU generation: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
     if block_size is None or block_size > MAX_TILE:
         reasons.append(f"blocks of up to {MAX_TILE} tokens (got block_size={block_size})")

@@ -331,6 +331,13 @@ def unverified_kernels(allow: bool = True):
         _UNVERIFIED[0] = before
 
 
+def taken_on(device: torch.device, verified_on: FrozenSet[int]) -> bool:
+    """Whether a kernel verified on the GPU generations ``verified_on`` may run on ``device``: off
+    CUDA (the interpreter), on those generations, or anywhere with :func:`allow_unverified`."""
+    return (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] in verified_on
+            or _UNVERIFIED[0])
+
+
 def unverified_allowed() -> bool:
     """Whether kernels with no recorded hardware run may be taken (:func:`allow_unverified`)."""
     return _UNVERIFIED[0]
