@@ -366,14 +366,12 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
         options = dict(num_warps=4 if block * dim <= 128 * 128 else 8, num_stages=1)
         name = (f"fp8_fwd_b{block}_d{dim}{'_rope' if rot else ''}{'_gqa_causal_per_sequence' if batched else ''}")
         yield Build(name, _fp8_fwd_kernel, "fp8", _kernel_constexprs(_fp8_fwd_kernel, constexprs), options)
-    from .fp8_linear import _linear_e4m3_band_kernel, _linear_e4m3_kernel, band_meta, linear_meta
+    from .fp8_linear import _linear_e4m3_kernel, linear_meta
 
     for in_dim, out_dim, dtype in ((256, 768, "bf16"), (256, 384, "fp16"), (64, 192, "bf16")):
-        for kind, kernel, make_meta in (("", _linear_e4m3_kernel, linear_meta),
-                                        ("_bands", _linear_e4m3_band_kernel, band_meta)):
-            meta = make_meta(in_dim, out_dim, True, False)
-            options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
-            yield Build(f"fp8_linear{kind}_e{in_dim}_n{out_dim}_{dtype}", kernel, dtype, meta, options)
+        meta = linear_meta(in_dim, out_dim, True, False)
+        options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
+        yield Build(f"fp8_linear_e{in_dim}_n{out_dim}_{dtype}", _linear_e4m3_kernel, dtype, meta, options)
 
 
 def builds(capability: int) -> Iterator[Build]:

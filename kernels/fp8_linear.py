@@ -11,6 +11,13 @@ projection would read it, and the products accumulate in float32: no pass quanti
 no 16-bit q, k or v is written or read back. One program per ``BLOCK_M x BLOCK_N`` output tile;
 the ``N // BLOCK_N`` tiles of one row band are consecutive programs, so the band of ``x`` they
 share is read from L2 after the first.
+
+At the ranking models' widths (E = 256, N = 768, T = 2.37M; H200, 2026-12-02) this product is
+far from its memory floor: 2.40-2.44 ms against 0.71 ms; cuBLAS's bf16 GEMM takes 1.7-1.9 ms and
+cuBLAS's e4m3 GEMM on pre-quantized rows (``torch._scaled_mm``, row-wise factors) 1.89-1.90 ms. Measured and dropped: one program per row band holding the band's whole
+input row (2.73-3.62 ms over five tile shapes), and quantizing each input row to e4m3 in the
+kernel for e4m3 tensor cores (2.13 ms with the MMAs' reduced-precision sums, 2.98 ms with
+float32 sums every 32 channels, and twice the sub-layer's error).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import triton.language as tl
 
 from .block.variants import taken_on
 from .common.launch import Launcher
-from .common.meta import major_of, needs_int64
+from .common.meta import needs_int64
 
 # The generations whose GPU tests this kernel passed (the H200, 2026-12-01); elsewhere (compile-checked
 # only) CUDA takes it only with ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1.
@@ -60,50 +67,7 @@ def _linear_e4m3_kernel(
     tl.store(Y + row[:, None] * stride_yt + col[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _linear_e4m3_band_kernel(
-    X, W, B, Y, rows, stride_xt, stride_wn, stride_yt,
-    IN_DIM: tl.constexpr, OUT_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """One program per ``BLOCK_M``-row band: the band's whole input row (``BLOCK_E`` >= ``IN_DIM``
-    columns) loaded once, then every ``BLOCK_N``-column tile of the output from it (the weights'
-    tiles, shared by all bands, come from L2)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    band = tl.program_id(0)
-    if INT64:
-        offs_m = offs_m.to(tl.int64)
-        band = band.to(tl.int64)
-    row = band * BLOCK_M + offs_m
-    row_ok = row < rows
-    ks = tl.arange(0, BLOCK_E)
-    k_ok = ks < IN_DIM
-    x = tl.load(X + row[:, None] * stride_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    for n0 in range(0, OUT_DIM, BLOCK_N):
-        col = n0 + tl.arange(0, BLOCK_N)
-        col_ok = col < OUT_DIM
-        w = tl.load(W + col[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(B + col, mask=col_ok, other=0.0)[None, :]
-        y = tl.minimum(tl.maximum(acc, -E4M3_MAX), E4M3_MAX).to(Y.dtype.element_ty)
-        tl.store(Y + row[:, None] * stride_yt + col[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
-
-
 launch = Launcher(_linear_e4m3_kernel)
-launch_bands = Launcher(_linear_e4m3_band_kernel)
-# Input widths up to this many columns may take the band kernel (its band of x held whole: 213 KB
-# of shared memory at 256, so sm_90 only); BANDS selects it. Off until measured against the tile
-# kernel on a GPU.
-BAND_MAX_IN_DIM = 256
-BANDS = False
-
-
-def band_meta(in_dim: int, out_dim: int, has_bias: bool, int64: bool) -> dict:
-    """The band kernel's constexprs and launch options: 128-row bands, 128-column output tiles."""
-    block_n = 128 if out_dim >= 128 else max(16, triton.next_power_of_2(out_dim))
-    return dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=has_bias, INT64=int64, BLOCK_M=128, BLOCK_N=block_n,
-                BLOCK_E=max(16, triton.next_power_of_2(in_dim)), num_warps=8, num_stages=2)
 
 
 def linear_meta(in_dim: int, out_dim: int, has_bias: bool, int64: bool) -> dict:
@@ -126,10 +90,6 @@ def linear_e4m3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return y
     args = (x, weight, bias if bias is not None else weight, y, total, x.stride(0), weight.stride(0), y.stride(0))
     int64 = needs_int64(x, y)
-    if BANDS and in_dim <= BAND_MAX_IN_DIM and (not x.is_cuda or major_of(x) == 9):
-        meta = band_meta(in_dim, out_dim, bias is not None, int64)
-        launch_bands((triton.cdiv(total, meta["BLOCK_M"]),), args, meta, x)
-        return y
     meta = linear_meta(in_dim, out_dim, bias is not None, int64)
     programs = triton.cdiv(total, meta["BLOCK_M"]) * triton.cdiv(out_dim, meta["BLOCK_N"])
     launch((programs,), args, meta, x)

@@ -88,15 +88,10 @@ def _linear_inputs(total, width, out, bias, dtype, device="cpu"):
 
 @pytest.mark.skipif(not interpreter_active(), reason="CPU interpreter test; the GPU test below covers the kernel")
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
-@pytest.mark.parametrize("bands", [False, True], ids=["tiles", "bands"])
-def test_fused_projection_kernel_in_the_interpreter(monkeypatch, case, bands):
+def test_fused_projection_kernel_in_the_interpreter(case):
     """The kernel's product, bias and saturation (written in float32: the interpreter's e4m3
-    rounding is wrong where rounding up carries into the exponent), against float64, fp16 inputs;
-    the tile kernel and the band kernel (``fp8_linear.BANDS``; inputs up to 256 wide)."""
-    from blockattn_layers.kernels import fp8_linear
+    rounding is wrong where rounding up carries into the exponent), against float64, fp16 inputs."""
     from blockattn_layers.kernels.fp8_linear import linear_e4m3
-
-    monkeypatch.setattr(fp8_linear, "BANDS", bands)
 
     (x, w, b), want = _linear_inputs(*case, torch.float16)
     got = linear_e4m3(x, w, b, torch.float32)
@@ -111,14 +106,12 @@ def test_fused_projection_kernel_in_the_interpreter(monkeypatch, case, bands):
                     reason="needs an sm_89 or newer GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
-@pytest.mark.parametrize("bands", [False, True], ids=["tiles", "bands"])
-def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype, bands):
+def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype):
     """e4m3 out: every element is the float64 result rounded to e4m3 or, at a rounding tie or
     within float32 accumulation of one, its neighbour on the e4m3 grid; the layer's projection
     takes the kernel: by default where a hardware run is recorded (``fp8_linear.VERIFIED_ON``),
     elsewhere with unverified kernels allowed."""
     from blockattn_layers.kernels.block import variants
-    from blockattn_layers.kernels import fp8_linear
     from blockattn_layers.kernels.fp8_linear import VERIFIED_ON, linear_e4m3, linear_e4m3_reasons
 
     x = torch.zeros(1, 64, dtype=dtype, device="cuda")
@@ -130,7 +123,6 @@ def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype, bands):
         assert any("BLOCKATTN_UNVERIFIED_KERNELS" in r for r in reasons)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     assert linear_e4m3_reasons(x, x) == []
-    monkeypatch.setattr(fp8_linear, "BANDS", bands)
 
     (x, w, b), want = _linear_inputs(*case, dtype, device="cuda")
     got = linear_e4m3(x, w, b).cpu()
