@@ -10,9 +10,9 @@ query head. Three partitions share the program's shared memory:
 - two consumer warpgroups, one per 64-row half of the query tile: per key tile ``S = Q K^T``
   by wgmma from the shared tiles, the online softmax in registers (running max and sum in
   float32), ``O += P V`` with ``P`` from registers; each releases the slot after its product,
-  and the loader refills it once both have. With unverified kernels allowed the consumers
-  overlap their products with their softmax (``OVERLAP``) and take turns (``PINGPONG``), as
-  FlashAttention-3 does; not yet run on a GPU.
+  and the loader refills it once both have. ``CONSUMER_LOOP`` can have the consumers overlap
+  their products with their softmax (``OVERLAP``) and take turns (``PINGPONG``), as
+  FlashAttention-3 does: GPU-tested, but slower on the H200, so off.
 
 Every tensor map is made in the kernel over the rows of the program's own block
 (``tma.make_tensor_descriptor`` on ``[n, heads * D]`` from the block's first row), so a box
@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ..block.variants import unverified_allowed
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, needs_int64
 from ..flash.schedule import FlashSchedule
@@ -271,17 +270,23 @@ def flash_ws_reasons(q, k, v, rope_theta) -> list:
     return reasons
 
 
+# The consumers' loop: "serial" (one product after the other), "overlap" (``OVERLAP``) or
+# "pingpong" (``OVERLAP`` and ``PINGPONG``). All three passed the GPU tests on the H200
+# (2026-12-02); the FlashAttention-3 loops were slower there (ms, serial / overlap / pingpong:
+# seed3 1.424 / 1.538 / 1.472, seed3 causal 0.823 / 0.926 / 0.884, blocks of 512 3.97 / 4.18 /
+# 4.14; BENCHMARKS.md, session 17), so the serial loop is the one taken.
+CONSUMER_LOOP = "serial"
+
+
 def overlap_taken() -> bool:
     """Whether the consumers overlap one key tile's ``Q K^T`` with the previous one's softmax
-    (``OVERLAP``): compile-checked and run through the CPU shim, not yet on a GPU, so only with
-    unverified kernels allowed (``variants.allow_unverified``)."""
-    return unverified_allowed()
+    (``OVERLAP``): ``CONSUMER_LOOP`` "overlap" or "pingpong"."""
+    return CONSUMER_LOOP in ("overlap", "pingpong")
 
 
 def pingpong_taken() -> bool:
-    """Whether the overlapped consumers also take turns (``PINGPONG``): as :func:`overlap_taken`,
-    only with unverified kernels allowed."""
-    return overlap_taken() and unverified_allowed()
+    """Whether the overlapped consumers also take turns (``PINGPONG``): ``CONSUMER_LOOP`` "pingpong"."""
+    return CONSUMER_LOOP == "pingpong"
 
 
 def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
