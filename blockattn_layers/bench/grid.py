@@ -49,6 +49,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .common import Case
+from .report import ms_text, ratio_text
 
 AXES: Dict[str, Tuple[object, ...]] = {
     "block": (16, 32, 64, 128),
@@ -220,20 +221,6 @@ def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, obj
     return out
 
 
-def _cell(x: Optional[float]) -> str:
-    """A ratio in at most 5 characters."""
-    if x is None:
-        return "-"
-    for limit, fmt in ((10, ".2f"), (100, ".1f"), (1e4, ".0f")):
-        if x < limit:
-            return format(x, fmt)
-    return format(x, ".0e")
-
-
-def _ms(x: Optional[float]) -> str:
-    return "-" if x is None else format(x, ".3f") if x < 10 else format(x, ".1f")
-
-
 def slower(p: Dict[str, object], mode: str) -> bool:
     spd = p.get(f"{mode}_speedup")
     return spd is not None and spd < 1.0
@@ -241,7 +228,7 @@ def slower(p: Dict[str, object], mode: str) -> bool:
 
 def _speedup(p: Dict[str, object], mode: str) -> str:
     spd = p.get(f"{mode}_speedup")
-    return _cell(spd) + ("!" if slower(p, mode) else "")
+    return ratio_text(spd) + ("!" if slower(p, mode) else "")
 
 
 def format_table(pts: Sequence[Dict[str, object]], meta: Dict[str, object], modes: Sequence[str] = GRID_MODES) -> str:
@@ -261,8 +248,8 @@ def format_table(pts: Sequence[Dict[str, object]], meta: Dict[str, object], mode
         line = (f"{p['block']:>5} {p['dim']:>4} {p['heads']:>5} {p['rotary']:<11} {p['causal']:<6} "
                 f"{p['lengths']:<7} {str(p['ours'] or '-'):<9}")
         for m in modes:
-            line += (f" | {_ms(p.get(f'{m}_ms')):>8} {_cell(p.get(f'{m}_x_floor')):>5} "
-                     f"{str(p.get(f'{m}_peer') or '-'):<16} {_ms(p.get(f'{m}_peer_ms')):>8} {_speedup(p, m):>6}")
+            line += (f" | {ms_text(p.get(f'{m}_ms')):>8} {ratio_text(p.get(f'{m}_x_floor')):>5} "
+                     f"{str(p.get(f'{m}_peer') or '-'):<16} {ms_text(p.get(f'{m}_peer_ms')):>8} {_speedup(p, m):>6}")
         lines.append(line)
     lines.append(summary_line(pts, modes))
     return "\n".join(lines)
@@ -340,7 +327,7 @@ def heatmap(out_dir: str, pts: Sequence[Dict[str, object]], meta: Dict[str, obje
                 for di, dim in enumerate(dims):
                     p = index.get((heads, causal, lengths, rotary, block, dim))
                     x = p.get(f"{mode}_x_floor") if p else None
-                    text = "-" if x is None else _cell(x) + ("!" if slower(p, mode) else "")
+                    text = "-" if x is None else ratio_text(x) + ("!" if slower(p, mode) else "")
                     if x is not None:
                         grid[bi][di] = x
                     ax.text(di, bi, text, ha="center", va="center", fontsize=6,

@@ -28,13 +28,14 @@ def _num(x: Optional[float], fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _ms(x: Optional[float]) -> str:
+def ms_text(x: Optional[float]) -> str:
+    """Milliseconds in at most 6 characters."""
     if x is None:
         return "-"
     return format(x, ".3f") if x < 10 else format(x, ".1f") if x < 1000 else format(x, ".0f")
 
 
-def _ratio(x: Optional[float]) -> str:
+def ratio_text(x: Optional[float]) -> str:
     """A ratio in at most 5 characters."""
     if x is None:
         return "-"
@@ -93,7 +94,8 @@ def format_table(rows: List[Dict[str, object]], summaries: Dict[str, Dict[str, o
                 lines.append(f"  {r['method']:<15}{_status(r, 90)}")
                 continue
             cells = "".join(
-                f"{_ms(r.get(f'{m}_ms')):>9}{_ratio(r.get(f'{m}_x_floor')):>6}{_ratio(r.get(f'{m}_speedup')):>6}"
+                f"{ms_text(r.get(f'{m}_ms')):>9}{ratio_text(r.get(f'{m}_x_floor')):>6}"
+                f"{ratio_text(r.get(f'{m}_speedup')):>6}"
                 for m in MODES
             )
             lines.append(
@@ -176,7 +178,7 @@ def _md_cell(row: Dict[str, object], mode: str) -> str:
     if ms is None:
         return "-"
     x = row.get(f"{mode}_x_floor")
-    return f"{_ms(ms)} ({_ratio(x)}x)" if x is not None else _ms(ms)
+    return f"{ms_text(ms)} ({ratio_text(x)}x)" if x is not None else ms_text(ms)
 
 
 def markdown(results: Dict[str, object]) -> str:
