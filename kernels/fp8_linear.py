@@ -14,10 +14,11 @@ share is read from L2 after the first.
 
 At the ranking models' widths (E = 256, N = 768, T = 2.37M; H200, 2026-12-02) this product is
 far from its memory floor: 2.40-2.44 ms against 0.71 ms; cuBLAS's bf16 GEMM takes 1.7-1.9 ms and
-cuBLAS's e4m3 GEMM on pre-quantized rows (``torch._scaled_mm``, row-wise factors) 1.89-1.90 ms. Measured and dropped: one program per row band holding the band's whole
-input row (2.73-3.62 ms over five tile shapes), and quantizing each input row to e4m3 in the
-kernel for e4m3 tensor cores (2.13 ms with the MMAs' reduced-precision sums, 2.98 ms with
-float32 sums every 32 channels, and twice the sub-layer's error).
+cuBLAS's e4m3 GEMM on pre-quantized rows (``torch._scaled_mm``, row-wise factors) 1.89-1.90 ms.
+Measured and dropped: one program per row band holding the band's whole input row (2.73-3.62 ms
+over five tile shapes), and quantizing each input row to e4m3 in the kernel for e4m3 tensor
+cores (2.13 ms with the MMAs' reduced-precision sums, 2.98 ms with float32 sums every 32
+channels, and twice the sub-layer's error).
 """
 from __future__ import annotations
 
@@ -88,10 +89,9 @@ def linear_e4m3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     y = torch.empty((total, out_dim), dtype=out_dtype, device=x.device)
     if total == 0:
         return y
-    args = (x, weight, bias if bias is not None else weight, y, total, x.stride(0), weight.stride(0), y.stride(0))
-    int64 = needs_int64(x, y)
-    meta = linear_meta(in_dim, out_dim, bias is not None, int64)
+    meta = linear_meta(in_dim, out_dim, bias is not None, needs_int64(x, y))
     programs = triton.cdiv(total, meta["BLOCK_M"]) * triton.cdiv(out_dim, meta["BLOCK_N"])
+    args = (x, weight, bias if bias is not None else weight, y, total, x.stride(0), weight.stride(0), y.stride(0))
     launch((programs,), args, meta, x)
     return y
 

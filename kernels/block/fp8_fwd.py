@@ -4,9 +4,10 @@ One program per (block, kv head) and its ``GROUPS`` query heads, as the simple f
 (``block.fwd``): q, k and v are read as e4m3 (one byte per element), multiplied by their
 descale factors in float32 (per kv head, and per sequence where ``QD_BATCH`` / ``KD_BATCH`` /
 ``VD_BATCH``: the block's sequence is found by ``common.schedule.search_prefix`` over the
-offsets), rotated there where rotary is on, and rounded to ``DOT_DTYPE`` (bfloat16 or float16) for the two products; the softmax is exact over
-the block, and the output is stored in its own dtype. Bytes moved per token and head: 3 read
-(q, k, v) + the output's 2 or 4 written, against bfloat16's 6 + 2.
+offsets), rotated there where rotary is on, and rounded to ``DOT_DTYPE`` (bfloat16 or float16)
+for the two products; the softmax is exact over the block, and the output is stored in its own
+dtype. Bytes moved per token and head: 3 read (q, k, v) + the output's 2 or 4 written, against
+bfloat16's 6 + 2.
 
 Descale pointers always point at a float32 tensor (``QD``, ``KD``, ``VD``; ones ``[H_kv]`` stand
 in for factors not given).
