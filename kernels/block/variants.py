@@ -161,20 +161,28 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
 
 def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper kernels' admission. Beyond ``_gluon_call_reasons``: rotary on power-of-two head
-    dims of 32-128 (halves of whole tiles; D256 rotary spills); no grouped query heads at 128-row
-    tiles (H200 grid: no faster than the simple kernels forward, and their backward spills); in
-    the backward no 128-row tiles wider than 128 (288 KB of shared memory) and no grouped query
-    heads at D256 (dK and dV both live: ptxas spills 7.7 KB)."""
+    dims of 32-128 (halves of whole tiles; D256 rotary spills); in the backward no grouped query
+    heads at 128-row tiles (dK and dV both live beside 128-wide scores: they spill), no 128-row
+    tiles wider than 128 (288 KB of shared memory) and no grouped query heads at D256 (ptxas
+    spills 7.7 KB)."""
     reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
     if facts.rot and facts.head_dim not in (32, 64, 128):
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
-    if facts.groups > 1 and facts.block_size > 64:
-        reasons.append("grouped-query heads with blocks over 64")
+    if facts.backward and facts.groups > 1 and facts.block_size > 64:
+        reasons.append("backward of grouped-query heads with blocks over 64")
     elif facts.backward and facts.block_size > 64 and facts.head_dim > 128:
         reasons.append("backward of blocks over 64 with head_dim over 128")
     elif facts.backward and facts.groups > 1 and facts.head_dim > 128:
         reasons.append("backward of grouped-query heads with head_dim over 128")
     return reasons
+
+
+def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: the forward of grouped
+    query heads at 128-row tiles (H200 grid, session 14: no faster than the simple kernels)."""
+    if facts.groups > 1 and facts.block_size > 64:
+        return ["forward of grouped-query heads with blocks over 64: not faster than simple on the H200"]
+    return []
 
 
 def rows_copyable(t: torch.Tensor) -> bool:
@@ -276,7 +284,7 @@ SIMPLE = Variant(
 HOPPER = Variant(
     "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
-    _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}))
+    _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_auto_reasons)
 HOPPER_WS = Variant(
     "hopper_ws", "experimental Gluon for sm_90, persistent and warp-specialized (a TMA loader warp, 2 stages); "
     "slower than hopper on every measured shape", frozenset({9}), True, _hopper_ws_call_reasons,
@@ -440,7 +448,7 @@ def explain(facts: CallFacts) -> Dict[str, List[str]]:
     for variant in order:
         why = list(variant.call_reasons(facts)) or _state_reasons(variant, facts, variant is not chosen)
         if variant is not chosen and not why:
-            why = _auto_reasons(variant, facts)
+            why = [f"auto takes another variant here: {r}" for r in _auto_reasons(variant, facts)]
         if variant is not chosen:
             if variant.experimental:
                 why.append(f"experimental: runs only when forced ({_ENVIRONMENT}={variant.name})")

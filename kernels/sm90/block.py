@@ -7,7 +7,9 @@ use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dims 32
 blocks of up to 128 rows (64-row tiles of one warpgroup, 128-row tiles of two: ``_tile_warps``),
 no rotary or rotary on all channels in split halves (positions given or implicit), 16-byte
 aligned rows with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
-(block, kv head) and its ``GROUPS`` query heads.
+(block, kv head) and its ``GROUPS`` query heads; with several, the query-side tiles take two slots
+where that was measured faster (``_q_stages``), so head g + 1's copies are in flight during head
+g's products.
 
 What Gluon allows that the Triton kernels could not get from the compiler:
 - every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,
@@ -120,6 +122,21 @@ def _smem_layout(width):
 def _acc_layout(width, warps=4):
     """Accumulator layout of a ``wgmma`` product ``[16 * warps, width]``: one warpgroup per 64 rows."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, width, 16])
+
+
+@gluon.constexpr_function
+def _q_stages(groups, block_m, block_d, backward=False, rotary=False):
+    """Slots of the query-side tiles (q; in the backward also dO) of a program with ``groups``
+    query heads per kv head: two (head g + 1's copies in flight during head g's math) where they
+    were measured faster, else one. H200, bf16, prod lengths, block 64, 8x2 and 4x1 heads (A/B
+    in one run): forward 1.06-1.14x faster at D 32-128 (tiles up to 64 x 128); backward 1.12-1.16x
+    at D64, 1.03-1.04x at D64 rotary, 1.13x at D32 rotary, but 0.90x at D32 and 0.83x at D96 /
+    D128 (106 KB of shared memory beside 255 registers that spill), so those keep one."""
+    if groups == 1 or block_m * block_d > 64 * 128:
+        return 1
+    if backward and not (block_m == 64 and (block_d == 64 or block_d == 32 and rotary)):
+        return 1
+    return 2
 
 
 @gluon.constexpr_function
@@ -321,54 +338,61 @@ def _hopper_fwd_kernel(
         mask = gl.expand_dims(offs_m < n, 1)
         mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
         k_ptr = K + hk * stride_kh
+        # Query tiles in STAGES slots: with two, head g + 1's copy is in flight during head g's math.
+        STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D)
         v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
         zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
         if ROTARY:
-            qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            qa_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+            qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
             ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
             if GROUPS > 1:
                 o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
         else:
-            q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
             _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
         _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
         for g in gl.static_range(GROUPS):
-            q_ptr = Q + (hk * GROUPS + g) * stride_qh
             if g > 0:
-                gl.thread_barrier()  # every warp is done with the previous head's q
-            if ROTARY:
-                _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
-            else:
-                _copy_rows(q_s, q_ptr, rows, offs_d, mask_d, stride_qt)
-            async_copy.commit_group()
+                gl.thread_barrier()  # every warp is done with the previous head's tiles
+            # Head g's copy (issued during the previous head when STAGES is 2), then head g + 1's.
+            for c in gl.static_range(g, g + 2):
+                if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
+                    q_ptr = Q + (hk * GROUPS + c) * stride_qh
+                    if ROTARY:
+                        _copy_halves(qa_s.index(c % STAGES), qb_s.index(c % STAGES), q_ptr, rows, offs_h, mask,
+                                     stride_qt, HALF)
+                    else:
+                        _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
+                    async_copy.commit_group()
             if ROTARY:
                 if g == 0:
                     # Angles while the copies are in flight.
                     sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
-            async_copy.wait_group(0)
+            async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
             if ROTARY:
+                qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
                 gl.thread_barrier()
-                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                rotate_in_place(qa, qb, sin, cos, rot_l)
                 if g == 0:
                     rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
-                s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
-                s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
+                s = warpgroup_mma(qa, ka_s.permute((1, 0)), zero_s)
+                s = warpgroup_mma(qb, kb_s.permute((1, 0)), s)
             else:
-                s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+                s = warpgroup_mma(q_s.index(g % STAGES), k_s.permute((1, 0)), zero_s)
             p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
             o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
             o_ptr = O + (hk * GROUPS + g) * stride_oh
             if not ROTARY:
-                _store_cols_via(q_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+                _store_cols_via(q_s.index(g % STAGES), o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             elif g == GROUPS - 1:
                 _store_cols_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             else:
@@ -415,41 +439,54 @@ def _hopper_bwd_kernel(
         mask = gl.expand_dims(offs_m < n, 1)
         mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
         k_ptr = K + hk * stride_kh
+        # q and dO tiles in STAGES slots: with two, head g + 1's copies are in flight during head g's math.
+        STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D, True, ROT_DIM > 0)
         v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-        do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        do_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
         pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], smem_d)
         zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
         if ROTARY:
-            qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+            qa_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+            qb_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
             ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
         else:
-            q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+            q_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
             _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
         # (dK and dV start at the first head's products, not as zeros held from the top.)
         for g in gl.static_range(GROUPS):
             h = hk * GROUPS + g
-            q_ptr = Q + h * stride_qh
             if g > 0:
                 gl.thread_barrier()  # every warp is done with the previous head's q and dO
+            # Head g's copies (issued during the previous head when STAGES is 2), then head g + 1's:
+            # each head's q in one commit group and its dO (with v for the first head) in the next.
+            for c in gl.static_range(g, g + 2):
+                if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
+                    q_ptr = Q + (hk * GROUPS + c) * stride_qh
+                    if ROTARY:
+                        _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask, stride_qt, HALF)
+                    else:
+                        _copy_rows(q_st.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
+                    async_copy.commit_group()
+                    _copy_rows(do_st.index(c % STAGES), DO + (hk * GROUPS + c) * stride_doh, rows, offs_d, mask_d, stride_dot)
+                    if c == 0:
+                        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
+                    async_copy.commit_group()
+            do_s = do_st.index(g % STAGES)
             if ROTARY:
-                _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
+                qa_s = qa_st.index(g % STAGES)
+                qb_s = qb_st.index(g % STAGES)
             else:
-                _copy_rows(q_s, q_ptr, rows, offs_d, mask_d, stride_qt)
-            async_copy.commit_group()
-            _copy_rows(do_s, DO + h * stride_doh, rows, offs_d, mask_d, stride_dot)
-            if g == 0:
-                _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
-            async_copy.commit_group()
+                q_s = q_st.index(g % STAGES)
             if ROTARY:
                 if g == 0:
                     sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
 
-            # S once q and k have landed (dO and v may still be in flight).
-            async_copy.wait_group(1)
+            # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
+            # dO, two commit groups, when prefetched).
+            async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
             if ROTARY:
                 gl.thread_barrier()
                 rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
@@ -467,7 +504,7 @@ def _hopper_bwd_kernel(
 
             # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
             pds_s.store(p.to(dtype))
-            async_copy.wait_group(0)
+            async_copy.wait_group(2 if STAGES == 2 and g + 1 < GROUPS else 0)
             fence_async_shared()
             gl.thread_barrier()
             dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
