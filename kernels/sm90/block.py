@@ -423,6 +423,9 @@ def _hopper_bwd_kernel(
         # one query head per kv head (v's tile is live across the heads of a group; at D64 the
         # register path needs fewer registers).
         UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
+        # dQ by column halves where dK and dV are both live across the heads (grouped query heads,
+        # 128-wide tiles: ptxas spilled at 255 registers with the whole dQ accumulator).
+        DQ_HALVES: gl.constexpr = not ROTARY and GROUPS > 1 and BLOCK_D == 128
         dtype: gl.constexpr = Q.dtype.element_ty
         smem_d: gl.constexpr = _smem_layout(BLOCK_D)
         smem_h: gl.constexpr = _smem_layout(HALF)
@@ -546,9 +549,21 @@ def _hopper_bwd_kernel(
                 else:
                     dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
+            elif DQ_HALVES:
+                # dQ in two column halves, each to dO's dead tile as soon as it is summed: half the
+                # registers beside the live dK and dV accumulators.
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+                gl.thread_barrier()  # every warp is done reading dO's tile
+                dqa = warpgroup_mma(pds_s, k_s.slice(0, HALF, 1), zero_h)
+                do_s.slice(0, HALF, 1).store((dqa * scale).to(dtype))
+                dqb = warpgroup_mma(pds_s, k_s.slice(HALF, HALF, 1), zero_h)
+                do_s.slice(HALF, HALF, 1).store((dqb * scale).to(dtype))
+                gl.thread_barrier()
+                _store_cols(do_s, dq_ptr, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             else:
                 dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
                 _store_cols_via(do_s, dq_ptr, dq * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+            if not ROTARY:
                 if g == 0:
                     dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
                 else:
