@@ -205,3 +205,33 @@ def test_kernel_times_sums_each_kernel_per_call_longest_first():
     names = [name for name, _ in times]
     assert names[0] == "aten::mm" and "aten::sum" in names
     assert all(ms > 0 for _, ms in times) and [ms for _, ms in times] == sorted((ms for _, ms in times), reverse=True)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_flash_kernels_rows_match_the_oracle_at_a_single_tile_block(recompute):
+    """The opt-in ``flash_kernels`` rows (the flash kernels called directly at blocks of up to 128
+    tokens, outside the op) compute block attention and its gradients: against the float64 oracle
+    in the interpreter, GQA with rotary and causal, lengths 0, 1 and across the block; only named
+    by ``--backends`` (opt-in), and left to ``triton_flash`` at blocks over 128."""
+    from blockattn_layers.ops.backends.triton_block import interpreter_active
+    from tests.oracle import oracle_attention, rel_err
+
+    if not interpreter_active():
+        pytest.skip("CPU interpreter test; the GPU bench runs these rows on a GPU")
+    name = "flash_kernels[recompute]" if recompute else "flash_kernels"
+    method = next(m for m in our_methods() if m.name == name)
+    assert method.opt_in and name not in [m.name for m in cli.select_methods("ours")]
+    assert [m.name for m in cli.select_methods(name)] == [name]
+    case = Case("t", "t", torch.tensor([0, 1, 40, 17, 64]), 4, 16, 32, rope_theta=1e4, num_kv_heads=2, causal=True)
+    assert method.skip(case, None) is None
+    assert method.skip(dataclasses.replace(case, block_size=256), None) is not None
+    inp = make_inputs(case, torch.device("cpu"), torch.float32, seed=0)
+    prepared = method.setup(case, inp, RunConfig(torch.device("cpu"), torch.float32))
+    out = prepared.forward()
+    grads = torch.autograd.grad(out, prepared.leaves, prepared.grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in prepared.leaves]
+    ref = oracle_attention(*leaves, inp.cpu_offsets, 32, causal=True, rope_theta=1e4)
+    ref_grads = torch.autograd.grad(ref, leaves, prepared.grad_out.double())
+    assert rel_err(out, ref) < 2e-5
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 2e-5

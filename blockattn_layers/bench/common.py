@@ -212,7 +212,8 @@ class Method:
     returns a reason shown as a ``skipped: ...`` row; ``setup`` may raise, which the runner
     reports as ``failed: ...``. The whole row (check and timings) runs inside ``context()``.
     ``opt_in``: run only when ``--backends`` names it (a method known to crash the process's CUDA
-    context somewhere, which would end the run for every method after it); its reason says why.
+    context somewhere, which would end the run for every method after it, or a measurement outside
+    the package's API); its reason says why.
     """
 
     name: str

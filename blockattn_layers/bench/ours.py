@@ -169,6 +169,72 @@ FAST_BACKWARD = Method(
     context=blockattn_layers.fast_backward)
 
 
+class _FlashKernels(torch.autograd.Function):
+    """The flash kernels called directly (not through the op, whose contract gives blocks of up to
+    128 tokens to the single-tile kernels): the forward saves its output and logsumexp, or, with
+    ``recompute``, the backward computes them again first, as the ``triton`` backend does where no
+    block kernel's backward fits (``one_tile_backward_fits``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, block_size, params, recompute):
+        from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
+
+        out, lse = flash_attention_fwd(q, k, v, offsets, block_size, params.scale, params.causal, params.rope_theta,
+                                       None, params.rotary_dim, params.rotary_interleaved, None)
+        ctx.block_size, ctx.params, ctx.recompute = block_size, params, recompute
+        ctx.save_for_backward(q, k, v, offsets, *(() if recompute else (out, lse)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+        from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
+
+        p, block_size = ctx.params, ctx.block_size
+        q, k, v, offsets, *saved = ctx.saved_tensors
+        if ctx.recompute:
+            saved = flash_attention_fwd(q, k, v, offsets, block_size, p.scale, p.causal, p.rope_theta, None,
+                                        p.rotary_dim, p.rotary_interleaved, None)
+        out, lse = saved
+        grads = flash_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, offsets, block_size, p.scale, p.causal,
+                                    p.rope_theta, None, p.rotary_dim, p.rotary_interleaved, None)
+        return (*grads, None, None, None, None)
+
+
+def _flash_kernels_setup(recompute: bool):
+    def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
+        params = validate_attention_args(
+            inp.q, inp.k, inp.v, inp.offsets, case.block_size, scale=None, causal=case.causal,
+            rope_theta=case.rope_theta, positions=None, rotary_dim=case.rotary_dim,
+            rotary_interleaved=case.rotary_interleaved, cpu_offsets=None, max_seqlen=None, validate=False)
+
+        def forward():
+            return _FlashKernels.apply(inp.q, inp.k, inp.v, inp.offsets, case.block_size, params, recompute)
+
+        return Prepared(forward, (inp.q, inp.k, inp.v), inp.grad_out)
+
+    return setup
+
+
+def _flash_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    if case.block_size is None or case.block_size > 128:
+        return "the 'triton_flash' row runs these kernels here"
+    return None
+
+
+FLASH_KERNELS = [
+    Method(name, "ours", _flash_kernels_setup(recompute), _attention, skip=_flash_kernels_skip, gpu_only=True,
+           opt_in="a measurement of the kernels outside the op: run when --backends names it",
+           description=description)
+    for name, recompute, description in (
+        ("flash_kernels", False, "the flash kernels called directly at blocks of up to 128 tokens (outside the op, "
+         "which gives those to the single-tile kernels), output and logsumexp saved"),
+        ("flash_kernels[recompute]", True, "flash_kernels with the backward recomputing output and logsumexp, as "
+         "the triton backend does where no block kernel's backward fits"),
+    )
+]
+
+
 def our_methods() -> List[Method]:
     """One method per registered backend, highest priority first, plus the ``triton`` block-kernel
     variants (a triton import failure shows as a row)."""
@@ -178,7 +244,7 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, GLUON_FLASH, TRITON_FORWARD])
+            methods.extend([FAST_BACKWARD, GLUON_FLASH, TRITON_FORWARD, *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),
