@@ -122,6 +122,58 @@ def test_accuracy_edge_lengths(case, dtype):
     check_against_oracle(q, k, v, offsets, **case)
 
 
+# Issue 25's shape grid, covered: every (block, head dim) pair of the grid once, with the heads,
+# rotary forms, causal setting and dtype rotating so that each block meets every rotary form, each
+# head dim every head layout, and both dtypes and causal settings appear in every block.
+GRID_BLOCKS = (16, 32, 64, 128)
+GRID_DIMS = (32, 64, 96, 128, 256)
+GRID_HEADS = ((2, 2), (8, 2), (4, 1))
+GRID_ROTARY = ("none", "split", "interleaved", "partial")
+
+
+def _grid_case(b: int, d: int) -> dict:
+    block, dim = GRID_BLOCKS[b], GRID_DIMS[d]
+    heads, kv_heads = GRID_HEADS[(d + 2 * b) % 3]
+    case = dict(heads=heads, kv_heads=kv_heads, dim=dim, block_size=block, causal=bool((b + d) % 2))
+    rotary = GRID_ROTARY[(b + d) % 4]
+    if rotary != "none":
+        case.update(rope_theta=1e4, rotary_interleaved=rotary == "interleaved")
+        if rotary == "partial":
+            case["rotary_dim"] = dim // 2
+    case["dtype"] = "fp16" if (b * len(GRID_DIMS) + d) % 3 == 0 else "bf16"
+    return case
+
+
+GRID_CASES = [_grid_case(b, d) for b in range(len(GRID_BLOCKS)) for d in range(len(GRID_DIMS))]
+
+
+def test_grid_cases_cover_the_grid_axes():
+    """The covering set above: each block with every rotary form and both dtypes, each head dim
+    with every head layout."""
+    for block in GRID_BLOCKS:
+        cases = [c for c in GRID_CASES if c["block_size"] == block]
+        forms = {("partial" if "rotary_dim" in c else "interleaved" if c.get("rotary_interleaved") else "split")
+                 if "rope_theta" in c else "none" for c in cases}
+        assert forms == set(GRID_ROTARY) and {c["dtype"] for c in cases} == {"fp16", "bf16"}
+        assert {c["causal"] for c in cases} == {False, True}
+    for dim in GRID_DIMS:
+        assert {(c["heads"], c["kv_heads"]) for c in GRID_CASES if c["dim"] == dim} == set(GRID_HEADS)
+
+
+@pytest.mark.parametrize("case", GRID_CASES, ids=_case_id)
+def test_grid_regions_match_the_oracle(case):
+    """Each region of the shape grid, as ``auto`` runs it (the block kernels' variants, or the
+    flash kernels' backward where no block kernel's fits), against the float64 oracle on jagged
+    lengths with empty and 1-token sequences and lengths around the block size."""
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.pop("dtype")]
+    block = case["block_size"]
+    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, dim, dtype, seed=block + dim)
+    check_against_oracle(q, k, v, offsets, **case)
+
+
 def _prod_lengths(count, seed=0, multiple=1):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 4001, (count,), generator=g)
@@ -163,6 +215,8 @@ def test_nan_poisoned_memory_beyond_valid_rows():
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [
     (2, 2, 128, 128, False), (4, 2, 96, 64, False), (2, 2, 256, 64, False), (2, 2, 32, 128, True),
     (8, 2, 64, 100, True),
+    # Blocks of 16 and 32 tokens, which share 64-row tiles in the packed variant.
+    (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True),
 ])
 def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
@@ -443,8 +497,8 @@ PACKED_CASES = [
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", PACKED_CASES, ids=_case_id)
 def test_packed_kernels_forced(monkeypatch, case, table):
-    """The packed variant (blocks of up to 32 tokens several to a 64-row tile), forced (auto takes
-    it only where measured faster), matches the float64 oracle, bf16 and fp16 (off sm_90 its first
+    """The packed variant (blocks of up to 32 tokens several to a 64-row tile), forced (auto does not
+    take it: a NaN crosses its blocks), matches the float64 oracle, bf16 and fp16 (off sm_90 its first
     launches are self-checked against the simple kernels: no hardware run is recorded there)."""
     _forced_variant_matches_oracle(monkeypatch, "packed", case, table, EDGE_LENGTHS * 2 + [16, 32, 33, 1] * 3)
 
@@ -481,14 +535,14 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
     environment forces): fp32, blocks over 128, partial or interleaved rotary, rows not 16-byte
-    aligned; blocks of 32 or fewer rows the packed ones at D 64 (simple with rotary); 128-row
+    aligned, blocks of 32 or fewer rows (packed is faster there but lets a NaN cross blocks); 128-row
     blocks and 64-bit addressing run hopper."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
     with variants.forced_variant("auto"):
         assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
         assert _variant(q, k, (q, k, v), 128, 0) == "hopper" and _variant(q, k, (q, k, v), 64, 0, int64=True) == "hopper"
-        assert _variant(q, k, (q, k, v), 32, 0) == "packed"
+        assert _variant(q, k, (q, k, v), 32, 0) == "simple"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
                 (q, (q, k, v), 32, 64, False, False),

@@ -21,7 +21,8 @@ today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); ``packed`` beats ``simple`` for blocks of up to 32 tokens at D <= 128 forward and
-D <= 64 backward (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was
+D <= 64 backward, but lets a NaN in one block reach the other blocks of its tile, so ``auto`` does
+not take it (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was
 deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every
 prod shape, are kept beside the ``sm100`` kernels that grew from their design.
 """
@@ -258,7 +259,21 @@ def _packed_auto_reasons(facts: CallFacts) -> List[str]:
     """Where ``packed`` was slower than ``simple`` on the H200 (bf16, blocks of 16 and 32, prod
     lengths; BENCHMARKS.md): the forward at D 256 (1.14-1.38x slower; 1.07-1.53x faster at D
     32-128), the backward from D 96 on (up to 1.6x slower at 11 of 12 points; 1.02-1.48x faster at
-    D 32 and 64). Rotary: not measured, nor float32, nor 64-bit offsets (nor run with them on a GPU)."""
+    D 32 and 64). Rotary: not measured, nor float32, nor 64-bit offsets (nor run with them on a GPU).
+
+    And, first, everywhere: a NaN or infinity in one block's q, k, v or dO reaches the other blocks
+    of its 64-row tile (their products multiply it by a zero probability or score gradient: 0 x NaN
+    is NaN), where the other variants confine it to its block. Until the packed kernels confine it
+    too, ``auto`` keeps the simple kernels (found on CPU in the interpreter, 2026-12-02)."""
+    return [PACKED_NAN_REASON] + _packed_speed_reasons(facts)
+
+
+PACKED_NAN_REASON = ("a NaN or inf in one block reaches the other blocks of its packed tile (auto keeps simple "
+                     "until the packed kernels confine it)")
+
+
+def _packed_speed_reasons(facts: CallFacts) -> List[str]:
+    """Where ``packed`` was measured slower than ``simple``, or not measured (``_packed_auto_reasons``)."""
     if facts.rot:
         return ["rotary: not measured beside simple (auto keeps simple)"]
     if facts.dtype not in HOPPER_DTYPES:
@@ -298,7 +313,8 @@ HOPPER_WS = Variant(
 PACKED_MAX_BLOCK = 32
 PACKED = Variant(
     "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
-    "mask); auto takes it on sm_90 where it was measured faster than simple", frozenset({9}), False,
+    "mask); faster than simple on sm_90 at D <= 128 forward, D <= 64 backward, but a NaN in one block reaches "
+    "the others of its tile, so auto does not take it", frozenset({9}), False,
     _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset({9}),
     auto_reasons=_packed_auto_reasons)
 
