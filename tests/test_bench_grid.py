@@ -12,6 +12,7 @@ import torch
 
 from blockattn_layers.bench import cli, env, grid, runner, shapes
 from blockattn_layers.bench.common import Case
+from tests import test_triton_gpu as gpu
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -199,3 +200,17 @@ def test_precompile_runs_each_compiling_method_and_reports_failures(monkeypatch)
     problems = precompile._warm(([(c, ["reference"]) for c in cases], cfg, 0))
     assert calls == [c.name for c in cases]
     assert problems == [f"{c.name} reference: RuntimeError: planted" for c in cases]
+
+
+def test_gpu_grid_cases_cover_the_grid_axes():
+    """The GPU tests' covering set of the shape grid (``tests.test_triton_gpu.GRID_CASES``): each
+    block with every rotary form, both dtypes and both causal settings, each head dim with every
+    head layout."""
+    for block in gpu.GRID_BLOCKS:
+        cases = [c for c in gpu.GRID_CASES if c["block_size"] == block]
+        forms = {("partial" if "rotary_dim" in c else "interleaved" if c.get("rotary_interleaved") else "split")
+                 if "rope_theta" in c else "none" for c in cases}
+        assert forms == set(gpu.GRID_ROTARY) and {c["dtype"] for c in cases} == {"fp16", "bf16"}
+        assert {c["causal"] for c in cases} == {False, True}
+    for dim in gpu.GRID_DIMS:
+        assert {(c["heads"], c["kv_heads"]) for c in gpu.GRID_CASES if c["dim"] == dim} == set(gpu.GRID_HEADS)

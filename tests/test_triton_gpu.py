@@ -147,19 +147,6 @@ def _grid_case(b: int, d: int) -> dict:
 GRID_CASES = [_grid_case(b, d) for b in range(len(GRID_BLOCKS)) for d in range(len(GRID_DIMS))]
 
 
-def test_grid_cases_cover_the_grid_axes():
-    """The covering set above: each block with every rotary form and both dtypes, each head dim
-    with every head layout."""
-    for block in GRID_BLOCKS:
-        cases = [c for c in GRID_CASES if c["block_size"] == block]
-        forms = {("partial" if "rotary_dim" in c else "interleaved" if c.get("rotary_interleaved") else "split")
-                 if "rope_theta" in c else "none" for c in cases}
-        assert forms == set(GRID_ROTARY) and {c["dtype"] for c in cases} == {"fp16", "bf16"}
-        assert {c["causal"] for c in cases} == {False, True}
-    for dim in GRID_DIMS:
-        assert {(c["heads"], c["kv_heads"]) for c in GRID_CASES if c["dim"] == dim} == set(GRID_HEADS)
-
-
 @pytest.mark.parametrize("case", GRID_CASES, ids=_case_id)
 def test_grid_regions_match_the_oracle(case):
     """Each region of the shape grid, as ``auto`` runs it (the block kernels' variants, or the
