@@ -54,16 +54,19 @@ gpu-check:
 # The shape grid of issue 25 on a CUDA machine, one dtype, rotary form and causal setting per
 # process (each slice compiles its 60 points first in 6 processes, more run out of GPU memory;
 # about 2.5 minutes a slice on the H200): `make gpu-grid GRID_DTYPES=bf16 GRID_ROTARY="none split"
-# GRID_CAUSAL=no` runs a part.
-GRID_BACKENDS ?= triton,triton[simple],fa2_varlen,rope_comp+fa2,fa4_varlen
+# GRID_CAUSAL=no` runs a part; `GRID_LENGTHS=aligned` the points of lengths rounded up to the
+# block, where the cuDNN peers run.
+GRID_BACKENDS ?= triton,triton[simple],fa2_varlen,rope_comp+fa2,sdpa_cudnn,rope_comp+cudnn,fa4_varlen
 GRID_DTYPES ?= bf16 fp16
+GRID_LENGTHS ?= prod
 GRID_ROTARY ?= none split interleaved partial
 GRID_CAUSAL ?= no yes
 gpu-grid:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	for d in $(GRID_DTYPES); do for r in $(GRID_ROTARY); do for c in $(GRID_CAUSAL); do \
-		python3 -m blockattn_layers.bench --grid rotary=$$r causal=$$c --dtype $$d --precompile 6 --quiet --plot \
-			--backends "$(GRID_BACKENDS)" --out $(GPU_OUT)/grid_$${d}_$${r}_$${c} || exit 1; done; done; done
+	for d in $(GRID_DTYPES); do for r in $(GRID_ROTARY); do for c in $(GRID_CAUSAL); do for l in $(GRID_LENGTHS); do \
+		python3 -m blockattn_layers.bench --grid rotary=$$r causal=$$c lengths=$$l --dtype $$d --precompile 6 \
+			--quiet --plot --backends "$(GRID_BACKENDS)" --out $(GPU_OUT)/grid_$${d}_$${r}_$${c}_$${l} || exit 1; \
+		done; done; done; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
