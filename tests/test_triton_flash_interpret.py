@@ -472,3 +472,35 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
     for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
         assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+
+
+@interpret_only
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("block_size", [None, 200], ids=["full", "block200"])
+def test_a_nan_stays_in_its_unit(block_size):
+    """A NaN in one token's q, k, v and output gradient reaches only its own unit (its sequence, or
+    its block of 200) in the output and the three gradients: every other row is bitwise that of
+    the clean call. GQA, causal, rotary; the 130-token sequence spans three 64-row tiles."""
+    lengths = [3, 70, 0, 1, 130, 5]
+    total = sum(lengths)
+    offsets = offsets_from_lengths(lengths)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(total, h, 32, generator=g) for h in (4, 2, 2, 4))
+    first = 3 + 70 + 1
+    token = first + 10
+    unit = torch.zeros(total, dtype=torch.bool)
+    unit[first:first + 130] = True
+
+    def run(poison):
+        xs = [x.clone() for x in (q, k, v, grad_out)]
+        if poison:
+            for x in xs:
+                x[token] = float("nan")
+        leaves = [x.requires_grad_() for x in xs[:3]]
+        out = bl.block_attention(*leaves, offsets, block_size, causal=True, rope_theta=1e4, backend="triton_flash")
+        return (out, *torch.autograd.grad(out, leaves, xs[3]))
+
+    clean, poisoned = run(False), run(True)
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a[~unit], b[~unit])
+        assert torch.isnan(b[unit]).any()
