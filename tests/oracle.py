@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["oracle_attention", "oracle_rotate", "make_jagged", "rel_err", "offsets_from_lengths"]
+__all__ = ["oracle_attention", "oracle_rotate", "make_jagged", "rel_err", "offsets_from_lengths", "clean_and_poisoned"]
 
 
 def offsets_from_lengths(lengths: Sequence[int], dtype: torch.dtype = torch.int64, device="cpu") -> Tensor:
@@ -159,3 +159,20 @@ def rotary_positions(kind, total: int):
     if kind == "float":
         return torch.rand(total, generator=torch.Generator().manual_seed(4)) * 3000 + 0.25, 2e-3
     return None, None
+
+
+def clean_and_poisoned(attention, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, token: int):
+    """``((out, dq, dk, dv) clean, (out, dq, dk, dv) poisoned)``: ``attention(q, k, v)`` and its
+    gradients for ``grad_out``, once on the inputs as given and once with row ``token`` of q, k, v
+    and ``grad_out`` set to NaN (for tests that a NaN stays in its attention unit)."""
+
+    def run(poison: bool):
+        xs = [x.clone() for x in (q, k, v, grad_out)]
+        if poison:
+            for x in xs:
+                x[token] = float("nan")
+        leaves = [x.requires_grad_() for x in xs[:3]]
+        out = attention(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, xs[3]))
+
+    return run(False), run(True)

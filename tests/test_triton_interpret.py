@@ -9,7 +9,7 @@ import torch
 import blockattn_layers as bl
 from blockattn_layers.ops.backends.triton_block import interpreter_active
 
-from tests.oracle import oracle_attention, rel_err, rotary_positions
+from tests.oracle import clean_and_poisoned, offsets_from_lengths, oracle_attention, rel_err, rotary_positions
 
 pytestmark = pytest.mark.skipif(
     not interpreter_active(), reason="CPU interpreter tests; on a GPU machine test_triton_gpu.py covers the kernels"
@@ -265,7 +265,7 @@ def _nan_confined(variant: str, block_size: int, heads: int, kv_heads: int, dim:
 
     lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
     total = sum(lengths)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    offsets = offsets_from_lengths(lengths)
     g = torch.Generator().manual_seed(block_size + dim)
     q, k, v = (torch.randn(total, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
     grad_out = torch.randn(total, heads, dim, generator=g)
@@ -273,18 +273,12 @@ def _nan_confined(variant: str, block_size: int, heads: int, kv_heads: int, dim:
     block = torch.zeros(total, dtype=torch.bool)
     block[3 + block_size: 3 + 2 * block_size] = True
 
-    def run(poison):
-        xs = [x.clone() for x in (q, k, v, grad_out)]
-        if poison:
-            for x in xs:
-                x[token] = float("nan")
-        leaves = [x.requires_grad_() for x in xs[:3]]
-        with variants.forced_variant(variant):
-            out = bl.block_attention(*leaves, offsets, block_size, causal=True, rope_theta=1e4 if rotary else None,
-                                     backend="triton")
-            return (out, *torch.autograd.grad(out, leaves, xs[3]))
+    def attention(q, k, v):
+        return bl.block_attention(q, k, v, offsets, block_size, causal=True, rope_theta=1e4 if rotary else None,
+                                  backend="triton")
 
-    clean, poisoned = run(False), run(True)
+    with variants.forced_variant(variant):
+        clean, poisoned = clean_and_poisoned(attention, q, k, v, grad_out, token)
     assert all(torch.isnan(b[block]).any() for b in poisoned)
     return all(torch.equal(a[~block], b[~block]) for a, b in zip(clean, poisoned))
 
