@@ -519,6 +519,10 @@ KERNEL_CASES = {
     "d256": ((EDGE_LENGTHS, 1, 1, 256, False, False, False), {}),
     "d256_mqa_block16": ((EDGE_LENGTHS, 2, 1, 256, False, False, True), dict(block_size=16)),
     "d128_int64_rope_pos": ((EDGE_LENGTHS, 2, 2, 128, True, True, False), dict(int64=True)),
+    # Grouped query heads at 128-row tiles (P read back for dS; rotary D128: dQ parked).
+    "d128_block128_gqa_causal": (([0, 1, 127, 128, 129, 300, 5], 4, 2, 128, False, False, True), dict(block_size=128)),
+    "d128_block128_rope_gqa_pos": (([0, 1, 127, 128, 129, 300, 5], 4, 1, 128, True, True, False),
+                                   dict(block_size=128)),
 }
 
 

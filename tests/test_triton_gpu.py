@@ -430,10 +430,11 @@ HOPPER_CASES = [
     dict(heads=2, kv_heads=2, dim=32, block_size=64, rope_theta=1e4),
     dict(heads=2, kv_heads=2, dim=256, block_size=64),
     dict(heads=2, kv_heads=1, dim=256, block_size=40, causal=True),
-    # Four query heads per kv head (the query-side slots wrap; dQ by column halves at D128), and the
-    # grouped-query forward at 128-row tiles (its backward runs the simple kernels).
+    # Four query heads per kv head (the query-side slots wrap; dQ by column halves at D128), and
+    # grouped-query heads at 128-row tiles (P read back from shared memory in the backward).
     dict(heads=8, kv_heads=2, dim=128, block_size=64),
     dict(heads=4, kv_heads=2, dim=64, block_size=128, causal=True),
+    dict(heads=4, kv_heads=1, dim=128, block_size=128, rope_theta=1e4),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 

@@ -294,9 +294,8 @@ def test_simple_kernels_confine_a_nan_to_its_block(block_size, heads, kv_heads, 
     assert _nan_confined("simple", block_size, heads, kv_heads, dim, rotary)
 
 
-@pytest.mark.xfail(strict=True, reason="packed tiles multiply other blocks' NaN by zero probabilities (0 x NaN is "
-                   "NaN); auto does not take packed until this passes (variants.PACKED_NAN_REASON)")
 @NAN_WARNINGS
 @pytest.mark.parametrize("block_size,heads,kv_heads,dim,rotary", NAN_CASES)
 def test_packed_kernels_confine_a_nan_to_its_block(block_size, heads, kv_heads, dim, rotary):
+    """A tile with a non-finite input is computed again block by block (``tiles.finite_flag``)."""
     assert _nan_confined("packed", block_size, heads, kv_heads, dim, rotary)

@@ -34,12 +34,12 @@ def test_hopper_call_reasons():
                      dict(block_size=128), dict(block_size=100, rot=128), dict(int64=True),
                      dict(head_dim=256, backward=True), dict(block_size=128, backward=True, rot=128),
                      dict(groups=4, head_dim=256), dict(groups=4, head_dim=96, backward=True),
-                     dict(groups=2, block_size=100)):
+                     dict(groups=2, block_size=100), dict(groups=2, block_size=100, backward=True)):
         assert variants.HOPPER.call_reasons(_facts(**admitted)) == [], admitted
     for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
                        (dict(dtype=torch.float32), "dtype"), (dict(head_dim=72), "head_dim 72"), (dict(head_dim=16), "head_dim 16"),
                        (dict(head_dim=272), "head_dim 272"), (dict(block_size=129), "block_size 129"),
-                       (dict(block_size=32), "block_size 32 < 33"), (dict(groups=2, block_size=100, backward=True), "backward of grouped-query heads with blocks"),
+                       (dict(block_size=32), "block_size 32 < 33"), 
                        (dict(block_size=128, head_dim=256, backward=True), "backward of blocks over 64"),
                        (dict(rot=64), "rotary"), (dict(rot=128, interleaved=True), "rotary"),
                        (dict(head_dim=96, rot=96), "rotary at head_dim 96"),
@@ -48,8 +48,9 @@ def test_hopper_call_reasons():
         reasons = variants.HOPPER.call_reasons(_facts(**bad))
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
     assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
-    # The forward of grouped-query heads at 128-row tiles: admitted (it can be forced), not taken by auto.
+    # Grouped-query heads at 128-row tiles: admitted (they can be forced), not taken by auto.
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100)) != []
+    assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) != []
     assert variants.HOPPER.auto_reasons(_facts(groups=2)) == [] and variants.HOPPER.auto_reasons(_facts(block_size=128)) == []
 
 
@@ -135,12 +136,10 @@ def test_auto_keeps_simple_for_short_blocks_while_packed_lets_nan_cross_blocks()
     assert reasons["simple"] == []
     with variants.forced_variant("packed"):
         assert auto(block_size=16, head_dim=256, backward=True) == "packed"
-    # Grouped-query heads at 128-row tiles: simple by auto; hopper forced runs the forward only.
-    assert auto(block_size=128, groups=2) == "simple"
+    # Grouped-query heads at 128-row tiles: simple by auto; hopper when forced, both ways.
+    assert auto(block_size=128, groups=2) == "simple" and auto(block_size=128, groups=2, backward=True) == "simple"
     with variants.forced_variant("hopper"):
-        assert auto(block_size=128, groups=2) == "hopper"
-        with pytest.warns(RuntimeWarning, match="backward of grouped-query heads with blocks over 64"):
-            assert auto(block_size=128, groups=2, backward=True) == "simple"
+        assert auto(block_size=128, groups=2) == "hopper" and auto(block_size=128, groups=2, backward=True) == "hopper"
 
 
 def test_a_forced_variant_that_cannot_serve_warns_once_with_the_reasons(restore_auto):

@@ -26,7 +26,7 @@ from ..common.launch import Launcher, scratch_allocator
 from ..common.meta import LOG2E, empty_grads, needs_int64
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
-from ..common.tiles import block_probs, load_cols, pair_cols, pass_cols, same_slot, store_cols
+from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols
 from . import self_check
 from .plan import block_grid, block_plan
 from .variants import SIMPLE, call_facts, choose
@@ -47,12 +47,14 @@ def _bwd_block(
     """Gradients of the tile's rows ``rows`` (``row_ok``: which are real; one block at ``start``,
     its first row ``first_row`` in its sequence, or with ``SLOT`` a tile of blocks:
     ``common.schedule.packed_rows``) of kv head ``hk`` and its query heads. Every load and store
-    is masked by row."""
+    is masked by row. Returns ``finite_flag`` of the tile's q, k, v and dO (all of them reach the
+    other blocks of a packed tile through the products; 1 with one block per tile)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     dtype = Q.dtype.element_ty
     k_ptr = K + hk * stride_kh
     v = load_cols(V + hk * stride_vh, rows, row_ok, offs_d, d_ok, stride_vt, stride_vd, INT64)
+    finite = finite_flag(v, SLOT)
     dv = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
@@ -61,27 +63,37 @@ def _bwd_block(
         sin, cos = tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM,
                                 HAS_POS, FAST_TRIG, True, SLOT)
         ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, INT64)
+        finite = finite & finite_flag(ka, SLOT) & finite_flag(kb, SLOT)
         dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
         kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
+        finite = finite & finite_flag(kp, SLOT)
         dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for g in range(GROUPS):
         h = hk * GROUPS + g
         q_ptr = Q + h * stride_qh
         dq_ptr = DQ + h * stride_dqh
         do = load_cols(DO + h * stride_doh, rows, row_ok, offs_d, d_ok, stride_dot, stride_dod, INT64)
+        finite = finite & finite_flag(do, SLOT)
         s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
         if ROT_DIM > 0:
             qa, qb = load_rotated_pair(q_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_qt, stride_qd,
                                        INT64)
+            finite = finite & finite_flag(qa, SLOT) & finite_flag(qb, SLOT)
             s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
             s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
         if ROT_DIM < HEAD_DIM:
             qp = load_cols(q_ptr, rows, row_ok, cols_p, p_ok, stride_qt, stride_qd, INT64)
+            finite = finite & finite_flag(qp, SLOT)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
         p = block_probs(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, False)
+        if SLOT > 0:
+            # Rows outside the tile's blocks (empty slots; in a block-by-block pass the other
+            # blocks' rows) can have no valid key, causal: NaN probabilities, which P^T dO would
+            # multiply by their zero dO rows into dV. Zeroed by a select.
+            p = tl.where(row_ok[:, None], p, 0.0)
         dv = tl.dot(tl.trans(p.to(dtype)), do, dv, input_precision=PRECISION)
         if GROUPS == 1:
             # Stored now, not after the other products: its accumulator dies before dQ's and dK's
@@ -111,6 +123,7 @@ def _bwd_block(
         store_cols(dk_ptr, dkp * scale, rows, row_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
     if GROUPS > 1:
         store_cols(DV + hk * stride_dvh, dv, rows, row_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
+    return finite
 
 
 @triton.jit
@@ -131,13 +144,27 @@ def _bwd_tile(
     start, n, first_row, packed = tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
     if n > 0:
         offs_m, rows, row_ok, prow = tile_rows(start, n, packed, BLOCK_M, SLOT)
-        _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, scale, qk_scale,
-                   log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                   stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
-                   stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
-                   stride_dvt, stride_dvh, stride_dvd,
-                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
+        finite = _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, scale,
+                            qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                            stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                            stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                            stride_dvt, stride_dvh, stride_dvd,
+                            HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                            HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
+        if SLOT > 0:
+            if finite == 0:
+                # A non-finite input reached the other blocks of the tile: each block again alone,
+                # its rows the only ones loaded (the others read as zeros) and stored.
+                tl.debug_barrier()
+                for b in range(0, BLOCK_M // SLOT):
+                    _bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, first_row, rows, row_ok & (offs_m // SLOT == b),
+                               offs_m, prow, hk, scale, qk_scale, log2_theta,
+                               stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                               stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+                               stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+                               stride_dvt, stride_dvh, stride_dvd,
+                               HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                               HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])

@@ -25,8 +25,8 @@ from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
-from ..common.tiles import (block_positions, block_probs, head_rows, load_cols, pair_cols, pass_cols, same_slot,
-                            store_cols)
+from ..common.tiles import (block_positions, block_probs, finite_flag, head_rows, load_cols, pair_cols, pass_cols,
+                            same_slot, store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan
@@ -57,6 +57,9 @@ def _fwd_head(
     dtype = Q.dtype.element_ty
     v_ptr, v_rows, v_stride = head_rows(V, rows, stride_vt, stride_vh, hk, INT64, HEAD_LOOP)
     v = load_cols(v_ptr, v_rows, row_ok, offs_d, d_ok, v_stride, stride_vd, INT64)
+    # (A packed tile's q and k cannot carry a NaN across blocks: ``same_slot`` replaces the scores
+    # between blocks. Its v can, through P V.)
+    finite = finite_flag(v, SLOT)
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         if not HEAD_LOOP:
@@ -86,6 +89,7 @@ def _fwd_head(
         o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
         o_ptr, o_rows, o_stride = head_rows(O, rows, stride_ot, stride_oh, hk * GROUPS + g, INT64, HEAD_LOOP)
         store_cols(o_ptr, o, o_rows, row_ok, offs_d, d_ok, o_stride, stride_od, INT64)
+    return finite
 
 
 @triton.jit
@@ -101,7 +105,7 @@ def _fwd_block(
     """The tile's rows ``rows`` (``row_ok``: which are real; a tile of blocks:
     ``common.schedule.packed_rows``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
     every kv head in turn (``hk`` unused), with the rotary angles computed once. Every load and
-    store is masked by row."""
+    store is masked by row. Returns ``finite_flag`` of the tile's v (1 with one block per tile)."""
     if HEAD_LOOP:
         tl.static_assert(SLOT == 0, "the kv-head loop takes one block per tile")
         pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
@@ -114,9 +118,10 @@ def _fwd_block(
                       stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
                       HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True, SLOT)
+        return 1
     else:
         unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, unused, unused,
+        return _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, unused, unused,
                   qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
@@ -139,11 +144,23 @@ def _fwd_tile(
     start, n, first_row, packed = tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
     if n > 0:
         offs_m, rows, row_ok, prow = tile_rows(start, n, packed, BLOCK_M, SLOT)
-        _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta, kv_heads,
-                   stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                   stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                   HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+        finite = _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta,
+                            kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                            stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                            HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                            HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+        if SLOT > 0:
+            if finite == 0:
+                # A non-finite v reached the other blocks of the tile: each block again alone, its
+                # rows the only ones loaded (the others read as zeros) and stored.
+                tl.debug_barrier()
+                for b in range(0, BLOCK_M // SLOT):
+                    _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok & (offs_m // SLOT == b), offs_m, prow,
+                               hk, qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd,
+                               stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                               stride_ot, stride_oh, stride_od,
+                               HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+                               HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])

@@ -162,16 +162,14 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
 
 def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper kernels' admission. Beyond ``_gluon_call_reasons``: rotary on power-of-two head
-    dims of 32-128 (halves of whole tiles; D256 rotary spills); in the backward no grouped query
-    heads at 128-row tiles (dK and dV both live beside 128-wide scores: they spill), no 128-row
-    tiles wider than 128 (288 KB of shared memory) and no grouped query heads at D256 (ptxas
-    spills 7.7 KB)."""
+    dims of 32-128 (halves of whole tiles; D256 rotary spills); in the backward no 128-row tiles
+    wider than 128 (288 KB of shared memory) and no grouped query heads at D256 (ptxas spills 7.7
+    KB). Grouped query heads at 128-row tiles are admitted (their backward reads P back from
+    shared memory: 332 bytes spilled at D128, 940 with rotary) but not taken by ``auto``."""
     reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
     if facts.rot and facts.head_dim not in (32, 64, 128):
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
-    if facts.backward and facts.groups > 1 and facts.block_size > 64:
-        reasons.append("backward of grouped-query heads with blocks over 64")
-    elif facts.backward and facts.block_size > 64 and facts.head_dim > 128:
+    if facts.backward and facts.block_size > 64 and facts.head_dim > 128:
         reasons.append("backward of blocks over 64 with head_dim over 128")
     elif facts.backward and facts.groups > 1 and facts.head_dim > 128:
         reasons.append("backward of grouped-query heads with head_dim over 128")
@@ -179,9 +177,12 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: the forward of grouped
-    query heads at 128-row tiles (H200 grid, session 14: no faster than the simple kernels)."""
+    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: grouped query heads at
+    128-row tiles (H200 grid: the forward no faster than the simple kernels, session 14 and 18;
+    the backward, P read back from shared memory, not yet run on a GPU)."""
     if facts.groups > 1 and facts.block_size > 64:
+        if facts.backward:
+            return ["backward of grouped-query heads with blocks over 64: not yet measured beside simple"]
         return ["forward of grouped-query heads with blocks over 64: not faster than simple on the H200"]
     return []
 

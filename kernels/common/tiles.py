@@ -89,6 +89,18 @@ def head_rows(ptr, rows, stride_t, stride_h, head, INT64: tl.constexpr, FOLD: tl
 
 
 @triton.jit
+def finite_flag(x, SLOT: tl.constexpr):
+    """For a tile of blocks (``SLOT`` > 0): 1 if every element of ``x`` is finite, else 0; with one
+    block per tile, 1 without looking. The products of a packed tile multiply each block's values
+    by the zero probabilities (or score gradients) of the other blocks' rows, and 0 x NaN is NaN:
+    a tile with a non-finite input is computed again block by block (``block.fwd`` / ``block.bwd``)."""
+    if SLOT == 0:
+        return 1
+    ok = (tl.abs(x.to(tl.float32)) < float("inf")).to(tl.int32)
+    return tl.min(tl.min(ok, 1), 0)
+
+
+@triton.jit
 def same_slot(s, offs_m, SLOT: tl.constexpr):
     """Raw scores ``s`` of a tile of blocks of ``SLOT`` rows each (0: one block), with the pairs of
     two different blocks set far below any score (finite, so that a row of an empty slot, masked

@@ -183,15 +183,29 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
     rows at a time in 16-byte row chunks with those rows' angles: a quarter of the tile's registers
     at a time instead of both halves, their angles and a result (the rotary D128 backward fits
     168 registers)."""
-    ROWS: gl.constexpr = 32
-    layout: gl.constexpr = _row_layout(HALF, WARPS)
-    fp32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    a_s = a_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
-    b_s = b_buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
+    a_s = _f32_view(a_buf, BLOCK_M, HALF)
+    b_s = _f32_view(b_buf, BLOCK_M, HALF)
     gl.thread_barrier()  # every warp is done reading the buffers
     a_s.store(a)
     b_s.store(b)
     gl.thread_barrier()
+    _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M, HALF, HAS_POS,
+                     WARPS)
+
+
+@gluon.jit
+def _f32_view(buf, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """The dead 16-bit shared tile ``buf`` (16 KB) as a float32 ``[BLOCK_M, HALF]`` tile."""
+    fp32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    return buf._reinterpret(gl.float32, [BLOCK_M, HALF], fp32_l)
+
+
+@gluon.jit
+def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
+                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr, WARPS: gl.constexpr):
+    """``_unrotate_store`` of halves already parked in the float32 tiles ``a_s``, ``b_s``."""
+    ROWS: gl.constexpr = 32
+    layout: gl.constexpr = _row_layout(HALF, WARPS)
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     # first_row through an opaque copy: the compiler would otherwise reuse the rotation's angles
     # of these rows (same values, same layout) and hold them live from the top of the kernel.
@@ -423,6 +437,13 @@ def _hopper_bwd_kernel(
         # one query head per kv head (v's tile is live across the heads of a group; at D64 the
         # register path needs fewer registers).
         UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
+        # With grouped query heads at D128 (v live across the heads) dQ's halves are parked one at
+        # a time in dO's dead tile and a scratch tile, then rotated back the same way.
+        PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64
+        # Grouped query heads at 128-row tiles, D >= 64: P read back in 16 bits from its shared copy
+        # for dS instead of held in float32 across dO V^T (the scores' tiles are 64 registers each
+        # there, beside dK's and dV's accumulators; ptxas at D128: spills 628 -> 332 bytes).
+        P_RELOAD: gl.constexpr = GROUPS > 1 and BLOCK_M == 128 and BLOCK_D >= 64
         # dQ by column halves where dK and dV are both live across the heads (grouped query heads,
         # 128-wide tiles: ptxas spilled at 255 registers with the whole dQ accumulator).
         DQ_HALVES: gl.constexpr = not ROTARY and GROUPS > 1 and BLOCK_D == 128
@@ -454,6 +475,8 @@ def _hopper_bwd_kernel(
             ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
             _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
+            if PARK_DQ:
+                park_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         else:
             q_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
             k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
@@ -511,6 +534,8 @@ def _hopper_bwd_kernel(
             fence_async_shared()
             gl.thread_barrier()
             dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
+            if P_RELOAD:
+                p = pds_s.load(acc_s).to(gl.float32)
             ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
             if g == 0:
                 dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
@@ -537,12 +562,23 @@ def _hopper_bwd_kernel(
                                 scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
             elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-                # (Angles again in the accumulators' layout: cheaper than keeping them live.)
-                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
-                dqa = warpgroup_mma(pds_s, ka_s, zero_h)
-                dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-                _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
-                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D, WARPS)
+                if PARK_DQ:
+                    dqa_s = _f32_view(do_s, BLOCK_M, HALF)
+                    dqb_s = _f32_view(park_s, BLOCK_M, HALF)
+                    gl.thread_barrier()  # every warp is done reading dO's tile
+                    dqa_s.store(warpgroup_mma(pds_s, ka_s, zero_h))
+                    dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
+                    gl.thread_barrier()
+                    _unrotate_parked(dqa_s, dqb_s, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                                     BLOCK_M, HALF, HAS_POS, WARPS)
+                else:
+                    # (Angles again in the accumulators' layout: cheaper than keeping them live.)
+                    sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                    dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+                    dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+                    _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
+                                      (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D,
+                                      WARPS)
                 if g == 0:
                     dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
