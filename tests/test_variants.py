@@ -50,7 +50,8 @@ def test_hopper_call_reasons():
     assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
     # Grouped-query heads at 128-row tiles: admitted (they can be forced), not taken by auto.
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100)) != []
-    assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) != []
+    assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
+    assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=96, backward=True)) != []
     assert variants.HOPPER.auto_reasons(_facts(groups=2)) == [] and variants.HOPPER.auto_reasons(_facts(block_size=128)) == []
 
 
@@ -136,8 +137,11 @@ def test_auto_keeps_simple_for_short_blocks_while_packed_lets_nan_cross_blocks()
     assert reasons["simple"] == []
     with variants.forced_variant("packed"):
         assert auto(block_size=16, head_dim=256, backward=True) == "packed"
-    # Grouped-query heads at 128-row tiles: simple by auto; hopper when forced, both ways.
-    assert auto(block_size=128, groups=2) == "simple" and auto(block_size=128, groups=2, backward=True) == "simple"
+    # Grouped-query heads at 128-row tiles: the forward and the backward at unmeasured head dims
+    # are simple by auto, the backward at D64 / D128 hopper; hopper when forced, both ways.
+    assert auto(block_size=128, groups=2) == "simple" and auto(block_size=128, groups=2, backward=True) == "hopper"
+    assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
+    assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
     with variants.forced_variant("hopper"):
         assert auto(block_size=128, groups=2) == "hopper" and auto(block_size=128, groups=2, backward=True) == "hopper"
 

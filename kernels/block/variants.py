@@ -177,13 +177,17 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: grouped query heads at
-    128-row tiles (H200 grid: the forward no faster than the simple kernels, session 14 and 18;
-    the backward, P read back from shared memory, not yet run on a GPU)."""
+    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: the forward of grouped
+    query heads at 128-row tiles (H200 grid: no faster than the simple kernels, sessions 14 and
+    18), and their backward at head dims other than 64 and 128. The backward at D64 / D128 (P read
+    back from shared memory) is 1.3-2.3x faster than simple there (H200, bf16, block 128, heads
+    8x2 and 4x1, rotary none and split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80)."""
     if facts.groups > 1 and facts.block_size > 64:
-        if facts.backward:
-            return ["backward of grouped-query heads with blocks over 64: not yet measured beside simple"]
-        return ["forward of grouped-query heads with blocks over 64: not faster than simple on the H200"]
+        if not facts.backward:
+            return ["forward of grouped-query heads with blocks over 64: not faster than simple on the H200"]
+        if facts.head_dim not in (64, 128):
+            return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
+                    "not yet measured beside simple"]
     return []
 
 
