@@ -39,7 +39,7 @@ def test_hopper_call_reasons():
     for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
                        (dict(dtype=torch.float32), "dtype"), (dict(head_dim=72), "head_dim 72"), (dict(head_dim=16), "head_dim 16"),
                        (dict(head_dim=272), "head_dim 272"), (dict(block_size=129), "block_size 129"),
-                       (dict(block_size=32), "block_size 32 < 33"), 
+                       (dict(block_size=32), "block_size 32 < 33"),
                        (dict(block_size=128, head_dim=256, backward=True), "backward of blocks over 64"),
                        (dict(rot=64), "rotary"), (dict(rot=128, interleaved=True), "rotary"),
                        (dict(head_dim=96, rot=96), "rotary at head_dim 96"),
@@ -48,7 +48,8 @@ def test_hopper_call_reasons():
         reasons = variants.HOPPER.call_reasons(_facts(**bad))
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
     assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
-    # Grouped-query heads at 128-row tiles: admitted (they can be forced), not taken by auto.
+    # Grouped-query heads at 128-row tiles: admitted (they can be forced); auto takes only the
+    # backward at D64 / D128.
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100)) != []
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=96, backward=True)) != []

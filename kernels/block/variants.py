@@ -165,7 +165,8 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     dims of 32-128 (halves of whole tiles; D256 rotary spills); in the backward no 128-row tiles
     wider than 128 (288 KB of shared memory) and no grouped query heads at D256 (ptxas spills 7.7
     KB). Grouped query heads at 128-row tiles are admitted (their backward reads P back from
-    shared memory: 332 bytes spilled at D128, 940 with rotary) but not taken by ``auto``."""
+    shared memory: 332 bytes spilled at D128, 940 with rotary); where ``auto`` takes them is
+    ``_hopper_auto_reasons``."""
     reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
     if facts.rot and facts.head_dim not in (32, 64, 128):
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
