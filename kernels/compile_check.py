@@ -38,7 +38,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
 from .block.plan import head_loop, max_registers
-from .block.variants import HOPPER, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
+from .block.variants import HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
 from .flash.bwd import (
     _flash_bwd_delta_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_dq_store_kernel,
     bwd_launch_options,
@@ -206,6 +206,29 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
             yield _hopper_build(kind, "bf16", block, dim, rotary, block == 128, groups, False)
     for kind in ("fwd", "bwd"):
         yield _hopper_build(kind, "bf16", 64, 128, True, False, 1, True)
+
+
+# Name ending of the hopper_packed builds (not ``_hopper``: ``--only _hopper`` selects the hopper variant's).
+PACKED_HOPPER_SUFFIX = "_hpacked"
+
+
+def _hopper_packed_builds(capability: int) -> Iterator[Build]:
+    """The hopper kernels on 64-row tiles of blocks of 16 or 32 rows (the ``hopper_packed`` variant,
+    sm_90 only): bf16 and fp16, every head dim of the grid that ``HOPPER_PACKED.call_reasons``
+    admits, one or four query heads per kv head, causal or not, the in-kernel schedule or the table."""
+    if capability // 10 != 9 or gluon_import_error() is not None:
+        return
+    for kind, slot, dim, groups, causal in itertools.product(
+        ("fwd", "bwd"), (16, 32), (32, 64, 96, 128, 256), (1, 4), (False, True),
+    ):
+        facts = CallFacts("cuda", 9, torch.bfloat16, dim, groups, slot, 0, False, False, backward=kind == "bwd")
+        if HOPPER_PACKED.call_reasons(facts):
+            continue
+        for dtype in ("bf16", "fp16") if (dim, groups) == (128, 1) else ("bf16",):
+            build = _hopper_build(kind, dtype, 64, dim, False, causal, groups, False)
+            constexprs = dict(build.constexprs, SLOT=slot, INLINE_SEQS=512 if causal else 0)
+            name = build.name.replace("_b64_", f"_s{slot}_").replace("_hopper", PACKED_HOPPER_SUFFIX)
+            yield Build(name, build.kernel, dtype, constexprs, dict(build.options, num_warps=4))
 
 
 def _hopper_ws_builds(capability: int) -> Iterator[Build]:
@@ -380,6 +403,7 @@ def builds(capability: int) -> Iterator[Build]:
     yield from _block_builds(capability)
     yield from _packed_builds(capability)
     yield from _hopper_builds(capability)
+    yield from _hopper_packed_builds(capability)
     yield from _hopper_ws_builds(capability)
     yield from _sm100_builds(capability)
     yield from _flash_builds(capability)
@@ -492,10 +516,11 @@ def main(argv=None) -> int:
                    if not any(alt in ptx for alt in (ins if isinstance(ins, tuple) else (ins,)))]
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
-        if build.name.startswith(("sm100_", "flash_gluon_")) or build.name.endswith("_hopper"):
+        hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX))
+        if build.name.startswith(("sm100_", "flash_gluon_")) or hopper:
             used = usage(compiled, ARCHS[args.arch])
             print(f"{build.name}: {used}")
-            over = used.over_budget(HOPPER_MAX_SPILL_BYTES if build.name.endswith("_hopper") else MAX_SPILL_BYTES)
+            over = used.over_budget(HOPPER_MAX_SPILL_BYTES if hopper else MAX_SPILL_BYTES)
             if used.registers is None:
                 over.append("ptxas could not report registers")
             if over:

@@ -427,6 +427,11 @@ def _nothing(*args, **kwargs) -> None:
     return None
 
 
+def _static_assert(condition, message: str = "") -> None:
+    if not condition:
+        raise AssertionError(f"gluon_shim: static_assert failed: {message}")
+
+
 class _Unsupported:
     """A Gluon object the shim does not model: using it raises."""
 
@@ -702,7 +707,7 @@ _DTYPES = dict(
 language = _namespace(
     "gluon_shim.language",
     constexpr=lambda value: value, static_range=range,
-    program_id=_program_id, num_programs=_num_programs, thread_barrier=_nothing,
+    program_id=_program_id, num_programs=_num_programs, thread_barrier=_nothing, static_assert=_static_assert,
     arange=_arange, full=_full, zeros=_zeros, load=_load, store=_store,
     expand_dims=lambda x, axis: tensor(x).unsqueeze(int(axis)), where=_where, minimum=_minimum, maximum=_maximum,
     exp2=lambda x: tensor(torch.exp2(x)), exp=lambda x: tensor(torch.exp(x)), log2=lambda x: tensor(torch.log2(x)),

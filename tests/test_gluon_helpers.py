@@ -467,25 +467,41 @@ class _Case:
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
             BLOCK_D=tile_extent(dim), ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal,
-            INLINE_SEQS=self.sched.inline_seqs, INT64=int64,
+            INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0,
         )
         self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, dim if rotary else 0,
                           False)
 
-    def forward(self, kernel, grid, **constexprs):
+    def pack(self, block_size: int) -> int:
+        """Launch as tiles of blocks (the ``hopper_packed`` variant): 64-row tiles of ``SLOT``-row
+        blocks; returns the tiles' count (the grid's first extent)."""
+        slot = tile_extent(block_size)
+        self.values.update(SLOT=slot, BLOCK_M=BLOCK_M)
+        return -(-self.sched.programs // (BLOCK_M // slot))
+
+    def run_forward(self, kernel, grid, **constexprs):
+        """``(o, launch)`` of the forward kernel on this case's inputs."""
         o = _sentinel(self.q.shape, self.q.dtype)
         run = gs.launch(kernel, grid, **self.values, O=o, **_strides(q=self.q, k=self.k, v=self.v, o=o),
                         **constexprs)
+        return o, run
+
+    def run_backward(self, kernel, grid):
+        """``((dq, dk, dv), launch)`` of the backward kernel on this case's inputs."""
+        dq, dk, dv = (_sentinel(x.shape, x.dtype) for x in (self.q, self.k, self.v))
+        strides = _strides(q=self.q, k=self.k, v=self.v, do=self.do, dq=dq, dk=dk, dv=dv)
+        return (dq, dk, dv), gs.launch(kernel, grid, **self.values, DQ=dq, DK=dk, DV=dv, **strides)
+
+    def forward(self, kernel, grid, **constexprs):
+        o, run = self.run_forward(kernel, grid, **constexprs)
         assert torch.equal(run.writes("O"), torch.ones(o.shape, dtype=torch.int32))
         want = reference.attention_forward(self.q, self.k, self.v, *self.reference)
         _assert_close(o, want)
 
     def backward(self, kernel, grid):
-        dq, dk, dv = (_sentinel(x.shape, x.dtype) for x in (self.q, self.k, self.v))
-        strides = _strides(q=self.q, k=self.k, v=self.v, do=self.do, dq=dq, dk=dk, dv=dv)
-        run = gs.launch(kernel, grid, **self.values, DQ=dq, DK=dk, DV=dv, **strides)
+        grads, run = self.run_backward(kernel, grid)
         want = reference.attention_backward(self.do, self.q, self.k, self.v, *self.reference)
-        for name, got, ref in zip(("DQ", "DK", "DV"), (dq, dk, dv), want):
+        for name, got, ref in zip(("DQ", "DK", "DV"), grads, want):
             assert torch.equal(run.writes(name), torch.ones(got.shape, dtype=torch.int32)), name
             _assert_close(got, ref, name)
 
@@ -541,6 +557,60 @@ def test_hopper_kernels(name):
     if case.values["ROT_DIM"] and case.values["GROUPS"] == 1:
         case.forward(HOPPER_FWD, (programs, 1), HEAD_LOOP=True)
     case.backward(HOPPER_BWD, (programs, kv_heads))
+
+
+PACKED_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 0, 64, 65, 7, 130, 5]
+PACKED_KERNEL_CASES = {
+    # name: (_Case arguments, keywords); blocks of up to 32 tokens, 2 or 4 to a 64-row tile.
+    "d64_block16": ((PACKED_LENGTHS, 2, 2, 64, False, False, False), dict(block_size=16)),
+    "d128_block32_gqa_causal": ((PACKED_LENGTHS, 4, 2, 128, False, False, True), dict(block_size=32)),
+    "d96_block20_mqa_causal_bf16": ((PACKED_LENGTHS, 3, 1, 96, False, False, True),
+                                    dict(block_size=20, dtype=torch.bfloat16)),
+    "d32_block5_table_int64": (([0] * 510 + [3, 5, 6, 1, 11, 0, 40], 2, 1, 32, False, False, False),
+                               dict(block_size=5, offsets_dtype=torch.int64, int64=True)),
+    "d256_block16": ((PACKED_LENGTHS, 1, 1, 256, False, False, False), dict(block_size=16)),
+    "d128_block3_gqa": (([0, 1, 3, 70], 8, 2, 128, False, False, True), dict(block_size=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED_KERNEL_CASES))
+def test_hopper_packed_kernels(name):
+    """The hopper kernels on 64-row tiles of several blocks (``SLOT`` > 0: ``hopper_packed``), whole:
+    each block's rows attend to their own block only (``reference.attention_forward`` /
+    ``attention_backward``), empty slots past the last block and empty sequences write nothing, and
+    every element of O, dQ, dK, dV is stored exactly once (no tile is done again block by block:
+    its inputs are finite)."""
+    args, keywords = PACKED_KERNEL_CASES[name]
+    case = _Case(*args, **keywords)
+    tiles = case.pack(keywords["block_size"])
+    case.forward(HOPPER_FWD, (tiles, case.kv_heads), HEAD_LOOP=False)
+    case.backward(HOPPER_BWD, (tiles, case.kv_heads))
+
+
+@pytest.mark.parametrize("block_size,token", [(16, 20), (32, 40), (16, 3)])
+def test_hopper_packed_nan_stays_in_its_block(block_size, token):
+    """A NaN in one token's q, k, v and dO of a tile of blocks: the tile is done again block by block
+    (forward: its first head's output is not finite; backward: its raw scores or dO V^T are not),
+    so the other blocks' outputs and gradients are bitwise those of the clean inputs, and the NaN's
+    block has NaN. Checked to fail without the block-by-block passes."""
+    lengths = [3, 2 * block_size + 9, 0, 1, block_size + 1]
+    first = {20: 3 + 16, 40: 3 + 32, 3: 3}[token]
+    results = []
+    for poison in (False, True):
+        case = _Case(lengths, 4, 2, 64, False, False, True, block_size=block_size, seed=3)
+        if poison:
+            for x in (case.q, case.k, case.v, case.do):
+                x[token] = float("nan")
+        tiles = case.pack(block_size)
+        o, _ = case.run_forward(HOPPER_FWD, (tiles, case.kv_heads), HEAD_LOOP=False)
+        grads, _ = case.run_backward(HOPPER_BWD, (tiles, case.kv_heads))
+        results.append((o, *grads))
+    block = torch.zeros(sum(lengths), dtype=torch.bool)
+    block[first:first + block_size] = True
+    for name, clean, poisoned in zip(("O", "DQ", "DK", "DV"), *results):
+        assert torch.equal(clean[~block], poisoned[~block]), name
+        assert poisoned[block].isnan().any(), name
+        assert not clean.isnan().any(), name
 
 
 WS_CASES = {

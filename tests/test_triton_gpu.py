@@ -491,6 +491,26 @@ def test_packed_kernels_forced(monkeypatch, case, table):
     _forced_variant_matches_oracle(monkeypatch, "packed", case, table, EDGE_LENGTHS * 2 + [16, 32, 33, 1] * 3)
 
 
+HOPPER_PACKED_CASES = [
+    dict(heads=2, kv_heads=2, dim=128, block_size=16),
+    dict(heads=8, kv_heads=2, dim=64, block_size=32, causal=True),
+    dict(heads=4, kv_heads=1, dim=96, block_size=20, causal=True, scale=0.3),
+    dict(heads=2, kv_heads=2, dim=256, block_size=8),
+    dict(heads=4, kv_heads=2, dim=32, block_size=32),
+]
+
+
+@SM90
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", HOPPER_PACKED_CASES, ids=_case_id)
+def test_hopper_packed_kernels_forced(monkeypatch, case, table):
+    """The hopper kernels on 64-row tiles of 2 or 4 blocks (``hopper_packed``), forced, take these calls
+    on sm_90 (checked) and match the float64 oracle, bf16 and fp16, forward and backward, on lengths
+    around 16 and 32 with empty and 1-token sequences, the in-kernel schedule or the table."""
+    _forced_variant_matches_oracle(monkeypatch, "hopper_packed", case, table,
+                                   EDGE_LENGTHS * 2 + [16, 32, 33, 1, 15, 17, 31] * 3)
+
+
 HOPPER_WS_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=64),
     dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),
@@ -523,14 +543,15 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
     environment forces): fp32, blocks over 128, partial or interleaved rotary, rows not 16-byte
-    aligned, blocks of 32 or fewer rows (packed is faster there but lets a NaN cross blocks); 128-row
-    blocks and 64-bit addressing run hopper."""
+    aligned, rotary at blocks of 32 or fewer rows; 128-row blocks and 64-bit addressing run
+    hopper, blocks of 32 or fewer rows without rotary hopper_packed."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
     with variants.forced_variant("auto"):
         assert _variant(q, k, (q, k, v), 64, 0) == "hopper"
         assert _variant(q, k, (q, k, v), 128, 0) == "hopper" and _variant(q, k, (q, k, v), 64, 0, int64=True) == "hopper"
-        assert _variant(q, k, (q, k, v), 32, 0) == "simple"
+        assert _variant(q, k, (q, k, v), 32, 0) == "hopper_packed"
+        assert _variant(q, k, (q, k, v), 16, 0, int64=True) == "hopper_packed"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
                 (q, (q, k, v), 32, 64, False, False),

@@ -115,29 +115,43 @@ def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
     assert variants.choose(_facts(head_dim=72), q, (q, q)) is variants.SIMPLE
     assert variants.choose(_facts(groups=2, head_dim=256, backward=True), q, (q, q)) is variants.SIMPLE
     assert variants.choose(_facts(block_size=16, head_dim=256), q, (q, q)) is variants.SIMPLE
+    assert variants.choose(_facts(block_size=16, head_dim=128), q, (q, q)) is variants.HOPPER_PACKED
     assert variants.HOPPER_WS.experimental and variants.HOPPER_WS not in variants.AUTO_ORDER
 
 
-def test_auto_keeps_simple_for_short_blocks_while_packed_lets_nan_cross_blocks():
-    """Blocks of up to 32 tokens on sm_90: packed was measured faster (forward at D <= 128,
-    backward at D <= 64) but lets a NaN in one block reach the other blocks of its tile, so auto
-    takes simple everywhere and explain() says why, before the places where packed was slower or
-    not measured. Forcing packed is not bound by where auto takes it."""
+def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
+    """Blocks of up to 32 tokens on sm_90 (H200 grid, session 20): hopper_packed forward at D <= 128,
+    backward with one query head per kv head at D <= 128; simple elsewhere (D256, the backward of
+    grouped query heads, rotary), and never packed (slower than both). explain() says why; forcing
+    is not bound by where auto takes a variant."""
     q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
 
     def auto(**kw):
         return variants.choose(_facts(**kw), q, (q, q)).name
 
-    assert {auto(block_size=b, head_dim=d, backward=bwd) for b in (16, 32) for d in (32, 64, 96, 128, 256)
-            for bwd in (False, True)} == {"simple"}
+    for block in (1, 16, 20, 32):
+        for dim in (32, 64, 96, 128):
+            assert auto(block_size=block, head_dim=dim) == "hopper_packed"
+            assert auto(block_size=block, head_dim=dim, backward=True) == "hopper_packed"
+            assert auto(block_size=block, head_dim=dim, groups=4) == "hopper_packed"
+            assert auto(block_size=block, head_dim=dim, groups=4, backward=True) == "simple"
+            assert auto(block_size=block, head_dim=dim, rot=dim) == "simple"
+        assert auto(block_size=block, head_dim=256) == auto(block_size=block, head_dim=256, backward=True) == "simple"
     assert auto(block_size=33, head_dim=72) == "simple"
-    nan = "auto takes another variant here: " + variants.PACKED_NAN_REASON
-    assert variants.explain(_facts(block_size=16, head_dim=64))["packed"] == [nan]
+    assert auto(block_size=16, dtype=torch.float32) == "simple"
+    slower = "auto takes another variant here: " + variants.PACKED_SLOWER_REASON
     reasons = variants.explain(_facts(block_size=16, head_dim=256))
-    assert reasons["packed"] == [nan, "auto takes another variant here: head dim 256 > 128: slower than simple on the H200"]
-    assert reasons["simple"] == []
+    assert reasons["hopper_packed"] == ["auto takes another variant here: head_dim 256 > 128: not faster than "
+                                        "simple on the H200"]
+    assert reasons["packed"] == [slower] and reasons["simple"] == []
+    gqa_bwd = variants.explain(_facts(block_size=16, head_dim=64, groups=2, backward=True))
+    assert gqa_bwd["hopper_packed"] == ["auto takes another variant here: backward of grouped-query heads: slower "
+                                        "than simple on the H200 (its tiles spill)"]
+    assert variants.explain(_facts(block_size=16, head_dim=64))["hopper_packed"] == []
     with variants.forced_variant("packed"):
         assert auto(block_size=16, head_dim=256, backward=True) == "packed"
+    with variants.forced_variant("hopper_packed"):
+        assert auto(block_size=16, head_dim=256, backward=True) == "hopper_packed"
     # Grouped-query heads at 128-row tiles: the forward and the backward at unmeasured head dims
     # are simple by auto, the backward at D64 / D128 hopper; hopper when forced, both ways.
     assert auto(block_size=128, groups=2) == "simple" and auto(block_size=128, groups=2, backward=True) == "hopper"
@@ -171,10 +185,10 @@ def test_a_forced_variant_runs_and_falls_back_through_the_public_function(restor
 
 
 def test_unknown_variant_names_raise(monkeypatch):
-    with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, sm100, hopper_ws, packed"):
+    with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed"):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, sm100, hopper_ws, packed, got 'fast'"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, got 'fast'"):
         variants.forced()
 
 
@@ -200,14 +214,16 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["hopper", "sm100", "packed", "simple", "hopper_ws"]
+    assert list(reasons) == ["hopper", "hopper_packed", "sm100", "packed", "simple", "hopper_ws"]
+    assert reasons["hopper_packed"] == ["block_size 64 > 32"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
     assert any("grouped-query" in r for r in reasons["hopper_ws"])
     assert any("runs only when forced" in r for r in reasons["hopper_ws"])
     assert reasons["packed"] == ["block_size 64 > 32"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "hopper", "sm100", "packed", "simple"] and forced["hopper_ws"] == []
+    assert list(forced) == ["hopper_ws", "hopper", "hopper_packed", "sm100", "packed", "simple"]
+    assert forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 
 

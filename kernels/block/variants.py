@@ -20,11 +20,12 @@ Each variant also records the GPU generations where it was run and checked on ha
 today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
-(BENCHMARKS.md); ``packed`` beats ``simple`` for blocks of up to 32 tokens at D <= 128 forward and
-D <= 64 backward, but lets a NaN in one block reach the other blocks of its tile, so ``auto`` does
-not take it (``_packed_auto_reasons``); the persistent Triton variant, slower everywhere, was
-deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every
-prod shape, are kept beside the ``sm100`` kernels that grew from their design.
+(BENCHMARKS.md); for blocks of up to 32 tokens ``hopper_packed`` (the same kernels on tiles of 2 or
+4 blocks) beats ``simple`` forward at D <= 64 and is level at D 96-128, and backward with one query
+head per kv head at D <= 128 (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
+slower than both since it confines a NaN to its block; the persistent Triton variant, slower
+everywhere, was deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``),
+slower on every prod shape, are kept beside the ``sm100`` kernels that grew from their design.
 """
 from __future__ import annotations
 
@@ -177,6 +178,19 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     return reasons
 
 
+def _hopper_packed_call_reasons(facts: CallFacts) -> List[str]:
+    """The hopper kernels on 64-row tiles of several blocks (``SLOT`` rows each, 4 of up to 16
+    tokens or 2 of up to 32), masked block-diagonally: what ``_gluon_call_reasons`` admits at blocks
+    of up to ``PACKED_MAX_BLOCK`` tokens, no rotary (not written for tiles of blocks yet), and in the
+    backward no grouped query heads over D128 (as ``hopper``)."""
+    reasons = _gluon_call_reasons(facts, 9, (1, PACKED_MAX_BLOCK), HOPPER_HEAD_DIMS, gluon_import_error, True)
+    if facts.rot:
+        reasons.append("rotary (the hopper kernels on tiles of blocks take none yet)")
+    if facts.backward and facts.groups > 1 and facts.head_dim > 128:
+        reasons.append("backward of grouped-query heads with head_dim over 128")
+    return reasons
+
+
 def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: the forward of grouped
     query heads at 128-row tiles (H200 grid: no faster than the simple kernels, sessions 14 and
@@ -262,34 +276,28 @@ def _packed_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _packed_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``packed`` was slower than ``simple`` on the H200 (bf16, blocks of 16 and 32, prod
-    lengths; BENCHMARKS.md): the forward at D 256 (1.14-1.38x slower; 1.07-1.53x faster at D
-    32-128), the backward from D 96 on (up to 1.6x slower at 11 of 12 points; 1.02-1.48x faster at
-    D 32 and 64). Rotary: not measured, nor float32, nor 64-bit offsets (nor run with them on a GPU).
-
-    And, first, everywhere: a NaN or infinity in one block's q, k, v or dO reaches the other blocks
-    of its 64-row tile (their products multiply it by a zero probability or score gradient: 0 x NaN
-    is NaN), where the other variants confine it to its block. Until the packed kernels confine it
-    too, ``auto`` keeps the simple kernels (found on CPU in the interpreter, 2026-12-02)."""
-    return [PACKED_NAN_REASON] + _packed_speed_reasons(facts)
+    """Where ``auto`` leaves ``packed`` to the variants after it: everywhere. Since its kernels
+    confine a NaN to its block (a tile with a non-finite input is done again block by block), it
+    was slower than ``simple`` on the H200 at 27 of 30 points of the grid's blocks of 16 and 32
+    (bf16, prod lengths, rotary none, causal no; backward 1.3-3.2x slower), and where it was faster
+    (forward at D32) ``hopper_packed`` is faster still (BENCHMARKS.md, session 20)."""
+    return [PACKED_SLOWER_REASON]
 
 
-PACKED_NAN_REASON = ("a NaN or inf in one block reaches the other blocks of its packed tile (auto keeps simple "
-                     "until the packed kernels confine it)")
+PACKED_SLOWER_REASON = "slower than simple or hopper_packed on the H200 (session 20 grid, blocks of 16 and 32)"
 
 
-def _packed_speed_reasons(facts: CallFacts) -> List[str]:
-    """Where ``packed`` was measured slower than ``simple``, or not measured (``_packed_auto_reasons``)."""
-    if facts.rot:
-        return ["rotary: not measured beside simple (auto keeps simple)"]
-    if facts.dtype not in HOPPER_DTYPES:
-        return ["float32: not measured beside simple (auto keeps simple)"]
-    if facts.int64:
-        return ["64-bit offsets: not run on a GPU (auto keeps simple)"]
-    if facts.backward and facts.head_dim > 64:
-        return [f"backward at head dim {facts.head_dim} > 64: slower than simple's on the H200"]
+def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``hopper_packed`` admits a call that ``auto`` leaves to ``simple``. H200, bf16, prod
+    lengths, blocks of 16 and 32, rotary none, causal no, one process (BENCHMARKS.md, session 20),
+    hopper_packed against simple: forward 1.25-1.56x faster at D 32-64, 0.98-1.06x at D 96-128,
+    0.88-1.11x at D256; backward with one query head per kv head 1.02-1.34x faster at D 32-128,
+    0.80-0.84x at D256; backward of grouped query heads 0.72-1.00x (ptxas: its tiles spill 0.6-0.9
+    KB at D 64-128)."""
     if facts.head_dim > 128:
-        return [f"head dim {facts.head_dim} > 128: slower than simple on the H200"]
+        return [f"head_dim {facts.head_dim} > 128: not faster than simple on the H200"]
+    if facts.backward and facts.groups > 1:
+        return ["backward of grouped-query heads: slower than simple on the H200 (its tiles spill)"]
     return []
 
 
@@ -299,6 +307,9 @@ def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
     return sm90_ws.launch_fwd, sm90_ws.launch_bwd
 
 
+# Blocks of up to this many tokens share 64-row tiles in the packed variants (2 or 4 per tile).
+PACKED_MAX_BLOCK = 32
+
 SIMPLE = Variant(
     "simple", "Triton, one program per (block, kv head); rotary at D <= 64: per block, looping over the kv heads",
     None, False, _no_reasons, _no_reasons, _simple_kernels)
@@ -306,6 +317,11 @@ HOPPER = Variant(
     "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
     _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_auto_reasons)
+HOPPER_PACKED = Variant(
+    "hopper_packed", "the hopper kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
+    "mask; a tile with a NaN or inf is done again block by block)", frozenset({9}), False,
+    _hopper_packed_call_reasons, _hopper_layout_reasons, _hopper_kernels, packs_blocks=True, num_warps=4,
+    verified_on=frozenset({9}), auto_reasons=_hopper_packed_auto_reasons)
 HOPPER_WS = Variant(
     "hopper_ws", "experimental Gluon for sm_90, persistent and warp-specialized (a TMA loader warp, 2 stages); "
     "slower than hopper on every measured shape", frozenset({9}), True, _hopper_ws_call_reasons,
@@ -315,12 +331,10 @@ HOPPER_WS = Variant(
     programs_per_sm={(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1},
     block_m=64, maxnreg=128, verified_on=frozenset({9}))
 
-# Blocks of up to this many tokens share 64-row tiles in the packed variant (2 or 4 per tile).
-PACKED_MAX_BLOCK = 32
 PACKED = Variant(
     "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
-    "mask); faster than simple on sm_90 at D <= 128 forward, D <= 64 backward, but a NaN in one block reaches "
-    "the others of its tile, so auto does not take it", frozenset({9}), False,
+    "mask; a tile with a NaN or inf is done again block by block); slower than simple or hopper_packed on the "
+    "H200, so auto does not take it", frozenset({9}), False,
     _packed_call_reasons, _no_reasons, _simple_kernels, packs_blocks=True, verified_on=frozenset({9}),
     auto_reasons=_packed_auto_reasons)
 
@@ -332,9 +346,9 @@ SM100 = Variant(
     programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
     verified_on=frozenset(), num_warps=4)
 
-VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, SM100, HOPPER_WS, PACKED)}
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, SM100, PACKED, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"

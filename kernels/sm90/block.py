@@ -45,22 +45,64 @@ def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr
     ``common.schedule.block_of_program`` written again in Gluon (which cannot call Triton JIT functions:
     its tensors carry layouts)."""
     if INLINE_SEQS > 0:
-        layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // (32 * WARPS), 1)], [32], [WARPS], [0])
-        i = gl.arange(0, INLINE_SEQS, layout=layout)
-        m = i < num_seqs
-        seq_start = gl.load(Sched + i, mask=m, other=0)
-        seq_end = gl.load(Sched + i + 1, mask=m, other=0)
-        blocks = (seq_end - seq_start + block_size - 1) // block_size
-        before = gl.associative_scan(blocks, 0, _add) <= pid
-        s = gl.sum(before.to(gl.int32), 0)
-        first_row = (pid - gl.sum(gl.where(before, blocks, 0), 0)) * block_size
-        this = i == s
-        start = gl.sum(gl.where(this, seq_start, 0), 0) + first_row
-        end = gl.sum(gl.where(this, seq_end, 0), 0)
-        length = gl.where(s < num_seqs, gl.minimum(end - start, block_size), 0)
-        return start, length, first_row
+        i, seq_start, seq_end, blocks, cum = _inline_counts(Sched, num_seqs, block_size, INLINE_SEQS, WARPS)
+        return _inline_pick(i, seq_start, seq_end, blocks, cum, num_seqs, block_size, pid)
     else:
         return gl.load(Sched + pid), gl.load(Sched + slots + pid), gl.load(Sched + 2 * slots + pid)
+
+
+@gluon.jit
+def _inline_counts(Offsets, num_seqs, block_size, INLINE_SEQS: gl.constexpr, WARPS: gl.constexpr):
+    """``(i, seq_start, seq_end, blocks, cum)`` of all ``num_seqs <= INLINE_SEQS`` sequences: their
+    index, bounds, block counts and the counts' inclusive prefix sums (``schedule._inline_counts``)."""
+    layout: gl.constexpr = gl.BlockedLayout([max(INLINE_SEQS // (32 * WARPS), 1)], [32], [WARPS], [0])
+    i = gl.arange(0, INLINE_SEQS, layout=layout)
+    m = i < num_seqs
+    seq_start = gl.load(Offsets + i, mask=m, other=0)
+    seq_end = gl.load(Offsets + i + 1, mask=m, other=0)
+    blocks = (seq_end - seq_start + block_size - 1) // block_size
+    return i, seq_start, seq_end, blocks, gl.associative_scan(blocks, 0, _add)
+
+
+@gluon.jit
+def _inline_pick(i, seq_start, seq_end, blocks, cum, num_seqs, block_size, pid):
+    """``(start, length, first_row)`` of block ``pid`` from ``_inline_counts`` (length 0 past the last)."""
+    before = cum <= pid
+    s = gl.sum(before.to(gl.int32), 0)
+    first_row = (pid - gl.sum(gl.where(before, blocks, 0), 0)) * block_size
+    this = i == s
+    start = gl.sum(gl.where(this, seq_start, 0), 0) + first_row
+    end = gl.sum(gl.where(this, seq_end, 0), 0)
+    length = gl.where(s < num_seqs, gl.minimum(end - start, block_size), 0)
+    return start, length, first_row
+
+
+@gluon.jit
+def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                 WARPS: gl.constexpr):
+    """A 64-row tile of ``64 // SLOT`` blocks (schedule slots ``pid * 64 // SLOT`` on), ``SLOT`` rows
+    each: ``(rows, row_ok, n)``, per tile row ``offs_m`` its token and whether it is one, and ``n``
+    the tokens of all the tile's blocks (0: nothing to do). ``common.schedule.packed_rows`` in Gluon."""
+    PACK: gl.constexpr = 64 // SLOT
+    slot = offs_m // SLOT
+    local = offs_m % SLOT
+    row_start = offs_m * 0
+    row_n = offs_m * 0
+    n = 0
+    if INLINE_SEQS > 0:  # one scan of the offsets for all the tile's blocks
+        i, seq_start, seq_end, blocks, cum = _inline_counts(Sched, num_seqs, block_size, INLINE_SEQS, WARPS)
+    for j in gl.static_range(PACK):
+        b = pid * PACK + j
+        if INLINE_SEQS > 0:
+            start, length, first_row = _inline_pick(i, seq_start, seq_end, blocks, cum, num_seqs, block_size, b)
+        else:
+            last = gl.minimum(b, slots - 1)
+            start = gl.load(Sched + last)
+            length = gl.where(b < slots, gl.load(Sched + slots + last), 0)
+        row_start = gl.where(slot == j, start, row_start)
+        row_n = gl.where(slot == j, length, row_n)
+        n += length
+    return row_start + local, local < row_n, n
 
 
 @gluon.jit
@@ -103,6 +145,30 @@ def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOU
     s = gl.where(valid, s * qk_scale, float("-inf"))
     p = gl.exp2(s - gl.expand_dims(gl.max(s, 1), 1))
     return p, 1.0 / gl.sum(p, 1)
+
+
+@gluon.jit
+def _probs_packed(s, col_ok, qk_scale, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr, BLOCK_M: gl.constexpr,
+                  LAYOUT: gl.constexpr):
+    """``_probs`` of a tile of blocks, ``SLOT`` rows each: each row over the keys of its own block
+    (``col_ok``: which tile rows are tokens, in the scores' column layout; and the causal triangle).
+    Rows with no key (an empty block's) get zero probabilities and a reciprocal sum of 1, not NaN,
+    so that they add nothing to dV and dK through P and dS."""
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LAYOUT))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    valid = (gl.expand_dims(rows // SLOT, 1) == gl.expand_dims(cols // SLOT, 0)) & gl.expand_dims(col_ok, 0)
+    if IS_CAUSAL:
+        valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+    s = gl.where(valid, s * qk_scale, float("-inf"))
+    p = gl.exp2(s - gl.expand_dims(gl.maximum(gl.max(s, 1), -1e30), 1))
+    # (A row with keys sums to at least 1: its maximum's term.)
+    return p, 1.0 / gl.maximum(gl.sum(p, 1), 1.0)
+
+
+@gluon.jit
+def _nonfinite_rows(x):
+    """Per row of ``x``, how many of its elements are NaN or infinite (as float32)."""
+    return gl.sum(gl.where(gl.abs(x) < float("inf"), 0.0, 1.0), 1)
 
 
 @gluon.constexpr_function
@@ -160,6 +226,31 @@ def _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDT
     buf.store(x.to(buf.dtype))
     gl.thread_barrier()
     _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, COLS, WARPS)
+
+
+@gluon.jit
+def _store_tile_via(buf, ptr, x, start, n, rows, row_ok, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                    COLS: gl.constexpr, WARPS: gl.constexpr, SLOT: gl.constexpr):
+    """``_store_cols_via`` of a tile's rows: block rows ``start .. start + n``, or with ``SLOT`` (a
+    tile of blocks) the tokens ``rows`` where ``row_ok`` (in the row layout of ``WIDTH``)."""
+    if SLOT > 0:
+        gl.thread_barrier()  # every warp is done reading buf
+        buf.store(x.to(buf.dtype))
+        gl.thread_barrier()
+        _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH, COLS, WARPS)
+    else:
+        _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M, WIDTH, COLS, WARPS)
+
+
+@gluon.jit
+def _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr):
+    """Store the shared tile ``buf``'s first ``COLS`` columns to the tokens ``rows`` where ``row_ok``."""
+    layout: gl.constexpr = _row_layout(WIDTH, WARPS)
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    mask = gl.expand_dims(row_ok, 1)
+    if COLS < WIDTH:
+        mask = mask & gl.expand_dims(cols < COLS, 0)
+    gl.store(_ptrs(ptr, rows, cols, stride_t), buf.load(layout), mask=mask)
 
 
 @gluon.jit
@@ -313,6 +404,124 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
         _store_cols_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D, BLOCK_D, WARPS)
 
 
+@gluon.jit
+def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, hk, qk_scale, log2_theta,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+              GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
+    """Kv head ``hk`` of one tile and its ``GROUPS`` query heads: the tile's tokens ``rows`` where
+    ``row_ok`` (in the row layout of ``BLOCK_D``), a block (rows ``start .. start + n``, its first
+    row ``first_row`` in its sequence) or with ``SLOT`` blocks of ``SLOT`` rows each. Returns, for a
+    tile of blocks, how many elements of the first head's output are not finite (else 0)."""
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    HALF: gl.constexpr = BLOCK_D // 2
+    ROTARY: gl.constexpr = ROT_DIM > 0
+    dtype: gl.constexpr = Q.dtype.element_ty
+    smem_d: gl.constexpr = _smem_layout(BLOCK_D)
+    smem_h: gl.constexpr = _smem_layout(HALF)
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    rot_l: gl.constexpr = _row_layout(HALF, WARPS)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    mask = gl.expand_dims(row_ok, 1)
+    if SLOT > 0:
+        col_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, acc_s))
+    bad = 0.0
+    mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
+    k_ptr = K + hk * stride_kh
+    # Query tiles in STAGES slots: with two, head g + 1's copy is in flight during head g's math.
+    STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D)
+    v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    if ROTARY:
+        qa_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+        qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+        ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+        kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
+        if GROUPS > 1:
+            o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
+    else:
+        q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
+        k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
+    _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
+    for g in gl.static_range(GROUPS):
+        if g > 0:
+            gl.thread_barrier()  # every warp is done with the previous head's tiles
+        # Head g's copy (issued during the previous head when STAGES is 2), then head g + 1's.
+        for c in gl.static_range(g, g + 2):
+            if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
+                q_ptr = Q + (hk * GROUPS + c) * stride_qh
+                if ROTARY:
+                    _copy_halves(qa_s.index(c % STAGES), qb_s.index(c % STAGES), q_ptr, rows, offs_h, mask,
+                                 stride_qt, HALF)
+                else:
+                    _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
+                async_copy.commit_group()
+        if ROTARY:
+            if g == 0:
+                # Angles while the copies are in flight.
+                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+        async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
+        if ROTARY:
+            qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
+            gl.thread_barrier()
+            rotate_in_place(qa, qb, sin, cos, rot_l)
+            if g == 0:
+                rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+        fence_async_shared()
+        gl.thread_barrier()
+        if ROTARY:
+            s = warpgroup_mma(qa, ka_s.permute((1, 0)), zero_s)
+            s = warpgroup_mma(qb, kb_s.permute((1, 0)), s)
+        else:
+            s = warpgroup_mma(q_s.index(g % STAGES), k_s.permute((1, 0)), zero_s)
+        if SLOT > 0:
+            p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
+        else:
+            p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+        o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
+        o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
+        if SLOT > 0 and g == 0:
+            # A NaN or infinity in v reaches every row of o (through the zero probabilities of the
+            # other blocks' keys too); in q or k it stays in its block (the scores between blocks
+            # are replaced), so the first head's o tells whether the tile must be done block by block.
+            bad = gl.sum(_nonfinite_rows(o), 0)
+        o_ptr = O + (hk * GROUPS + g) * stride_oh
+        if not ROTARY:
+            _store_tile_via(q_s.index(g % STAGES), o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D,
+                            HEAD_DIM, WARPS, SLOT)
+        elif g == GROUPS - 1:
+            _store_cols_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+        else:
+            _store_cols_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+    return bad
+
+
+@gluon.jit(noinline=True)
+def _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, block, hk, qk_scale, log2_theta,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                      ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                      INT64: gl.constexpr, SLOT: gl.constexpr):
+    """``_fwd_tile`` of the block ``block`` of tile ``pid`` alone (the other blocks' rows masked: read
+    as zeros, not stored). Not inlined, one block a call: a second copy of the tile's code in the
+    kernel, or the same code in a loop, held its addresses live (107 -> 176 registers at D128)."""
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
+    rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
+    if INT64:
+        rows = rows.to(gl.int64)
+    _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), hk, qk_scale, log2_theta,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS,
+              HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+
+
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
 def _hopper_fwd_kernel(
     Q, K, V, O, Sched, Pos,
@@ -321,96 +530,276 @@ def _hopper_fwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr,
+    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr,
 ):
     hk = gl.program_id(1)
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
-    if INT64:
-        start = start.to(gl.int64)
-    if HEAD_LOOP:
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    if SLOT > 0:
+        gl.static_assert(BLOCK_M == 64 and ROT_DIM == 0 and not HEAD_LOOP,
+                         "tiles of blocks: 64 rows, no rotary, no kv-head loop")
+        rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
+                                       INLINE_SEQS, WARPS)
+        if INT64:
+            rows = rows.to(gl.int64)
         if n > 0:
-            _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
-                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                              BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
-    elif n > 0:
-        HALF: gl.constexpr = BLOCK_D // 2
-        ROTARY: gl.constexpr = ROT_DIM > 0
-        dtype: gl.constexpr = Q.dtype.element_ty
-        smem_d: gl.constexpr = _smem_layout(BLOCK_D)
-        smem_h: gl.constexpr = _smem_layout(HALF)
-        acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
-        acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
-        ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
-        rot_l: gl.constexpr = _row_layout(HALF, WARPS)
-        a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+            bad = _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok, hk, qk_scale, log2_theta, stride_qt, stride_qh,
+                            stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM,
+                            BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            if bad > 0:
+                # A NaN or infinity in v reached the other blocks' rows (0 x NaN in P V): each block
+                # again alone.
+                for b in range(64 // SLOT):
+                    _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, gl.program_id(0), b, hk,
+                                     qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                                     stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM,
+                                     HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT)
+    else:
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+        if INT64:
+            start = start.to(gl.int64)
+        if HEAD_LOOP:
+            if n > 0:
+                _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
+                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                                  stride_oh, BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
+        elif n > 0:
+            _fwd_tile(Q, K, V, O, Pos, start, n, first_row, start + offs_m, offs_m < n, hk, qk_scale, log2_theta,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
-        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-        rows = start + offs_m
-        mask = gl.expand_dims(offs_m < n, 1)
-        mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
-        k_ptr = K + hk * stride_kh
-        # Query tiles in STAGES slots: with two, head g + 1's copy is in flight during head g's math.
-        STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D)
-        v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-        zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
-        zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+
+@gluon.jit
+def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, hk, scale, qk_scale, log2_theta,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+              GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
+    """Gradients of kv head ``hk`` of one tile and its ``GROUPS`` query heads (the tile's rows as in
+    ``_fwd_tile``). Returns, for a tile of blocks, how many raw scores and ``dO V^T`` products were
+    not finite (else 0)."""
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    HALF: gl.constexpr = BLOCK_D // 2
+    ROTARY: gl.constexpr = ROT_DIM > 0
+    # dQ and dK rotated back through the dead v and dO tiles (``_unrotate_store``): at D128 with
+    # one query head per kv head (v's tile is live across the heads of a group; at D64 the
+    # register path needs fewer registers).
+    UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
+    # With grouped query heads at D128 (v live across the heads) dQ's halves are parked one at
+    # a time in dO's dead tile and a scratch tile, then rotated back the same way.
+    PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64
+    # Grouped query heads at 128-row tiles, D >= 64: P read back in 16 bits from its shared copy
+    # for dS instead of held in float32 across dO V^T (the scores' tiles are 64 registers each
+    # there, beside dK's and dV's accumulators; ptxas at D128: spills 628 -> 332 bytes).
+    P_RELOAD: gl.constexpr = GROUPS > 1 and BLOCK_M == 128 and BLOCK_D >= 64
+    # dQ by column halves where dK and dV are both live across the heads (grouped query heads,
+    # 128-wide tiles: ptxas spilled at 255 registers with the whole dQ accumulator).
+    DQ_HALVES: gl.constexpr = not ROTARY and GROUPS > 1 and BLOCK_D == 128
+    dtype: gl.constexpr = Q.dtype.element_ty
+    smem_d: gl.constexpr = _smem_layout(BLOCK_D)
+    smem_h: gl.constexpr = _smem_layout(HALF)
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+    acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    rot_l: gl.constexpr = _row_layout(HALF, WARPS)
+
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    mask = gl.expand_dims(row_ok, 1)
+    if SLOT > 0:
+        col_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, acc_s))
+        # Non-finite raw scores (q, k) and dO V^T products (dO, v), row by row over the heads: a
+        # NaN or infinity there would reach the other blocks' gradients through the products.
+        bad_rows = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, acc_s))
+    mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
+    k_ptr = K + hk * stride_kh
+    # q and dO tiles in STAGES slots: with two, head g + 1's copies are in flight during head g's math.
+    STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D, True, ROT_DIM > 0)
+    v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+    do_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
+    pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], smem_d)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    if ROTARY:
+        qa_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+        qb_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
+        ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+        kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
+        if PARK_DQ:
+            park_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+    else:
+        q_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
+        k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
+        _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
+    # (dK and dV start at the first head's products, not as zeros held from the top.)
+    for g in gl.static_range(GROUPS):
+        h = hk * GROUPS + g
+        if g > 0:
+            gl.thread_barrier()  # every warp is done with the previous head's q and dO
+        # Head g's copies (issued during the previous head when STAGES is 2), then head g + 1's:
+        # each head's q in one commit group and its dO (with v for the first head) in the next.
+        for c in gl.static_range(g, g + 2):
+            if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
+                q_ptr = Q + (hk * GROUPS + c) * stride_qh
+                if ROTARY:
+                    _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask, stride_qt, HALF)
+                else:
+                    _copy_rows(q_st.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
+                async_copy.commit_group()
+                _copy_rows(do_st.index(c % STAGES), DO + (hk * GROUPS + c) * stride_doh, rows, offs_d, mask_d, stride_dot)
+                if c == 0:
+                    _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
+                async_copy.commit_group()
+        do_s = do_st.index(g % STAGES)
         if ROTARY:
-            qa_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
-            qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
-            ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
-            if GROUPS > 1:
-                o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
+            qa_s = qa_st.index(g % STAGES)
+            qb_s = qb_st.index(g % STAGES)
         else:
-            q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
-            k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-            _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
-        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
-        for g in gl.static_range(GROUPS):
-            if g > 0:
-                gl.thread_barrier()  # every warp is done with the previous head's tiles
-            # Head g's copy (issued during the previous head when STAGES is 2), then head g + 1's.
-            for c in gl.static_range(g, g + 2):
-                if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
-                    q_ptr = Q + (hk * GROUPS + c) * stride_qh
-                    if ROTARY:
-                        _copy_halves(qa_s.index(c % STAGES), qb_s.index(c % STAGES), q_ptr, rows, offs_h, mask,
-                                     stride_qt, HALF)
-                    else:
-                        _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
-                    async_copy.commit_group()
-            if ROTARY:
-                if g == 0:
-                    # Angles while the copies are in flight.
-                    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
-            async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
-            if ROTARY:
-                qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
-                gl.thread_barrier()
-                rotate_in_place(qa, qb, sin, cos, rot_l)
-                if g == 0:
-                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
-            fence_async_shared()
+            q_s = q_st.index(g % STAGES)
+        if ROTARY:
+            if g == 0:
+                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+
+        # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
+        # dO, two commit groups, when prefetched).
+        async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
+        if ROTARY:
             gl.thread_barrier()
-            if ROTARY:
-                s = warpgroup_mma(qa, ka_s.permute((1, 0)), zero_s)
-                s = warpgroup_mma(qb, kb_s.permute((1, 0)), s)
-            else:
-                s = warpgroup_mma(q_s.index(g % STAGES), k_s.permute((1, 0)), zero_s)
+            rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+            if g == 0:
+                rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+        fence_async_shared()
+        gl.thread_barrier()
+        if ROTARY:
+            s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
+            s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
+        else:
+            s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+        if SLOT > 0:
+            bad_rows += _nonfinite_rows(s)
+            p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
+        else:
             p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
-            o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
-            o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
-            o_ptr = O + (hk * GROUPS + g) * stride_oh
-            if not ROTARY:
-                _store_cols_via(q_s.index(g % STAGES), o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-            elif g == GROUPS - 1:
-                _store_cols_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+        p = p * gl.expand_dims(inv, 1)
+
+        # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
+        pds_s.store(p.to(dtype))
+        async_copy.wait_group(2 if STAGES == 2 and g + 1 < GROUPS else 0)
+        fence_async_shared()
+        gl.thread_barrier()
+        dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
+        if SLOT > 0:
+            bad_rows += _nonfinite_rows(dp)
+        if P_RELOAD:
+            p = pds_s.load(acc_s).to(gl.float32)
+        ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+        if g == 0:
+            dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+        else:
+            dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
+        if GROUPS == 1:
+            # v is dead: dV leaves now, and its accumulator with it.
+            _store_tile_via(v_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D,
+                            HEAD_DIM, WARPS, SLOT)
+        gl.thread_barrier()  # dV's product is done reading P
+        pds_s.store(ds)
+        fence_async_shared()
+        gl.thread_barrier()
+        # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
+        dq_ptr = DQ + h * stride_dqh
+        if UNROTATE_IN_SMEM:
+            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+            dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+            dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+            _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                            BLOCK_M, HALF, HAS_POS, WARPS)
+            dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
+            dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+            _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
+                            scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
+        elif ROTARY:
+            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+            if PARK_DQ:
+                dqa_s = _f32_view(do_s, BLOCK_M, HALF)
+                dqb_s = _f32_view(park_s, BLOCK_M, HALF)
+                gl.thread_barrier()  # every warp is done reading dO's tile
+                dqa_s.store(warpgroup_mma(pds_s, ka_s, zero_h))
+                dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
+                gl.thread_barrier()
+                _unrotate_parked(dqa_s, dqb_s, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                                 BLOCK_M, HALF, HAS_POS, WARPS)
             else:
-                _store_cols_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+                # (Angles again in the accumulators' layout: cheaper than keeping them live.)
+                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+                dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+                _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
+                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D,
+                                  WARPS)
+            if g == 0:
+                dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
+                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+            else:
+                dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
+                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
+        elif DQ_HALVES:
+            # dQ in two column halves, each to dO's dead tile as soon as it is summed: half the
+            # registers beside the live dK and dV accumulators.
+            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+            gl.thread_barrier()  # every warp is done reading dO's tile
+            dqa = warpgroup_mma(pds_s, k_s.slice(0, HALF, 1), zero_h)
+            do_s.slice(0, HALF, 1).store((dqa * scale).to(dtype))
+            dqb = warpgroup_mma(pds_s, k_s.slice(HALF, HALF, 1), zero_h)
+            do_s.slice(HALF, HALF, 1).store((dqb * scale).to(dtype))
+            gl.thread_barrier()
+            if SLOT > 0:
+                _store_rows(do_s, dq_ptr, rows, row_ok, stride_dqt, BLOCK_D, HEAD_DIM, WARPS)
+            else:
+                _store_cols(do_s, dq_ptr, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+        else:
+            dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+            _store_tile_via(do_s, dq_ptr, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM,
+                            WARPS, SLOT)
+        if not ROTARY:
+            if g == 0:
+                dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+            else:
+                dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
+    dk_ptr = DK + hk * stride_dkh
+    if ROTARY and not UNROTATE_IN_SMEM:
+        sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+        _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
+                          start, n, stride_dkt, BLOCK_M, BLOCK_D, WARPS)
+    elif not ROTARY:
+        _store_tile_via(do_s, dk_ptr, dk * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM,
+                        WARPS, SLOT)
+    if GROUPS > 1:
+        _store_tile_via(v_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D,
+                        HEAD_DIM, WARPS, SLOT)
+    if SLOT > 0:
+        return gl.sum(bad_rows, 0)
+    else:
+        return 0.0
+
+
+@gluon.jit(noinline=True)
+def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block_size, pid, block, hk, scale,
+                     qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                     INT64: gl.constexpr, SLOT: gl.constexpr):
+    """``_bwd_tile`` of the block ``block`` of tile ``pid`` alone (as ``_fwd_block_alone``)."""
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
+    rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
+    if INT64:
+        rows = rows.to(gl.int64)
+    _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), hk, scale, qk_scale,
+              log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM, BLOCK_M,
+              BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -423,196 +812,41 @@ def _hopper_bwd_kernel(
     stride_dvt, stride_dvh, stride_dvd,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    INT64: gl.constexpr,
+    INT64: gl.constexpr, SLOT: gl.constexpr,
 ):
     hk = gl.program_id(1)
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
-    if INT64:
-        start = start.to(gl.int64)
-    if n > 0:
-        HALF: gl.constexpr = BLOCK_D // 2
-        ROTARY: gl.constexpr = ROT_DIM > 0
-        # dQ and dK rotated back through the dead v and dO tiles (``_unrotate_store``): at D128 with
-        # one query head per kv head (v's tile is live across the heads of a group; at D64 the
-        # register path needs fewer registers).
-        UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
-        # With grouped query heads at D128 (v live across the heads) dQ's halves are parked one at
-        # a time in dO's dead tile and a scratch tile, then rotated back the same way.
-        PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64
-        # Grouped query heads at 128-row tiles, D >= 64: P read back in 16 bits from its shared copy
-        # for dS instead of held in float32 across dO V^T (the scores' tiles are 64 registers each
-        # there, beside dK's and dV's accumulators; ptxas at D128: spills 628 -> 332 bytes).
-        P_RELOAD: gl.constexpr = GROUPS > 1 and BLOCK_M == 128 and BLOCK_D >= 64
-        # dQ by column halves where dK and dV are both live across the heads (grouped query heads,
-        # 128-wide tiles: ptxas spilled at 255 registers with the whole dQ accumulator).
-        DQ_HALVES: gl.constexpr = not ROTARY and GROUPS > 1 and BLOCK_D == 128
-        dtype: gl.constexpr = Q.dtype.element_ty
-        smem_d: gl.constexpr = _smem_layout(BLOCK_D)
-        smem_h: gl.constexpr = _smem_layout(HALF)
-        acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
-        acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
-        acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
-        ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
-        rot_l: gl.constexpr = _row_layout(HALF, WARPS)
-
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
-        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
-        rows = start + offs_m
-        mask = gl.expand_dims(offs_m < n, 1)
-        mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
-        k_ptr = K + hk * stride_kh
-        # q and dO tiles in STAGES slots: with two, head g + 1's copies are in flight during head g's math.
-        STAGES: gl.constexpr = _q_stages(GROUPS, BLOCK_M, BLOCK_D, True, ROT_DIM > 0)
-        v_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-        do_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
-        pds_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_M], smem_d)
-        zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
-        if ROTARY:
-            qa_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
-            qb_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
-            ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-            _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
-            if PARK_DQ:
-                park_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-        else:
-            q_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
-            k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
-            _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
-        # (dK and dV start at the first head's products, not as zeros held from the top.)
-        for g in gl.static_range(GROUPS):
-            h = hk * GROUPS + g
-            if g > 0:
-                gl.thread_barrier()  # every warp is done with the previous head's q and dO
-            # Head g's copies (issued during the previous head when STAGES is 2), then head g + 1's:
-            # each head's q in one commit group and its dO (with v for the first head) in the next.
-            for c in gl.static_range(g, g + 2):
-                if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
-                    q_ptr = Q + (hk * GROUPS + c) * stride_qh
-                    if ROTARY:
-                        _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask, stride_qt, HALF)
-                    else:
-                        _copy_rows(q_st.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
-                    async_copy.commit_group()
-                    _copy_rows(do_st.index(c % STAGES), DO + (hk * GROUPS + c) * stride_doh, rows, offs_d, mask_d, stride_dot)
-                    if c == 0:
-                        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
-                    async_copy.commit_group()
-            do_s = do_st.index(g % STAGES)
-            if ROTARY:
-                qa_s = qa_st.index(g % STAGES)
-                qb_s = qb_st.index(g % STAGES)
-            else:
-                q_s = q_st.index(g % STAGES)
-            if ROTARY:
-                if g == 0:
-                    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
-
-            # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
-            # dO, two commit groups, when prefetched).
-            async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
-            if ROTARY:
-                gl.thread_barrier()
-                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
-                if g == 0:
-                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
-            fence_async_shared()
-            gl.thread_barrier()
-            if ROTARY:
-                s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
-                s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
-            else:
-                s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
-            p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
-            p = p * gl.expand_dims(inv, 1)
-
-            # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
-            pds_s.store(p.to(dtype))
-            async_copy.wait_group(2 if STAGES == 2 and g + 1 < GROUPS else 0)
-            fence_async_shared()
-            gl.thread_barrier()
-            dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
-            if P_RELOAD:
-                p = pds_s.load(acc_s).to(gl.float32)
-            ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
-            if g == 0:
-                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-            else:
-                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
-            if GROUPS == 1:
-                # v is dead: dV leaves now, and its accumulator with it.
-                _store_cols_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-            gl.thread_barrier()  # dV's product is done reading P
-            pds_s.store(ds)
-            fence_async_shared()
-            gl.thread_barrier()
-            # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
-            dq_ptr = DQ + h * stride_dqh
-            if UNROTATE_IN_SMEM:
-                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-                dqa = warpgroup_mma(pds_s, ka_s, zero_h)
-                dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-                _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                BLOCK_M, HALF, HAS_POS, WARPS)
-                dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
-                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
-                _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
-                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
-            elif ROTARY:
-                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-                if PARK_DQ:
-                    dqa_s = _f32_view(do_s, BLOCK_M, HALF)
-                    dqb_s = _f32_view(park_s, BLOCK_M, HALF)
-                    gl.thread_barrier()  # every warp is done reading dO's tile
-                    dqa_s.store(warpgroup_mma(pds_s, ka_s, zero_h))
-                    dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
-                    gl.thread_barrier()
-                    _unrotate_parked(dqa_s, dqb_s, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                     BLOCK_M, HALF, HAS_POS, WARPS)
-                else:
-                    # (Angles again in the accumulators' layout: cheaper than keeping them live.)
-                    sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
-                    dqa = warpgroup_mma(pds_s, ka_s, zero_h)
-                    dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-                    _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
-                                      (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D,
-                                      WARPS)
-                if g == 0:
-                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
-                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
-                else:
-                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
-                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
-            elif DQ_HALVES:
-                # dQ in two column halves, each to dO's dead tile as soon as it is summed: half the
-                # registers beside the live dK and dV accumulators.
-                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-                gl.thread_barrier()  # every warp is done reading dO's tile
-                dqa = warpgroup_mma(pds_s, k_s.slice(0, HALF, 1), zero_h)
-                do_s.slice(0, HALF, 1).store((dqa * scale).to(dtype))
-                dqb = warpgroup_mma(pds_s, k_s.slice(HALF, HALF, 1), zero_h)
-                do_s.slice(HALF, HALF, 1).store((dqb * scale).to(dtype))
-                gl.thread_barrier()
-                _store_cols(do_s, dq_ptr, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-            else:
-                dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-                _store_cols_via(do_s, dq_ptr, dq * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-            if not ROTARY:
-                if g == 0:
-                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-                else:
-                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
-        dk_ptr = DK + hk * stride_dkh
-        if ROTARY and not UNROTATE_IN_SMEM:
-            sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
-            _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
-                              start, n, stride_dkt, BLOCK_M, BLOCK_D, WARPS)
-        elif not ROTARY:
-            _store_cols_via(do_s, dk_ptr, dk * scale, start, n, stride_dkt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-        if GROUPS > 1:
-            _store_cols_via(v_s, DV + hk * stride_dvh, dv, start, n, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    if SLOT > 0:
+        gl.static_assert(BLOCK_M == 64 and ROT_DIM == 0, "tiles of blocks: 64 rows, no rotary")
+        rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
+                                       INLINE_SEQS, WARPS)
+        if INT64:
+            rows = rows.to(gl.int64)
+        if n > 0:
+            bad = _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok, hk, scale, qk_scale, log2_theta,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                            stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                            GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            if bad > 0:
+                # A NaN or infinity in the tile's q, k, v or dO reached the other blocks' gradients
+                # (0 x NaN in the products): each block again alone.
+                for b in range(64 // SLOT):
+                    _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block_size,
+                                     gl.program_id(0), b, hk, scale, qk_scale, log2_theta, stride_qt, stride_qh,
+                                     stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt,
+                                     stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
+                                     BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT)
+    else:
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+        if INT64:
+            start = start.to(gl.int64)
+        if n > 0:
+            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, start + offs_m, offs_m < n, hk, scale,
+                      qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
 
 launch_fwd = Launcher(_hopper_fwd_kernel)
