@@ -21,8 +21,8 @@ today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); for blocks of up to 32 tokens ``hopper_packed`` (the same kernels on tiles of 2 or
-4 blocks) beats ``simple`` forward at D <= 64 and is level at D 96-128, and backward with one query
-head per kv head at D <= 128 (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
+4 blocks) beats ``simple`` forward at D <= 64 (and with grouped query heads at D 96-128), and
+backward with one query head per kv head at D <= 128 (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
 slower than both since it confines a NaN to its block; the persistent Triton variant, slower
 everywhere, was deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``),
 slower on every prod shape, are kept beside the ``sm100`` kernels that grew from their design.
@@ -288,16 +288,20 @@ PACKED_SLOWER_REASON = "slower than simple or hopper_packed on the H200 (session
 
 
 def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``hopper_packed`` admits a call that ``auto`` leaves to ``simple``. H200, bf16, prod
-    lengths, blocks of 16 and 32, rotary none, causal no, one process (BENCHMARKS.md, session 20),
-    hopper_packed against simple: forward 1.25-1.56x faster at D 32-64, 0.98-1.06x at D 96-128,
-    0.88-1.11x at D256; backward with one query head per kv head 1.02-1.34x faster at D 32-128,
-    0.80-0.84x at D256; backward of grouped query heads 0.72-1.00x (ptxas: its tiles spill 0.6-0.9
-    KB at D 64-128)."""
+    """Where ``hopper_packed`` admits a call that ``auto`` leaves to ``simple``. H200, blocks of 16
+    and 32, prod lengths, rotary none, one process per slice (bf16 causal and not, fp16 not:
+    BENCHMARKS.md, session 20), hopper_packed against simple: forward 1.25-1.56x faster at D 32-64,
+    with grouped query heads 1.0-1.16x at D 96-128, with one query head per kv head 0.94-1.04x
+    there (simple faster at 9 of 12 points), 0.88-1.11x at D256; backward with one query head per
+    kv head 1.02-1.34x faster at D 32-128, 0.77-0.84x at D256; backward of grouped query heads
+    0.72-1.00x (ptxas: its tiles spill 0.6-0.9 KB at D 64-128)."""
     if facts.head_dim > 128:
         return [f"head_dim {facts.head_dim} > 128: not faster than simple on the H200"]
     if facts.backward and facts.groups > 1:
         return ["backward of grouped-query heads: slower than simple on the H200 (its tiles spill)"]
+    if not facts.backward and facts.groups == 1 and facts.head_dim > 64:
+        return [f"forward at head_dim {facts.head_dim} with one query head per kv head: not faster than simple "
+                "on the H200"]
     return []
 
 
