@@ -228,7 +228,11 @@ def _hopper_packed_builds(capability: int) -> Iterator[Build]:
             build = _hopper_build(kind, dtype, 64, dim, False, causal, groups, False)
             constexprs = dict(build.constexprs, SLOT=slot, INLINE_SEQS=512 if causal else 0)
             name = build.name.replace("_b64_", f"_s{slot}_").replace("_hopper", PACKED_HOPPER_SUFFIX)
-            yield Build(name, build.kernel, dtype, constexprs, dict(build.options, num_warps=4))
+            options = dict(num_warps=4, num_stages=1)
+            regs = max_registers(dict(constexprs, BLOCK_D=tile_extent(dim)), HOPPER_PACKED, kind == "bwd", 9, 2)
+            if regs:
+                options["maxnreg"] = regs
+            yield Build(name, build.kernel, dtype, constexprs, options)
 
 
 def _hopper_ws_builds(capability: int) -> Iterator[Build]:

@@ -33,6 +33,10 @@ HEAD_LOOP_MAXNREG = 128
 # rotated back 32 rows at a time from shared memory (``sm90.block._unrotate_store``), needs 178
 # registers uncapped and 168 with 16 bytes spilled: 3 programs per SM instead of 2.
 HOPPER_MAXNREG: dict = {(True, 128, True): 168}
+# hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
+# head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
+# needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
+PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -51,6 +55,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
     if variant.maxnreg is not None:
         return variant.maxnreg
+    if variant.name == "hopper_packed":
+        return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"])) if meta["GROUPS"] == 1 else None
     if variant.name == "hopper":
         if meta["BLOCK_M"] != 64:
             return None

@@ -293,8 +293,9 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     BENCHMARKS.md, session 20), hopper_packed against simple: forward 1.25-1.56x faster at D 32-64,
     with grouped query heads 1.0-1.16x at D 96-128, with one query head per kv head 0.94-1.04x
     there (simple faster at 9 of 12 points), 0.88-1.11x at D256; backward with one query head per
-    kv head 1.02-1.34x faster at D 32-128, 0.77-0.84x at D256; backward of grouped query heads
-    0.72-1.00x (ptxas: its tiles spill 0.6-0.9 KB at D 64-128)."""
+    kv head 1.0-1.34x faster at D 32-128, 0.71-0.84x at D256; backward of grouped query heads
+    0.72-1.00x at 9c1adb3, whose tiles spilled 0.6-0.9 KB at D 64-128 (ptxas); since its NaN check
+    counts dK and dV instead of the scores, 0-0.3 KB: not yet timed beside simple."""
     if facts.head_dim > 128:
         return [f"head_dim {facts.head_dim} > 128: not faster than simple on the H200"]
     if facts.backward and facts.groups > 1:
