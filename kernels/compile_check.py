@@ -215,18 +215,22 @@ PACKED_HOPPER_SUFFIX = "_hpacked"
 def _hopper_packed_builds(capability: int) -> Iterator[Build]:
     """The hopper kernels on 64-row tiles of blocks of 16 or 32 rows (the ``hopper_packed`` variant,
     sm_90 only): bf16 and fp16, every head dim of the grid that ``HOPPER_PACKED.call_reasons``
-    admits, one or four query heads per kv head, causal or not, the in-kernel schedule or the table."""
+    admits, rotary or not, one or four query heads per kv head, causal or not, the in-kernel
+    schedule or the table."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
-    for kind, slot, dim, groups, causal in itertools.product(
-        ("fwd", "bwd"), (16, 32), (32, 64, 96, 128, 256), (1, 4), (False, True),
+    for kind, slot, dim, rotary, groups, causal in itertools.product(
+        ("fwd", "bwd"), (16, 32), (32, 64, 96, 128, 256), (False, True), (1, 4), (False, True),
     ):
-        facts = CallFacts("cuda", 9, torch.bfloat16, dim, groups, slot, 0, False, False, backward=kind == "bwd")
+        facts = CallFacts("cuda", 9, torch.bfloat16, dim, groups, slot, dim if rotary else 0, False, False,
+                          backward=kind == "bwd")
         if HOPPER_PACKED.call_reasons(facts):
             continue
-        for dtype in ("bf16", "fp16") if (dim, groups) == (128, 1) else ("bf16",):
-            build = _hopper_build(kind, dtype, 64, dim, False, causal, groups, False)
+        for dtype in ("bf16", "fp16") if (dim, groups, rotary) == (128, 1, False) else ("bf16",):
+            build = _hopper_build(kind, dtype, 64, dim, rotary, causal, groups, False)
             constexprs = dict(build.constexprs, SLOT=slot, INLINE_SEQS=512 if causal else 0)
+            if kind == "fwd":
+                constexprs["HEAD_LOOP"] = False  # (block.plan.head_loop: hopper_packed has none)
             name = build.name.replace("_b64_", f"_s{slot}_").replace("_hopper", PACKED_HOPPER_SUFFIX)
             options = dict(num_warps=4, num_stages=1)
             regs = max_registers(dict(constexprs, BLOCK_D=tile_extent(dim)), HOPPER_PACKED, kind == "bwd", 9, 2)

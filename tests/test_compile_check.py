@@ -219,11 +219,12 @@ def test_fp8_kernels_compile(tmp_path):
 
 def test_hopper_packed_kernels_compile(tmp_path):
     """The hopper kernels on tiles of several blocks (``hopper_packed``): forward and backward, blocks
-    of 16 and 32 rows, one and four query heads per kv head, causal with the in-kernel schedule:
+    of 16 and 32 rows, one and four query heads per kv head, rotary, causal with the in-kernel schedule:
     wgmma products, 16-byte asynchronous copies in and stores out, within the register, spill and
     shared-memory budgets (the CLI builds every head dim; this is a subset)."""
     names = ("fwd_bf16_s16_d128_hpacked", "bwd_bf16_s16_d128_hpacked", "fwd_bf16_s32_d64_causal_gqa_hpacked",
-             "bwd_bf16_s32_d64_causal_gqa_hpacked")
+             "bwd_bf16_s32_d64_causal_gqa_hpacked", "fwd_bf16_s16_d128_rope_gqa_hpacked",
+             "bwd_bf16_s32_d64_rope_causal_hpacked")
     ptx = _compile_check("sm_90", ",".join(names), tmp_path)
     assert set(ptx) == set(names)
     for name, text in ptx.items():

@@ -203,7 +203,7 @@ def test_nan_poisoned_memory_beyond_valid_rows():
     (2, 2, 128, 128, False), (4, 2, 96, 64, False), (2, 2, 256, 64, False), (2, 2, 32, 128, True),
     (8, 2, 64, 100, True),
     # Blocks of 16 and 32 tokens, which share 64-row tiles in the packed variant.
-    (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True),
+    (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True), (4, 2, 64, 16, True),
 ])
 def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
@@ -497,6 +497,9 @@ HOPPER_PACKED_CASES = [
     dict(heads=4, kv_heads=1, dim=96, block_size=20, causal=True, scale=0.3),
     dict(heads=2, kv_heads=2, dim=256, block_size=8),
     dict(heads=4, kv_heads=2, dim=32, block_size=32),
+    dict(heads=2, kv_heads=2, dim=64, block_size=16, causal=True, rope_theta=1e4),
+    dict(heads=8, kv_heads=2, dim=32, block_size=32, rope_theta=500.0, positions="float"),
+    dict(heads=4, kv_heads=4, dim=64, block_size=24, rope_theta=1e4, positions="int"),
 ]
 
 
@@ -506,7 +509,8 @@ HOPPER_PACKED_CASES = [
 def test_hopper_packed_kernels_forced(monkeypatch, case, table):
     """The hopper kernels on 64-row tiles of 2 or 4 blocks (``hopper_packed``), forced, take these calls
     on sm_90 (checked) and match the float64 oracle, bf16 and fp16, forward and backward, on lengths
-    around 16 and 32 with empty and 1-token sequences, the in-kernel schedule or the table."""
+    around 16 and 32 with empty and 1-token sequences, the in-kernel schedule or the table; rotary at
+    each row's position in its sequence or at given int / float positions."""
     _forced_variant_matches_oracle(monkeypatch, "hopper_packed", case, table,
                                    EDGE_LENGTHS * 2 + [16, 32, 33, 1, 15, 17, 31] * 3)
 
@@ -543,8 +547,8 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
     environment forces): fp32, blocks over 128, partial or interleaved rotary, rows not 16-byte
-    aligned, rotary at blocks of 32 or fewer rows; 128-row blocks and 64-bit addressing run
-    hopper, blocks of 32 or fewer rows without rotary hopper_packed."""
+    aligned; 128-row blocks and 64-bit addressing run hopper, blocks of 32 or fewer rows (D64,
+    with and without rotary) hopper_packed."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
     with variants.forced_variant("auto"):
@@ -552,9 +556,9 @@ def test_hopper_falls_back_to_simple():
         assert _variant(q, k, (q, k, v), 128, 0) == "hopper" and _variant(q, k, (q, k, v), 64, 0, int64=True) == "hopper"
         assert _variant(q, k, (q, k, v), 32, 0) == "hopper_packed"
         assert _variant(q, k, (q, k, v), 16, 0, int64=True) == "hopper_packed"
+        assert _variant(q, k, (q, k, v), 32, 64) == "hopper_packed"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
-                (q, (q, k, v), 32, 64, False, False),
                 (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
                 (q, (odd, k, v), 64, 0, False, False)]:
             assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"

@@ -22,7 +22,8 @@ today the ``sm100`` kernels, which no GPU here could run.
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); for blocks of up to 32 tokens ``hopper_packed`` (the same kernels on tiles of 2 or
 4 blocks) beats ``simple`` forward at D <= 64 (and with grouped query heads at D 96-128), and
-backward with one query head per kv head at D <= 128 (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
+backward with one query head per kv head at D <= 128, and with split-half rotary at D <= 64 both
+ways (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
 slower than both since it confines a NaN to its block; the persistent Triton variant, slower
 everywhere, was deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``),
 slower on every prod shape, are kept beside the ``sm100`` kernels that grew from their design.
@@ -181,11 +182,15 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
 def _hopper_packed_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper kernels on 64-row tiles of several blocks (``SLOT`` rows each, 4 of up to 16
     tokens or 2 of up to 32), masked block-diagonally: what ``_gluon_call_reasons`` admits at blocks
-    of up to ``PACKED_MAX_BLOCK`` tokens, no rotary (not written for tiles of blocks yet), and in the
-    backward no grouped query heads over D128 (as ``hopper``)."""
+    of up to ``PACKED_MAX_BLOCK`` tokens; rotary at D 32 / 64 / 128 (as ``hopper``), and in the
+    backward only at D <= 64 (the D128 backward rotates its gradients back through shared memory, 32
+    rows of one block at a time: not written for tiles of blocks); in the backward no grouped query
+    heads over D128 (as ``hopper``)."""
     reasons = _gluon_call_reasons(facts, 9, (1, PACKED_MAX_BLOCK), HOPPER_HEAD_DIMS, gluon_import_error, True)
-    if facts.rot:
-        reasons.append("rotary (the hopper kernels on tiles of blocks take none yet)")
+    if facts.rot and facts.head_dim not in (32, 64, 128):
+        reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
+    elif facts.rot and facts.backward and facts.head_dim > 64:
+        reasons.append(f"rotary backward at head_dim {facts.head_dim} (needs 32 or 64)")
     if facts.backward and facts.groups > 1 and facts.head_dim > 128:
         reasons.append("backward of grouped-query heads with head_dim over 128")
     return reasons
@@ -295,7 +300,13 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     there (simple faster at 9 of 12 points), 0.88-1.11x at D256; backward with one query head per
     kv head 1.0-1.34x faster at D 32-128, 0.71-0.84x at D256; backward of grouped query heads
     0.72-1.00x at 9c1adb3, whose tiles spilled 0.6-0.9 KB at D 64-128 (ptxas); since its NaN check
-    counts dK and dV instead of the scores, 0-0.3 KB: not yet timed beside simple."""
+    counts dK and dV instead of the scores, 0-0.3 KB: not yet timed beside simple. Split-half rotary
+    (bf16, causal no): at D 32-64 forward 0.98-1.35x and backward 1.05-1.37x, grouped query heads
+    included, so auto takes it there; at D128 forward 0.87-1.13x (simple), its backward not admitted."""
+    if facts.rot and facts.head_dim > 64:
+        return [f"rotary at head_dim {facts.head_dim}: not faster than simple on the H200"]
+    if facts.rot:
+        return []
     if facts.head_dim > 128:
         return [f"head_dim {facts.head_dim} > 128: not faster than simple on the H200"]
     if facts.backward and facts.groups > 1:

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from ..common.launch import Launcher
-from .rotary import rotate_in_place, sin_cos, sin_cos_rows
+from .rotary import rotate_in_place, sin_cos, sin_cos_at, sin_cos_rows
 
 
 @gluon.jit
@@ -81,13 +81,15 @@ def _inline_pick(i, seq_start, seq_end, blocks, cum, num_seqs, block_size, pid):
 def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.constexpr, INLINE_SEQS: gl.constexpr,
                  WARPS: gl.constexpr):
     """A 64-row tile of ``64 // SLOT`` blocks (schedule slots ``pid * 64 // SLOT`` on), ``SLOT`` rows
-    each: ``(rows, row_ok, n)``, per tile row ``offs_m`` its token and whether it is one, and ``n``
-    the tokens of all the tile's blocks (0: nothing to do). ``common.schedule.packed_rows`` in Gluon."""
+    each: ``(rows, row_ok, prow, n)``, per tile row ``offs_m`` its token, whether it is one and its
+    index in its sequence, and ``n`` the tokens of all the tile's blocks (0: nothing to do).
+    ``common.schedule.packed_rows`` in Gluon."""
     PACK: gl.constexpr = 64 // SLOT
     slot = offs_m // SLOT
     local = offs_m % SLOT
     row_start = offs_m * 0
     row_n = offs_m * 0
+    row_first = offs_m * 0
     n = 0
     if INLINE_SEQS > 0:  # one scan of the offsets for all the tile's blocks
         i, seq_start, seq_end, blocks, cum = _inline_counts(Sched, num_seqs, block_size, INLINE_SEQS, WARPS)
@@ -99,10 +101,12 @@ def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.const
             last = gl.minimum(b, slots - 1)
             start = gl.load(Sched + last)
             length = gl.where(b < slots, gl.load(Sched + slots + last), 0)
+            first_row = gl.load(Sched + 2 * slots + last)
         row_start = gl.where(slot == j, start, row_start)
         row_n = gl.where(slot == j, length, row_n)
+        row_first = gl.where(slot == j, first_row, row_first)
         n += length
-    return row_start + local, local < row_n, n
+    return row_start + local, local < row_n, row_first + local, n
 
 
 @gluon.jit
@@ -251,6 +255,32 @@ def _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH: gl.constexpr, COLS: gl.
     if COLS < WIDTH:
         mask = mask & gl.expand_dims(cols < COLS, 0)
     gl.store(_ptrs(ptr, rows, cols, stride_t), buf.load(layout), mask=mask)
+
+
+@gluon.jit
+def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, BLOCK_M: gl.constexpr,
+                           WIDTH: gl.constexpr, WARPS: gl.constexpr, SLOT: gl.constexpr):
+    """``_store_halves_via`` of a tile's rows (as ``_store_tile_via``)."""
+    if SLOT > 0:
+        HALF: gl.constexpr = WIDTH // 2
+        gl.thread_barrier()
+        buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
+        buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
+        gl.thread_barrier()
+        _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH, WIDTH, WARPS)
+    else:
+        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH, WARPS)
+
+
+@gluon.jit
+def _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M: gl.constexpr,
+                  HALF: gl.constexpr, HAS_POS: gl.constexpr, SLOT: gl.constexpr, LAYOUT: gl.constexpr):
+    """The rotary ``(sin, cos)`` of a tile's rows in ``LAYOUT``: a block's (``sin_cos``), or with
+    ``SLOT`` a tile of blocks' (``sin_cos_at``)."""
+    if SLOT > 0:
+        return sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF, HAS_POS, LAYOUT)
+    else:
+        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, LAYOUT)
 
 
 @gluon.jit
@@ -405,14 +435,15 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
 
 
 @gluon.jit
-def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, hk, qk_scale, log2_theta,
+def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, prow, hk, qk_scale, log2_theta,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
               ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
     """Kv head ``hk`` of one tile and its ``GROUPS`` query heads: the tile's tokens ``rows`` where
     ``row_ok`` (in the row layout of ``BLOCK_D``), a block (rows ``start .. start + n``, its first
-    row ``first_row`` in its sequence) or with ``SLOT`` blocks of ``SLOT`` rows each. Returns, for a
-    tile of blocks, how many elements of the first head's output are not finite (else 0)."""
+    row ``first_row`` in its sequence) or with ``SLOT`` blocks of ``SLOT`` rows each (``prow``: each
+    row's index in its sequence). Returns, for a tile of blocks, how many elements of the first
+    head's output are not finite (else 0)."""
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     HALF: gl.constexpr = BLOCK_D // 2
     ROTARY: gl.constexpr = ROT_DIM > 0
@@ -467,7 +498,8 @@ def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, hk, qk_scale, 
         if ROTARY:
             if g == 0:
                 # Angles while the copies are in flight.
-                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
+                                         HAS_POS, SLOT, rot_l)
         async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
         if ROTARY:
             qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
@@ -498,9 +530,9 @@ def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, hk, qk_scale, 
             _store_tile_via(q_s.index(g % STAGES), o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D,
                             HEAD_DIM, WARPS, SLOT)
         elif g == GROUPS - 1:
-            _store_cols_via(v_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+            _store_tile_via(v_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS, SLOT)
         else:
-            _store_cols_via(o_s, o_ptr, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
+            _store_tile_via(o_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS, SLOT)
     return bad
 
 
@@ -514,10 +546,10 @@ def _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, b
     as zeros, not stored). Not inlined, one block a call: a second copy of the tile's code in the
     kernel, or the same code in a loop, held its addresses live (107 -> 176 registers at D128)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
-    rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
+    rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
     if INT64:
         rows = rows.to(gl.int64)
-    _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), hk, qk_scale, log2_theta,
+    _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, qk_scale, log2_theta,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS,
               HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
@@ -537,16 +569,15 @@ def _hopper_fwd_kernel(
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     if SLOT > 0:
-        gl.static_assert(BLOCK_M == 64 and ROT_DIM == 0 and not HEAD_LOOP,
-                         "tiles of blocks: 64 rows, no rotary, no kv-head loop")
-        rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
+        gl.static_assert(BLOCK_M == 64 and not HEAD_LOOP, "tiles of blocks: 64 rows, no kv-head loop")
+        rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
                                        INLINE_SEQS, WARPS)
         if INT64:
             rows = rows.to(gl.int64)
         if n > 0:
-            bad = _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok, hk, qk_scale, log2_theta, stride_qt, stride_qh,
-                            stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM,
-                            BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            bad = _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok, prow, hk, qk_scale, log2_theta, stride_qt,
+                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS,
+                            HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
             if bad > 0:
                 # A NaN or infinity in v reached the other blocks' rows (0 x NaN in P V): each block
                 # again alone.
@@ -565,13 +596,13 @@ def _hopper_fwd_kernel(
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                                   stride_oh, BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
         elif n > 0:
-            _fwd_tile(Q, K, V, O, Pos, start, n, first_row, start + offs_m, offs_m < n, hk, qk_scale, log2_theta,
+            _fwd_tile(Q, K, V, O, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale, log2_theta,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
 
 @gluon.jit
-def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, hk, scale, qk_scale, log2_theta,
+def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, prow, hk, scale, qk_scale, log2_theta,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -662,7 +693,8 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, h
             q_s = q_st.index(g % STAGES)
         if ROTARY:
             if g == 0:
-                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
+                                         HAS_POS, SLOT, rot_l)
 
         # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
         # dO, two commit groups, when prefetched).
@@ -733,12 +765,13 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, h
                                  BLOCK_M, HALF, HAS_POS, WARPS)
             else:
                 # (Angles again in the accumulators' layout: cheaper than keeping them live.)
-                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M,
+                                             HALF, HAS_POS, SLOT, acc_h)
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-                _store_halves_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
-                                  (dqb * cos_h - dqa * sin_h) * scale, start, n, stride_dqt, BLOCK_M, BLOCK_D,
-                                  WARPS)
+                _store_halves_tile_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
+                                       (dqb * cos_h - dqa * sin_h) * scale, start, n, rows, row_ok, stride_dqt,
+                                       BLOCK_M, BLOCK_D, WARPS, SLOT)
             if g == 0:
                 dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                 dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
@@ -770,9 +803,13 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, h
                 dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
     dk_ptr = DK + hk * stride_dkh
     if ROTARY and not UNROTATE_IN_SMEM:
-        sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
-        _store_halves_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale, (dkb * cos_h - dka * sin_h) * scale,
-                          start, n, stride_dkt, BLOCK_M, BLOCK_D, WARPS)
+        sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
+                                     HAS_POS, SLOT, acc_h)
+        if SLOT > 0:
+            bad = bad + gl.sum(_nonfinite_rows(dka), 0) + gl.sum(_nonfinite_rows(dkb), 0)
+        _store_halves_tile_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale,
+                               (dkb * cos_h - dka * sin_h) * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M,
+                               BLOCK_D, WARPS, SLOT)
     elif not ROTARY:
         if SLOT > 0:
             bad = bad + gl.sum(_nonfinite_rows(dk), 0)
@@ -795,13 +832,13 @@ def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block
                      INT64: gl.constexpr, SLOT: gl.constexpr):
     """``_bwd_tile`` of the block ``block`` of tile ``pid`` alone (as ``_fwd_block_alone``)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
-    rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
+    rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
     if INT64:
         rows = rows.to(gl.int64)
-    _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), hk, scale, qk_scale,
-              log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-              stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM, BLOCK_M,
-              BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+    _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, scale,
+              qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+              stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
+              BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -821,16 +858,17 @@ def _hopper_bwd_kernel(
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     if SLOT > 0:
-        gl.static_assert(BLOCK_M == 64 and ROT_DIM == 0, "tiles of blocks: 64 rows, no rotary")
-        rows, row_ok, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
+        gl.static_assert(BLOCK_M == 64 and (ROT_DIM == 0 or BLOCK_D <= 64),
+                         "tiles of blocks: 64 rows; rotary gradients rotated back in registers (D <= 64)")
+        rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
                                        INLINE_SEQS, WARPS)
         if INT64:
             rows = rows.to(gl.int64)
         if n > 0:
-            bad = _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok, hk, scale, qk_scale, log2_theta,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                            stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                            GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            bad = _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok, prow, hk, scale, qk_scale,
+                            log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
+                            stride_dvh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
             if bad > 0:
                 # A NaN or infinity in the tile's q, k, v or dO reached the other blocks' gradients
                 # (0 x NaN in the products): each block again alone.
@@ -845,8 +883,8 @@ def _hopper_bwd_kernel(
         if INT64:
             start = start.to(gl.int64)
         if n > 0:
-            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, start + offs_m, offs_m < n, hk, scale,
-                      qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk,
+                      scale, qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                       GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
 

@@ -43,6 +43,29 @@ def sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS:
     else:
         base = _reduced(first_row.to(gl.float32) * inv_freq)
         angle = gl.expand_dims(base, 0) + gl.expand_dims(offs_m.to(gl.float32), 1) * gl.expand_dims(inv_freq, 0)
+    return _sin_cos_of(angle)
+
+
+@gluon.jit
+def sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF: gl.constexpr, HAS_POS: gl.constexpr,
+               LAYOUT: gl.constexpr):
+    """Rotary sines and cosines ``[len(rows), HALF]`` in ``LAYOUT`` of a tile whose rows are the
+    tokens ``rows`` (where ``row_ok``) at the positions ``Pos[rows]``, or ``prow`` (each row's index
+    in its sequence) without ``Pos``: for tiles of several blocks, whose rows are not one run.
+    The angles are ``position * inv_freq`` reduced, as ``sin_cos`` computes them at given positions."""
+    row_l: gl.constexpr = gl.SliceLayout(1, LAYOUT)
+    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
+    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
+    if HAS_POS:
+        pos = gl.load(Pos + gl.convert_layout(rows, row_l), mask=gl.convert_layout(row_ok, row_l), other=0)
+    else:
+        pos = gl.convert_layout(prow, row_l)
+    return _sin_cos_of(_reduced(gl.expand_dims(pos.to(gl.float32), 1) * gl.expand_dims(inv_freq, 0)))
+
+
+@gluon.jit
+def _sin_cos_of(angle):
+    """``(sin, cos)`` of angles in [-pi, pi] (``sin.approx`` / ``cos.approx``)."""
     sin = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
     cos = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
     return sin, cos
