@@ -515,6 +515,19 @@ def test_hopper_packed_kernels_forced(monkeypatch, case, table):
                                    EDGE_LENGTHS * 2 + [16, 32, 33, 1, 15, 17, 31] * 3)
 
 
+@SM90
+def test_remembered_launch_of_tiles_of_blocks():
+    """Calls of one signature after the first skip the variant choice (a remembered launch): with
+    hopper_packed (blocks of 16, 4 to a program) the grid is the tiles' count of each call's blocks,
+    so a second batch of other sizes, then a third with more sequences than the in-kernel schedule
+    takes, still match the float64 oracle, forward and backward."""
+    for lengths in ([5, 16, 33, 0, 70], EDGE_LENGTHS * 3, [17, 3, 40] * 200):
+        q, k, v, offsets = make_inputs(lengths, 2, 2, 64, torch.bfloat16, seed=len(lengths))
+        assert _variant(q, k, (q, k, v), 16, 0) == "hopper_packed"
+        check_against_oracle(q, k, v, offsets, block_size=16, causal=True)
+        check_against_oracle(q, k, v, offsets, block_size=16, causal=True)
+
+
 HOPPER_WS_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=64),
     dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=True, rope_theta=1e4),

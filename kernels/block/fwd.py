@@ -29,7 +29,7 @@ from ..common.tiles import (block_positions, block_probs, finite_flag, head_rows
                             same_slot, store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
-from .plan import block_grid, block_plan
+from .plan import block_grid, block_plan, blocks_per_program
 from .variants import SIMPLE, call_facts, choose, forced_name
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
@@ -204,13 +204,15 @@ def block_attention_fwd_prepared(
 
 class _Remembered:
     """A forward launch remembered by its signature (``_signature``): the compiled kernel's entry
-    (``Launcher.compiled``), the stride arguments, the grid's kv-head extent, its launcher, and the
-    launch key, from which the backward is prepared (``prepare_backward``)."""
+    (``Launcher.compiled``), the stride arguments, the grid's kv-head extent, its launcher, the
+    launch key, from which the backward is prepared (``prepare_backward``), and ``pack``: the
+    blocks per program (a variant that packs blocks into tiles; else 1)."""
 
-    __slots__ = ("entry", "strides", "grid_heads", "launcher", "key")
+    __slots__ = ("entry", "strides", "grid_heads", "launcher", "key", "pack")
 
-    def __init__(self, entry, strides, grid_heads, launcher, key):
+    def __init__(self, entry, strides, grid_heads, launcher, key, pack):
         self.entry, self.strides, self.grid_heads, self.launcher, self.key = entry, strides, grid_heads, launcher, key
+        self.pack = pack
 
 
 # signature -> _Remembered (a handful per model).
@@ -261,7 +263,8 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
                                     positions is not None, causal, int64, sig)
     else:
         launch, head, consts = seen.entry
-        launch(sched.programs, seen.grid_heads, 1, seen.launcher.stream(device), *head, *ptrs, sched.programs,
+        programs = sched.programs if seen.pack == 1 else -(-sched.programs // seen.pack)
+        launch(programs, seen.grid_heads, 1, seen.launcher.stream(device), *head, *ptrs, sched.programs,
                sched.num_seqs, block_size, qk_scale, log2_theta, kv_heads, *seen.strides, *consts)
         launched = seen.key
     if not prepare:
@@ -296,8 +299,9 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
                 o.copy_(want)
             return None
     launched = launcher(grid, args, meta, q, key)
-    if sig is not None and launched is not None and not variant.persistent and not variant.packs_blocks:
-        _REMEMBERED.put(sig, _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched))
+    if sig is not None and launched is not None and not variant.persistent:
+        _REMEMBERED.put(sig, _Remembered(launcher.compiled(launched), strides, grid[1], launcher, launched,
+                                         blocks_per_program(meta.get("SLOT", 0))))
     return launched
 
 

@@ -72,12 +72,17 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
 
 
+def blocks_per_program(slot: int) -> int:
+    """Blocks per program: with blocks packed ``slot`` rows each into 64-row tiles, a tile's; else 1."""
+    return 64 // slot if slot else 1
+
+
 def block_grid(programs: int, kv_heads: int, device: torch.device, backward: bool, variant: Variant,
                block_d: int, slot: int = 0) -> tuple:
     """Grid of the block kernels: ``(programs, kv_heads)`` (with blocks packed ``slot`` rows each
     into 64-row tiles, one program per tile), or the resident programs of a persistent variant."""
     if slot:
-        return (-(-programs // (64 // slot)), kv_heads)
+        return (-(-programs // blocks_per_program(slot)), kv_heads)
     if not variant.persistent:
         return (programs, kv_heads)
     per_sm = variant.programs_per_sm[backward, block_d > 64]
