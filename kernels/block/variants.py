@@ -21,12 +21,12 @@ today the ``sm100`` kernels, which no GPU here could run.
 
 What was measured: on the H200, ``hopper`` is the fastest on every block shape it admits
 (BENCHMARKS.md); for blocks of up to 32 tokens ``hopper_packed`` (the same kernels on tiles of 2 or
-4 blocks) beats ``simple`` forward at D <= 64 (and with grouped query heads at D 96-128), and
-backward with one query head per kv head at D <= 128, and with split-half rotary at D <= 64 both
-ways (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is
-slower than both since it confines a NaN to its block; the persistent Triton variant, slower
-everywhere, was deleted; the warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``),
-slower on every prod shape, are kept beside the ``sm100`` kernels that grew from their design.
+4 blocks) beats ``simple`` forward at D <= 64 (and with grouped query heads at D 96-128), backward
+with one query head per kv head at D <= 128, and with split-half rotary at D <= 64 both ways
+(``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is slower than both since it
+confines a NaN to its block; the persistent Triton variant, slower everywhere, was deleted; the
+warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape, are
+kept beside the ``sm100`` kernels that grew from their design.
 """
 from __future__ import annotations
 
