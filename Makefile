@@ -56,7 +56,7 @@ gpu-check:
 # about 2.5 minutes a slice on the H200): `make gpu-grid GRID_DTYPES=bf16 GRID_ROTARY="none split"
 # GRID_CAUSAL=no` runs a part; `GRID_LENGTHS=aligned` the points of lengths rounded up to the
 # block, where the cuDNN peers run.
-GRID_BACKENDS ?= triton,triton[simple],fa2_varlen,rope_comp+fa2,sdpa_cudnn,rope_comp+cudnn,fa4_varlen
+GRID_BACKENDS ?= triton,triton[simple],triton[hopper_packed],fa2_varlen,rope_comp+fa2,sdpa_cudnn,rope_comp+cudnn,fa4_varlen
 GRID_DTYPES ?= bf16 fp16
 GRID_LENGTHS ?= prod
 GRID_ROTARY ?= none split interleaved partial
