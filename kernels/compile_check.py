@@ -38,7 +38,9 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
 from .block.plan import head_loop, max_registers
-from .block.variants import HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error
+from .block.variants import (
+    HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
+)
 from .flash.bwd import (
     _flash_bwd_delta_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_dq_store_kernel,
     bwd_launch_options,
@@ -233,7 +235,7 @@ def _hopper_packed_builds(capability: int) -> Iterator[Build]:
                 constexprs["HEAD_LOOP"] = False  # (block.plan.head_loop: hopper_packed has none)
             name = build.name.replace("_b64_", f"_s{slot}_").replace("_hopper", PACKED_HOPPER_SUFFIX)
             options = dict(num_warps=4, num_stages=1)
-            regs = max_registers(dict(constexprs, BLOCK_D=tile_extent(dim)), HOPPER_PACKED, kind == "bwd", 9, 2)
+            regs = max_registers(constexprs, HOPPER_PACKED, kind == "bwd", 9, 2)
             if regs:
                 options["maxnreg"] = regs
             yield Build(name, build.kernel, dtype, constexprs, options)
