@@ -37,7 +37,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
-from .block.plan import head_loop, max_registers
+from .block.plan import head_loop, max_registers, split_groups
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
 )
@@ -171,18 +171,22 @@ def _packed_builds(capability: int) -> Iterator[Build]:
 
 
 def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool, causal: bool, groups: int,
-                  int64: bool) -> Build:
+                  int64: bool, variant=HOPPER) -> Build:
+    """A build of ``variant``'s Gluon kernels (hopper or hopper_packed; the caller sets the latter's
+    ``SLOT``) with the launch plan's ``HEAD_LOOP``, register cap and ``SPLIT_GROUPS``."""
     from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel
 
     kernel = _hopper_fwd_kernel if kind == "fwd" else _hopper_bwd_kernel
     constexprs = _block_constexprs(head_dim, groups, block, head_dim if rotary else 0, rotary and causal, causal,
                                    512 if groups == 2 else 0)
     constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64)
-    constexprs["HEAD_LOOP"] = kind == "fwd" and head_loop(constexprs, HOPPER.name)
+    constexprs["HEAD_LOOP"] = kind == "fwd" and head_loop(constexprs, variant.name)
     options = dict(num_warps=block // 16, num_stages=1)
-    regs = max_registers(constexprs, HOPPER, kind == "bwd", 9, 2)
+    regs = max_registers(constexprs, variant, kind == "bwd", 9, 2)
     if regs:
         options["maxnreg"] = regs
+    if kind == "fwd" and split_groups(constexprs, variant, False):
+        constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
     name = (f"{kind}_{dtype}_b{block}_d{head_dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
             f"{'_gqa' if groups > 1 else ''}{'_int64' if int64 else ''}_hopper")
     return Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
@@ -229,10 +233,8 @@ def _hopper_packed_builds(capability: int) -> Iterator[Build]:
         if HOPPER_PACKED.call_reasons(facts):
             continue
         for dtype in ("bf16", "fp16") if (dim, groups, rotary) == (128, 1, False) else ("bf16",):
-            build = _hopper_build(kind, dtype, 64, dim, rotary, causal, groups, False)
+            build = _hopper_build(kind, dtype, 64, dim, rotary, causal, groups, False, HOPPER_PACKED)
             constexprs = dict(build.constexprs, SLOT=slot, INLINE_SEQS=512 if causal else 0)
-            if kind == "fwd":
-                constexprs["HEAD_LOOP"] = False  # (block.plan.head_loop: hopper_packed has none)
             name = build.name.replace("_b64_", f"_s{slot}_").replace("_hopper", PACKED_HOPPER_SUFFIX)
             options = dict(num_warps=4, num_stages=1)
             regs = max_registers(constexprs, HOPPER_PACKED, kind == "bwd", 9, 2)

@@ -169,3 +169,27 @@ def test_packed_plan_puts_blocks_of_up_to_32_rows_into_64_row_tiles():
                 -(-10 // (64 // slot)), 4)
         simple = _plan(q, q, block, 0, False, False, False, False, 512, False)[0]
         assert simple["SLOT"] == 0 and plan.block_grid(10, 4, q.device, False, variants.SIMPLE, 64) == (10, 4)
+
+
+@pytest.mark.parametrize("block,dim,rot,split", [
+    (128, 128, 0, True), (100, 96, 0, True), (64, 256, 0, True), (128, 256, 0, True), (128, 128, 128, False),
+    (64, 128, 0, False), (128, 64, 0, False), (16, 64, 0, False), (32, 256, 0, False),
+])
+def test_grouped_query_forward_runs_one_program_per_query_head(block, dim, rot, split):
+    """The hopper forward of grouped query heads at 128-row tiles of D 96-128 without rotary, and at
+    D256: one program per query head (``SPLIT_GROUPS`` the group size, ``GROUPS`` 1), the grid's second
+    axis over the query heads; elsewhere (and hopper_packed's tiles of blocks of up to 32), their
+    backward, and the simple kernels: one program per kv head and its group."""
+    variant = variants.HOPPER_PACKED if block <= 32 else variants.HOPPER
+    for heads, kv_heads in [(8, 2), (4, 1), (4, 4)]:
+        q = torch.empty(3, heads, dim, dtype=torch.bfloat16)
+        k = torch.empty(3, kv_heads, dim, dtype=torch.bfloat16)
+        groups = heads // kv_heads
+        meta, loop, _ = _plan(q, k, block, rot, False, False, False, False, 512, False, variant=variant)
+        split_here = split and groups > 1
+        assert (meta["SPLIT_GROUPS"], meta["GROUPS"]) == ((groups, 1) if split_here else (1, groups))
+        assert plan.grid_heads(meta, loop, kv_heads) == (heads if split_here else kv_heads) and not loop
+        back, _, _ = _plan(q, k, block, rot, False, False, False, True, 512, False, variant=variant)
+        assert back["GROUPS"] == groups and "SPLIT_GROUPS" not in back
+        simple, simple_loop, _ = _plan(q, k, block, rot, False, False, False, False, 512, False)
+        assert simple["GROUPS"] == groups and plan.grid_heads(simple, simple_loop, kv_heads) == kv_heads

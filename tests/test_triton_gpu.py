@@ -435,6 +435,9 @@ HOPPER_CASES = [
     dict(heads=8, kv_heads=2, dim=128, block_size=64),
     dict(heads=4, kv_heads=2, dim=64, block_size=128, causal=True),
     dict(heads=4, kv_heads=1, dim=128, block_size=128, rope_theta=1e4),
+    # One program per query head (the forward's SPLIT_GROUPS): 128-row tiles at D 96-128, and D256.
+    dict(heads=8, kv_heads=2, dim=96, block_size=128),
+    dict(heads=4, kv_heads=2, dim=256, block_size=64, causal=True),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 

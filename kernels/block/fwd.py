@@ -29,7 +29,7 @@ from ..common.tiles import (block_positions, block_probs, finite_flag, head_rows
                             same_slot, store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
-from .plan import block_grid, block_plan, blocks_per_program
+from .plan import block_grid, block_plan, blocks_per_program, grid_heads
 from .variants import SIMPLE, call_facts, choose, forced_name
 
 # Rotary at D <= 64: one program per block loops over the kv heads, so the angles are computed
@@ -310,7 +310,7 @@ def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal
     launcher = variant.kernels()[0]
     meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, inline_seqs, int64,
                                  variant, launcher)
-    grid = block_grid(programs, 1 if loop else k.shape[1], q.device, False, variant, meta["BLOCK_D"],
+    grid = block_grid(programs, grid_heads(meta, loop, k.shape[1]), q.device, False, variant, meta["BLOCK_D"],
                       meta.get("SLOT", 0))
     return launcher, meta, key, grid
 

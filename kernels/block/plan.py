@@ -72,6 +72,28 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     return _SM90_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
 
 
+def split_groups(meta: dict, variant: Variant, backward: bool) -> bool:
+    """Whether a hopper forward of grouped query heads runs one program per query head
+    (``SPLIT_GROUPS``; the group's programs adjacent in launch order, so its k and v come from L2
+    after the first read) instead of one per kv head looping over its group. H200, bf16, 8x2 heads,
+    grid lengths, causal no, ms (split / grouped): faster at 128-row tiles of D 96-128 without rotary
+    (D96 2.056 / 2.435, D128 2.059 / 2.577) and at D256 with 64-row tiles (3.384 / 3.693); slower
+    everywhere else, 1.1-2x at blocks of 16 and 32 (each program's fixed costs, k rotated once per
+    query head)."""
+    if backward or meta["GROUPS"] == 1 or meta["HEAD_LOOP"] or variant.name != "hopper":
+        return False
+    return meta["BLOCK_D"] == 256 or (meta["BLOCK_M"] == 128 and meta["BLOCK_D"] == 128 and meta["ROT_DIM"] == 0)
+
+
+def grid_heads(meta: dict, loop: bool, kv_heads: int) -> int:
+    """The forward grid's second axis: one where it loops over the kv heads (``loop``, the plan's
+    ``HEAD_LOOP``), the query heads where it runs one program per query head (``split_groups``),
+    else the kv heads."""
+    if loop:
+        return 1
+    return kv_heads * meta.get("SPLIT_GROUPS", 1)
+
+
 def blocks_per_program(slot: int) -> int:
     """Blocks per program: with blocks packed ``slot`` rows each into 64-row tiles, a tile's; else 1."""
     return 64 // slot if slot else 1
@@ -137,4 +159,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
+    if "SPLIT_GROUPS" in taken:
+        meta["SPLIT_GROUPS"] = 1
+        if split_groups(meta, variant, backward):
+            meta.update(SPLIT_GROUPS=groups, GROUPS=1)
     return {name: value for name, value in meta.items() if name in taken}, loop, key

@@ -40,7 +40,7 @@ from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequen
 import torch
 
 from ..common.launch import Launcher
-from ..common.meta import major_of
+from ..common.meta import major_of, tile_extent
 from . import self_check
 
 
@@ -197,15 +197,21 @@ def _hopper_packed_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``: the forward of grouped
-    query heads at 128-row tiles (H200 grid: no faster than the simple kernels, sessions 14 and
-    18), and their backward at head dims other than 64 and 128. The backward at D64 / D128 (P read
-    back from shared memory) is 1.3-2.3x faster than simple there (H200, bf16, block 128, heads
-    8x2 and 4x1, rotary none and split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80)."""
+    """Where ``hopper`` admits a call that ``auto`` leaves to ``simple``. Grouped query heads at
+    128-row tiles, forward (H200, bf16, grid lengths, 8x2 heads, causal no, one process; ms against
+    simple): hopper faster at D32 without rotary (0.815 vs 1.082), at D96 / D128 without rotary with
+    one program per query head (``plan.split_groups``: 2.056 vs 2.414, 2.059 vs 2.452), at D128
+    rotary (2.874 vs 4.248); simple faster at D64 (1.387 vs 1.419 / 1.481; rotary 1.594 vs 1.731),
+    D32 rotary (1.125 vs 1.354) and D256 (4.895 vs 5.003). Their backward at D64 / D128 (P read back
+    from shared memory) is 1.3-2.3x faster than simple (block 128, heads 8x2 and 4x1, rotary none and
+    split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80); other head dims not measured."""
     if facts.groups > 1 and facts.block_size > 64:
+        tile = tile_extent(facts.head_dim)
         if not facts.backward:
-            return ["forward of grouped-query heads with blocks over 64: not faster than simple on the H200"]
-        if facts.head_dim not in (64, 128):
+            if tile in (64, 256) or (tile == 32 and facts.rot):
+                return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}"
+                        f"{' with rotary' if facts.rot else ''}: simple is faster on the H200"]
+        elif facts.head_dim not in (64, 128):
             return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                     "not yet measured beside simple"]
     return []

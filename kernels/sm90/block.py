@@ -562,15 +562,30 @@ def _hopper_fwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr,
+    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
 ):
-    hk = gl.program_id(1)
+    if SPLIT_GROUPS > 1:
+        # One query head per program (GROUPS is 1), the grid's second axis over the query heads.
+        # Programs start in launch order (the first axis fastest): taken as (tile, head) with the
+        # head fastest, so a kv head's SPLIT_GROUPS programs run together and read its k and v
+        # from L2 after the first.
+        gl.static_assert(GROUPS == 1 and not HEAD_LOOP, "one query head per program")
+        heads = gl.num_programs(1)
+        order = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        pid = order // heads
+        h = order % heads
+        hk = h // SPLIT_GROUPS
+        Q = Q + (h - hk) * stride_qh
+        O = O + (h - hk) * stride_oh
+    else:
+        pid = gl.program_id(0)
+        hk = gl.program_id(1)
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     if SLOT > 0:
         gl.static_assert(BLOCK_M == 64 and not HEAD_LOOP, "tiles of blocks: 64 rows, no kv-head loop")
-        rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
+        rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT,
                                        INLINE_SEQS, WARPS)
         if INT64:
             rows = rows.to(gl.int64)
@@ -582,12 +597,12 @@ def _hopper_fwd_kernel(
                 # A NaN or infinity in v reached the other blocks' rows (0 x NaN in P V): each block
                 # again alone.
                 for b in range(64 // SLOT):
-                    _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, gl.program_id(0), b, hk,
+                    _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, b, hk,
                                      qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                                      stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM,
                                      HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT)
     else:
-        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS, WARPS)
         if INT64:
             start = start.to(gl.int64)
         if HEAD_LOOP:
