@@ -37,7 +37,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel
-from .block.plan import head_loop, max_registers, split_groups
+from .block.plan import head_loop, max_registers, overlap_products, split_groups
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
 )
@@ -187,6 +187,8 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
         options["maxnreg"] = regs
     if kind == "fwd" and split_groups(constexprs, variant, False):
         constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
+    if kind == "bwd":
+        constexprs["OVERLAP"] = overlap_products(constexprs, variant, True)
     name = (f"{kind}_{dtype}_b{block}_d{head_dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
             f"{'_gqa' if groups > 1 else ''}{'_int64' if int64 else ''}_hopper")
     return Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)

@@ -85,6 +85,13 @@ def split_groups(meta: dict, variant: Variant, backward: bool) -> bool:
     return meta["BLOCK_D"] == 256 or (meta["BLOCK_M"] == 128 and meta["BLOCK_D"] == 128 and meta["ROT_DIM"] == 0)
 
 
+def overlap_products(meta: dict, variant: Variant, backward: bool) -> bool:
+    """Whether a hopper backward of grouped query heads without rotary on 64-row tiles of D <= 64
+    keeps each head's independent products in flight together (``OVERLAP``)."""
+    return (backward and meta["GROUPS"] > 1 and meta["ROT_DIM"] == 0 and meta["BLOCK_M"] == 64
+            and meta["BLOCK_D"] <= 64 and variant.name in ("hopper", "hopper_packed"))
+
+
 def grid_heads(meta: dict, loop: bool, kv_heads: int) -> int:
     """The forward grid's second axis: one where it loops over the kv heads (``loop``, the plan's
     ``HEAD_LOOP``), the query heads where it runs one program per query head (``split_groups``),
@@ -159,6 +166,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
+    if "OVERLAP" in taken:
+        meta["OVERLAP"] = overlap_products(meta, variant, backward)
     if "SPLIT_GROUPS" in taken:
         meta["SPLIT_GROUPS"] = 1
         if split_groups(meta, variant, backward):

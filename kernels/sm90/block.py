@@ -28,7 +28,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common.launch import Launcher
 from .rotary import rotate_in_place, sin_cos, sin_cos_at, sin_cos_rows
@@ -617,11 +617,59 @@ def _hopper_fwd_kernel(
 
 
 @gluon.jit
+def _bwd_head_overlapped(q_s, k_s, v_s, do_s, pds_s, dv, dk, dq_ptr, start, n, rows, row_ok, scale, qk_scale,
+                         stride_dqt, g, PENDING: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_D: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
+    """Query head ``g`` of a grouped-query backward tile (no rotary, 64-row tiles of D <= 64) with
+    its independent products in flight together: S = Q K^T beside dP = dO V^T (the softmax waits
+    for S only), dV += P^T dO beside dS, and dQ = dS K beside dK += dS^T Q (dQ's store waits for dQ
+    only). Returns dV and dK. ``PENDING``: the copy groups still in flight once this head's have
+    landed (the next head's, prefetched)."""
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    dtype: gl.constexpr = do_s.dtype
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    async_copy.wait_group(PENDING)
+    fence_async_shared()
+    gl.thread_barrier()
+    s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, is_async=True)
+    dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    if SLOT > 0:
+        col_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, acc_s))
+        p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
+    else:
+        p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+    p = p * gl.expand_dims(inv, 1)
+    pds_s.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv, use_acc=g > 0, is_async=True)
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+    ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+    gl.thread_barrier()  # every warp's dV product is done reading P
+    pds_s.store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+    dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d), is_async=True)
+    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk, use_acc=g > 0, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
+    # dO's tile is dead (dV's product is done) and carries dQ out.
+    _store_tile_via(do_s, dq_ptr, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS,
+                    SLOT)
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+    return dv, dk
+
+
+@gluon.jit
 def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, prow, hk, scale, qk_scale, log2_theta,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
+              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """Gradients of kv head ``hk`` of one tile and its ``GROUPS`` query heads (the tile's rows as in
     ``_fwd_tile``). Returns, for a tile of blocks, how many elements of dK and dV are not finite
     (else 0)."""
@@ -642,6 +690,9 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
     # dQ by column halves where dK and dV are both live across the heads (grouped query heads,
     # 128-wide tiles: ptxas spilled at 255 registers with the whole dQ accumulator).
     DQ_HALVES: gl.constexpr = not ROTARY and GROUPS > 1 and BLOCK_D == 128
+    # Grouped query heads without rotary at 64-row tiles of D <= 64: each head's independent
+    # products in flight together (``_bwd_head_overlapped``), where the plan asks for it.
+    OVERLAP_HERE: gl.constexpr = OVERLAP and not ROTARY and GROUPS > 1 and BLOCK_M == 64 and BLOCK_D <= 64
     dtype: gl.constexpr = Q.dtype.element_ty
     smem_d: gl.constexpr = _smem_layout(BLOCK_D)
     smem_h: gl.constexpr = _smem_layout(HALF)
@@ -681,7 +732,11 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
         q_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
         k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
-    # (dK and dV start at the first head's products, not as zeros held from the top.)
+    if OVERLAP_HERE:
+        # (Not read at the first head: its products start them, use_acc=False.)
+        dv = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+        dk = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    # (Otherwise dK and dV start at the first head's products, not as zeros held from the top.)
     for g in gl.static_range(GROUPS):
         h = hk * GROUPS + g
         if g > 0:
@@ -711,111 +766,117 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
                                          HAS_POS, SLOT, rot_l)
 
-        # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
-        # dO, two commit groups, when prefetched).
-        async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
-        if ROTARY:
-            gl.thread_barrier()
-            rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
-            if g == 0:
-                rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
-        fence_async_shared()
-        gl.thread_barrier()
-        if ROTARY:
-            s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
-            s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
+        if OVERLAP_HERE:
+            dv, dk = _bwd_head_overlapped(q_s, k_s, v_s, do_s, pds_s, dv, dk, DQ + h * stride_dqh, start, n, rows,
+                                          row_ok, scale, qk_scale, stride_dqt, g,
+                                          2 if STAGES == 2 and g + 1 < GROUPS else 0, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                          IS_CAUSAL, SLOT)
         else:
-            s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
-        if SLOT > 0:
-            p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
-        else:
-            p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
-        p = p * gl.expand_dims(inv, 1)
-
-        # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
-        pds_s.store(p.to(dtype))
-        async_copy.wait_group(2 if STAGES == 2 and g + 1 < GROUPS else 0)
-        fence_async_shared()
-        gl.thread_barrier()
-        dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
-        if P_RELOAD:
-            p = pds_s.load(acc_s).to(gl.float32)
-        ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
-        if g == 0:
-            dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-        else:
-            dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
-        if GROUPS == 1:
-            # v is dead: dV leaves now, and its accumulator with it.
-            if SLOT > 0:
-                bad = gl.sum(_nonfinite_rows(dv), 0)
-            _store_tile_via(v_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D,
-                            HEAD_DIM, WARPS, SLOT)
-        gl.thread_barrier()  # dV's product is done reading P
-        pds_s.store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
-        # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
-        dq_ptr = DQ + h * stride_dqh
-        if UNROTATE_IN_SMEM:
-            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-            dqa = warpgroup_mma(pds_s, ka_s, zero_h)
-            dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-            _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                            BLOCK_M, HALF, HAS_POS, WARPS)
-            dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
-            dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
-            _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
-                            scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
-        elif ROTARY:
-            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-            if PARK_DQ:
-                dqa_s = _f32_view(do_s, BLOCK_M, HALF)
-                dqb_s = _f32_view(park_s, BLOCK_M, HALF)
-                gl.thread_barrier()  # every warp is done reading dO's tile
-                dqa_s.store(warpgroup_mma(pds_s, ka_s, zero_h))
-                dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
+            # S once q and k have landed (dO and v may still be in flight; so may head g + 1's q and
+            # dO, two commit groups, when prefetched).
+            async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
+            if ROTARY:
                 gl.thread_barrier()
-                _unrotate_parked(dqa_s, dqb_s, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                 BLOCK_M, HALF, HAS_POS, WARPS)
+                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                if g == 0:
+                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            if ROTARY:
+                s = warpgroup_mma(qa_s, ka_s.permute((1, 0)), zero_s)
+                s = warpgroup_mma(qb_s, kb_s.permute((1, 0)), s)
             else:
-                # (Angles again in the accumulators' layout: cheaper than keeping them live.)
-                sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M,
-                                             HALF, HAS_POS, SLOT, acc_h)
+                s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+            if SLOT > 0:
+                p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
+            else:
+                p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            p = p * gl.expand_dims(inv, 1)
+
+            # P to shared memory (dV's product reads it transposed); dP = dO V^T; dS.
+            pds_s.store(p.to(dtype))
+            async_copy.wait_group(2 if STAGES == 2 and g + 1 < GROUPS else 0)
+            fence_async_shared()
+            gl.thread_barrier()
+            dp = warpgroup_mma(do_s, v_s.permute((1, 0)), zero_s)
+            if P_RELOAD:
+                p = pds_s.load(acc_s).to(gl.float32)
+            ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+            if g == 0:
+                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+            else:
+                dv = warpgroup_mma(pds_s.permute((1, 0)), do_s, dv)
+            if GROUPS == 1:
+                # v is dead: dV leaves now, and its accumulator with it.
+                if SLOT > 0:
+                    bad = gl.sum(_nonfinite_rows(dv), 0)
+                _store_tile_via(v_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D,
+                                HEAD_DIM, WARPS, SLOT)
+            gl.thread_barrier()  # dV's product is done reading P
+            pds_s.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dQ = dS K, dK += dS^T Q; dO's tile is dead and carries dQ out.
+            dq_ptr = DQ + h * stride_dqh
+            if UNROTATE_IN_SMEM:
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
-                _store_halves_tile_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
-                                       (dqb * cos_h - dqa * sin_h) * scale, start, n, rows, row_ok, stride_dqt,
-                                       BLOCK_M, BLOCK_D, WARPS, SLOT)
-            if g == 0:
+                _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                                BLOCK_M, HALF, HAS_POS, WARPS)
                 dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                 dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+                _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
+                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
+            elif ROTARY:
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+                if PARK_DQ:
+                    dqa_s = _f32_view(do_s, BLOCK_M, HALF)
+                    dqb_s = _f32_view(park_s, BLOCK_M, HALF)
+                    gl.thread_barrier()  # every warp is done reading dO's tile
+                    dqa_s.store(warpgroup_mma(pds_s, ka_s, zero_h))
+                    dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
+                    gl.thread_barrier()
+                    _unrotate_parked(dqa_s, dqb_s, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
+                                     BLOCK_M, HALF, HAS_POS, WARPS)
+                else:
+                    # (Angles again in the accumulators' layout: cheaper than keeping them live.)
+                    sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M,
+                                                 HALF, HAS_POS, SLOT, acc_h)
+                    dqa = warpgroup_mma(pds_s, ka_s, zero_h)
+                    dqb = warpgroup_mma(pds_s, kb_s, zero_h)
+                    _store_halves_tile_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
+                                           (dqb * cos_h - dqa * sin_h) * scale, start, n, rows, row_ok, stride_dqt,
+                                           BLOCK_M, BLOCK_D, WARPS, SLOT)
+                if g == 0:
+                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
+                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
+                else:
+                    dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
+                    dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
+            elif DQ_HALVES:
+                # dQ in two column halves, each to dO's dead tile as soon as it is summed: half the
+                # registers beside the live dK and dV accumulators.
+                zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+                gl.thread_barrier()  # every warp is done reading dO's tile
+                dqa = warpgroup_mma(pds_s, k_s.slice(0, HALF, 1), zero_h)
+                do_s.slice(0, HALF, 1).store((dqa * scale).to(dtype))
+                dqb = warpgroup_mma(pds_s, k_s.slice(HALF, HALF, 1), zero_h)
+                do_s.slice(HALF, HALF, 1).store((dqb * scale).to(dtype))
+                gl.thread_barrier()
+                if SLOT > 0:
+                    _store_rows(do_s, dq_ptr, rows, row_ok, stride_dqt, BLOCK_D, HEAD_DIM, WARPS)
+                else:
+                    _store_cols(do_s, dq_ptr, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
             else:
-                dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, dka)
-                dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, dkb)
-        elif DQ_HALVES:
-            # dQ in two column halves, each to dO's dead tile as soon as it is summed: half the
-            # registers beside the live dK and dV accumulators.
-            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
-            gl.thread_barrier()  # every warp is done reading dO's tile
-            dqa = warpgroup_mma(pds_s, k_s.slice(0, HALF, 1), zero_h)
-            do_s.slice(0, HALF, 1).store((dqa * scale).to(dtype))
-            dqb = warpgroup_mma(pds_s, k_s.slice(HALF, HALF, 1), zero_h)
-            do_s.slice(HALF, HALF, 1).store((dqb * scale).to(dtype))
-            gl.thread_barrier()
-            if SLOT > 0:
-                _store_rows(do_s, dq_ptr, rows, row_ok, stride_dqt, BLOCK_D, HEAD_DIM, WARPS)
-            else:
-                _store_cols(do_s, dq_ptr, start, n, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
-        else:
-            dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-            _store_tile_via(do_s, dq_ptr, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM,
-                            WARPS, SLOT)
-        if not ROTARY:
-            if g == 0:
-                dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
-            else:
-                dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
+                dq = warpgroup_mma(pds_s, k_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+                _store_tile_via(do_s, dq_ptr, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                WARPS, SLOT)
+            if not ROTARY:
+                if g == 0:
+                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d))
+                else:
+                    dk = warpgroup_mma(pds_s.permute((1, 0)), q_s, dk)
     dk_ptr = DK + hk * stride_dkh
     if ROTARY and not UNROTATE_IN_SMEM:
         sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
@@ -844,7 +905,7 @@ def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block
                      stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
                      ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-                     INT64: gl.constexpr, SLOT: gl.constexpr):
+                     INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr):
     """``_bwd_tile`` of the block ``block`` of tile ``pid`` alone (as ``_fwd_block_alone``)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
     rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
@@ -853,7 +914,7 @@ def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block
     _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, scale,
               qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
               stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
-              BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+              BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -866,7 +927,7 @@ def _hopper_bwd_kernel(
     stride_dvt, stride_dvh, stride_dvd,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    INT64: gl.constexpr, SLOT: gl.constexpr,
+    INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr = False,
 ):
     hk = gl.program_id(1)
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
@@ -883,7 +944,7 @@ def _hopper_bwd_kernel(
             bad = _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok, prow, hk, scale, qk_scale,
                             log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
-                            stride_dvh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+                            stride_dvh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
             if bad > 0:
                 # A NaN or infinity in the tile's q, k, v or dO reached the other blocks' gradients
                 # (0 x NaN in the products): each block again alone.
@@ -892,7 +953,7 @@ def _hopper_bwd_kernel(
                                      gl.program_id(0), b, hk, scale, qk_scale, log2_theta, stride_qt, stride_qh,
                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt,
                                      stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
-                                     BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT)
+                                     BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT, OVERLAP)
     else:
         start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
         if INT64:
@@ -901,7 +962,7 @@ def _hopper_bwd_kernel(
             _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk,
                       scale, qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
 
 
 launch_fwd = Launcher(_hopper_fwd_kernel)
