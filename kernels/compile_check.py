@@ -185,8 +185,10 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
     regs = max_registers(constexprs, variant, kind == "bwd", 9, 2)
     if regs:
         options["maxnreg"] = regs
-    if kind == "fwd" and split_groups(constexprs, variant, False):
-        constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
+    if kind == "fwd":
+        constexprs["SPLIT_GROUPS"] = 1
+        if split_groups(constexprs, variant, False):
+            constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
     if kind == "bwd":
         constexprs["OVERLAP"] = overlap_products(constexprs, variant, True)
     name = (f"{kind}_{dtype}_b{block}_d{head_dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
