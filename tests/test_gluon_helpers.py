@@ -467,7 +467,7 @@ class _Case:
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
             BLOCK_D=tile_extent(dim), ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal,
-            INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0,
+            INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False,
         )
         self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, dim if rotary else 0,
                           False)
@@ -642,3 +642,20 @@ def test_hopper_ws_kernels(name):
     case = _Case(*args, **keywords)
     case.forward(WS_FWD, (3,))
     case.backward(WS_BWD, (3,))
+
+
+@pytest.mark.parametrize("block_size,slot", [(100, False), (64, False), (16, True)])
+def test_hopper_grouped_query_layouts(block_size, slot):
+    """Grouped-query heads as the plan may launch them: the forward with one program per query head
+    (``SPLIT_GROUPS``, ``GROUPS`` 1, the grid over the query heads and taken in launch order as
+    (tile, head)), and the backward with each head's products in flight together (``OVERLAP``; 64-row
+    tiles of D <= 64 without rotary): the float64 reference within half precision, every element
+    stored exactly once."""
+    case = _Case([0, 1, 5, block_size, block_size + 3, 2 * block_size + 7, 0, 40], 8, 2, 64, False, False, True,
+                 block_size=block_size, seed=5)
+    grid = case.pack(block_size) if slot else case.sched.programs
+    groups = case.values["GROUPS"]
+    case.values.update(SPLIT_GROUPS=groups, GROUPS=1)
+    case.forward(HOPPER_FWD, (grid, case.kv_heads * groups), HEAD_LOOP=False)
+    case.values.update(SPLIT_GROUPS=1, GROUPS=groups, OVERLAP=True)
+    case.backward(HOPPER_BWD, (grid, case.kv_heads))
