@@ -9,7 +9,9 @@ no rotary or rotary on all channels in split halves (positions given or implicit
 aligned rows with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
 (block, kv head) and its ``GROUPS`` query heads; with several, the query-side tiles take two slots
 where that was measured faster (``_q_stages``), so head g + 1's copies are in flight during head
-g's products.
+g's products. Where the plan says so (``block.plan.split_groups``), the forward instead runs one
+program per query head (``SPLIT_GROUPS``), and the grouped-query backward keeps each head's
+independent products in flight together (``OVERLAP``, ``block.plan.overlap_products``).
 
 What Gluon allows that the Triton kernels could not get from the compiler:
 - every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,
