@@ -96,6 +96,7 @@ CASES = [
     dict(heads=2, kv_heads=1, dim=128, block_size=64, rope_theta=10000.0, positions="float"),
     dict(heads=2, kv_heads=2, dim=64, block_size=16, rope_theta=10000.0, positions="int"),
     dict(heads=4, kv_heads=1, dim=64, block_size=128, rope_theta=10000.0, causal=True),
+    dict(heads=4, kv_heads=2, dim=192, block_size=128),
 ]
 
 

@@ -343,7 +343,8 @@ def flash_attention_bwd(
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     if total == 0:
         return q.new_empty(q.shape), dk, dv
-    tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q))
+    tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q), block_size,
+                                 rope_theta is not None)
     dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
     longest_first = block_size == 0

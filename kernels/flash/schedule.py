@@ -172,12 +172,14 @@ _launch_prefix = Launcher(_tile_prefix_kernel)
 _launch_table = Launcher(_tile_table_kernel)
 
 
-def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int = 9, block_size: int = 0) -> dict:
+def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int = 9, block_size: int = 0,
+                rotary: bool = False) -> dict:
     """Tile rows per pass: ``fwd`` (query tile, key tile), ``dkv`` (key tile, query tile),
-    ``dkv_fast`` (the same, for the fast backward's dK/dV pass), ``dq`` (query tile, key tile) for a GPU of compute capability ``major`` and blocks of
-    ``block_size`` rows (0: full attention); FA2-style starting points, the dK/dV tiles and
-    the forward's short-block tiles measured on the H200;
-    64-row tiles under the interpreter so that edge lengths (63, 64, 65) cross tile borders.
+    ``dkv_fast`` (the same, for the fast backward's dK/dV pass), ``dq`` (query tile, key tile) for
+    a GPU of compute capability ``major``, blocks of ``block_size`` rows (0: full attention) and
+    ``rotary`` on or off; FA2-style starting points, the dK/dV tiles, the forward's short-block
+    tiles and the tiles of head dims over 128 on sm_90 measured on the H200; 64-row tiles under
+    the interpreter so that edge lengths (63, 64, 65) cross tile borders.
     """
     if device_type != "cuda":
         return dict(fwd=(64, 64), dkv=(64, 64), dq=(64, 64), dkv_fast=(64, 64))
@@ -199,6 +201,14 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
     if itemsize > 2:
         # float32 at D > 128: 64-row tiles need more shared memory than sm_90 has.
         return dict(fwd=(32, 32), dkv=(32, 32), dq=(32, 32), dkv_fast=(32, 32))
+    if major == 9:
+        # H200, bf16 D256 (8 warps; forward 3 stages, backward 2), forward / deterministic backward
+        # ms from (64, 32) tiles everywhere: block 128 2x2 heads 2.68 -> 1.71 / 13.1 -> 7.2, 4x1
+        # 4.91 -> 3.72 / 22.2 -> 12.0; block 256 3.88 -> 2.19 / 21.5 -> 10.5; full attention (seed3
+        # lengths, 4 heads) 3.20 -> 1.38 / 17.2 -> 7.9. Rotary keeps 32-row query tiles in the
+        # dK/dV pass (block 128: 11.0 ms against 12.8 with 64), the fast pass 32-row ones (64 with
+        # its tensor-map dQ sums need 271 KB of shared memory).
+        return dict(fwd=(128, 32), dkv=(64, 32) if rotary else (64, 64), dq=(64, 64), dkv_fast=(64, 32))
     return dict(fwd=(64, 32), dkv=(64, 32), dq=(64, 32), dkv_fast=(64, 32))
 
 
