@@ -74,6 +74,12 @@ def seed3_gqa() -> List[Case]:
     return [Case("seed3_gqa/d128h8kv2", "seed3_gqa", _seed3_lengths(), 8, 128, None, num_kv_heads=2)]
 
 
+def seed3_d256() -> List[Case]:
+    """seed3's lengths with 4 heads of 256 channels: full attention at a head dim over 128, where
+    the flash kernels take their own tiles (issues 25 and 26)."""
+    return [Case("seed3_d256/d256h4", "seed3_d256", _seed3_lengths(), 4, 256, None)]
+
+
 def prod_full() -> List[Case]:
     return _heads("prod_full", prod_lengths(), None, heads=((2, 128),))
 
@@ -111,6 +117,7 @@ SHAPES: Dict[str, Callable[[], List[Case]]] = {
     "seed3": seed3,
     "seed3_causal": seed3_causal,
     "seed3_gqa": seed3_gqa,
+    "seed3_d256": seed3_d256,
     "prod_full": prod_full,
     "block256": block256,
     "block512": block512,
