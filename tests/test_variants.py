@@ -78,6 +78,14 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     mha = dataclasses.replace(gqa, num_heads=2)
     assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
     assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
+    # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward fits one program.
+    wide = dataclasses.replace(gqa, block_size=128)
+    reasons = explain_variants(wide)["triton"]
+    assert reasons["backward: flash"] == []
+    assert all("flash kernels run it" in why[-1] for name, why in reasons.items()
+               if name.startswith("backward: ") and name != "backward: flash")
+    assert bl.dispatch.describe(wide, "triton").endswith("(backward: flash kernels)")
+    assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
 
 
 def test_hopper_layout_reasons():

@@ -83,16 +83,27 @@ def triton_devices() -> frozenset:
     return frozenset({"cuda", "cpu"}) if interpreter_active() else frozenset({"cuda"})
 
 
+# The backward of calls whose block kernels' backward does not fit one program.
+FLASH_BACKWARD = "flash"
+_NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
+                         "on a recomputed output and logsumexp")
+
+
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs). Where
-    the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``."""
+    the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``;
+    ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits``)."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
     facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
                                req.rotary_interleaved, False)
     forward = variants.explain(facts)
-    backward = variants.explain(facts._replace(backward=True))
+    if not one_tile_backward_fits(req.block_size or 0, req.head_dim):
+        backward = {name: why + [_NO_ONE_TILE_BACKWARD] for name, why in forward.items()}
+        backward[FLASH_BACKWARD] = []
+    else:
+        backward = variants.explain(facts._replace(backward=True))
     if backward == forward:
         return forward
     return {**forward, **{f"backward: {name}": why for name, why in backward.items()}}
