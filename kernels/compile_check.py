@@ -300,14 +300,16 @@ def _flash_builds(capability: int) -> Iterator[Build]:
     """GQA (2 query heads per kv head), causal, D = 128: plain heads (tensor-map loads from sm_90
     on) and half rotary (pointer loads), with the tiles and options of full attention; the
     backward's deterministic passes and the fast one's (the dK/dV pass with atomic dQ, the delta
-    and dQ store passes)."""
-    major, dim = capability // 10, 128
+    and dQ store passes). On sm_90, whose tiles at D > 128 are their own, also bf16 D = 256 plain
+    heads (their shared memory is checked against the budget, as every flash build's)."""
+    major = capability // 10
     kinds = (("fwd", "fwd", _flash_fwd_kernel), ("dkv", "dkv", _flash_bwd_dkdv_kernel),
              ("dq", "dq", _flash_bwd_dq_kernel), ("dkv_fast", "dkv_fast", _flash_bwd_dkdv_kernel),
              ("dq_store", "dq", _flash_bwd_dq_store_kernel))
-    for dtype, rot in itertools.product(("bf16", "fp16", "fp32"), (0, 64)):
+    wide = [(256, "bf16", 0)] if major == 9 else []
+    for dim, dtype, rot in [(128, d, r) for d, r in itertools.product(("bf16", "fp16", "fp32"), (0, 64))] + wide:
         size = 4 if dtype == "fp32" else 2
-        tiles = flash_tiles(dim, "cuda", size, major)
+        tiles = flash_tiles(dim, "cuda", size, major, rotary=rot > 0)
         for kind, tile_kind, kernel in kinds:
             outer, inner = tiles[tile_kind]
             block_m, block_n = (inner, outer) if tile_kind.startswith("dkv") else (outer, inner)
@@ -327,7 +329,7 @@ def _flash_builds(capability: int) -> Iterator[Build]:
                                              dq_atomic=kind == "dkv_fast")
             name = f"flash_{kind}_{dtype}_d{dim}_causal_gqa{'_rope' if rot else '_tma' if tma else ''}"
             yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
-        if rot == 0:
+        if rot == 0 and dim == 128:
             constexprs = dict(HEAD_DIM=dim, BLOCK_M=64, BLOCK_D=dim, INT64=False)
             yield Build(f"flash_delta_{dtype}_d{dim}", _flash_bwd_delta_kernel, dtype, constexprs, dict(num_warps=4))
 
@@ -533,6 +535,10 @@ def main(argv=None) -> int:
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
         hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX))
+        if build.name.startswith("flash_") and not build.name.startswith("flash_gluon_"):
+            shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+            if shared > MAX_SHARED:
+                failures.append(f"{build.name}: over budget: {shared} bytes of shared memory > {MAX_SHARED}")
         if build.name.startswith(("sm100_", "flash_gluon_")) or hopper:
             used = usage(compiled, ARCHS[args.arch])
             print(f"{build.name}: {used}")

@@ -118,6 +118,21 @@ def test_flash_kernels_compile(arch, instruction, tmp_path):
     for name in products:
         assert instruction in ptx[name] and ("cp.async.bulk.tensor" in ptx[name]) == name.endswith("_tma")
         assert ("atom.global.gpu.relaxed.add" in ptx[name]) == ("dkv_fast" in name)
+    # sm_90's own tiles at D > 128 build within its shared memory (the run checks every flash build's).
+    wide = {f"flash_{k}_bf16_d256_causal_gqa_tma" for k in ("fwd", "dkv", "dq", "dkv_fast")}
+    assert (wide <= set(ptx)) == (arch == "sm_90")
+
+
+def test_flash_tiles_over_shared_memory_fail(tmp_path):
+    """A flash build whose tiles need more shared memory than a program gets fails the check (the
+    fast dK/dV pass at D256 with 64-row query tiles: 270,864 bytes, as the H200 refused it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from blockattn_layers.kernels import compile_check as cc; tiles = cc.flash_tiles; "
+            "cc.flash_tiles = lambda dim, *a, **k: dict(tiles(dim, *a, **k), dkv_fast=(64, 64)); "
+            f"sys.exit(cc.main(['--arch', 'sm_90', '--out', {str(tmp_path)!r}, '--only', 'flash_dkv_fast_bf16_d256']))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL flash_dkv_fast_bf16_d256_causal_gqa_tma: over budget: 270864 bytes of shared memory" in result.stdout
 
 
 def test_register_caps():
