@@ -203,6 +203,8 @@ def test_nan_poisoned_memory_beyond_valid_rows():
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [
     (2, 2, 128, 128, False), (4, 2, 96, 64, False), (2, 2, 256, 64, False), (2, 2, 32, 128, True),
     (8, 2, 64, 100, True),
+    # Heads over 128 wide in 128-token blocks: the backward on the flash kernels.
+    (4, 2, 192, 128, False), (2, 2, 256, 128, True),
     # Blocks of 16 and 32 tokens, which share 64-row tiles in the packed variant.
     (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True), (4, 2, 64, 16, True),
 ])
