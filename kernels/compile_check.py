@@ -536,9 +536,9 @@ def main(argv=None) -> int:
             failures.append(f"{build.name}: no {', '.join(missing)}")
         hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX))
         if build.name.startswith("flash_") and not build.name.startswith("flash_gluon_"):
-            shared = int(getattr(compiled.metadata, "shared", 0) or 0)
-            if shared > MAX_SHARED:
-                failures.append(f"{build.name}: over budget: {shared} bytes of shared memory > {MAX_SHARED}")
+            over = Usage(None, None, int(getattr(compiled.metadata, "shared", 0) or 0), 0).over_budget()
+            if over:
+                failures.append(f"{build.name}: over budget: {'; '.join(over)}")
         if build.name.startswith(("sm100_", "flash_gluon_")) or hopper:
             used = usage(compiled, ARCHS[args.arch])
             print(f"{build.name}: {used}")
