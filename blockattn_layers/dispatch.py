@@ -81,7 +81,9 @@ class BackendSpec:
     ``backward`` gets ``out`` and ``lse`` back (None where not saved). ``forward_prepared``, if
     set, is ``forward`` for single-tile kinds that also returns the backward's launch prepared
     on the caller's thread (``(out, prepared)``, prepared None or with ``prepared.launch(grad_out, q, k, v)``
-    returning the gradients or None). ``variant_reasons``, for a backend whose kernels come in
+    returning the gradients or None). ``forward_inference``, if set, computes ``out`` alone for
+    eager calls that nothing is differentiated through, where ``forward`` would also compute an
+    ``lse`` that no backward reads. ``variant_reasons``, for a backend whose kernels come in
     variants, gives each variant's reasons not to run a request (empty: it runs; see
     :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
     ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
@@ -104,6 +106,7 @@ class BackendSpec:
     extra_reasons: Optional[Callable[[AttentionRequest], List[str]]] = field(default=None)
     description: str = ""
     forward_prepared: Optional[Callable] = None
+    forward_inference: Optional[Callable[..., torch.Tensor]] = None
     variant_reasons: Optional[Callable[[AttentionRequest], Dict[str, List[str]]]] = None
 
     def not_supported_reasons(self, req: AttentionRequest) -> List[str]:
@@ -175,11 +178,14 @@ def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> 
     line = f"{spec.name}"
     if spec.variant_reasons is not None:
         variants = spec.variant_reasons(req)
-        running = [name for name, why in variants.items() if not why and not name.startswith("backward: ")]
+        running = [name for name, why in variants.items() if not why and ": " not in name]
         line += f", {running[0]} kernels" if running else ", kernel variant chosen per call from the tensors' layout"
-        backward = [name for name, why in variants.items() if not why and name.startswith("backward: ")]
-        if backward:
-            line += f" ({backward[0]} kernels)"
+        phases = {}  # phase -> the first variant that runs it ("backward: flash")
+        for name, why in variants.items():
+            if not why and ": " in name:
+                phases.setdefault(name.split(": ", 1)[0], name)
+        if phases:
+            line += " (" + "; ".join(f"{name} kernels" for name in phases.values()) + ")"
     return line
 
 

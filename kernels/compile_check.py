@@ -36,7 +36,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
     GluonASTSource = GluonJITFunction = None
 
 from .block.bwd import _block_bwd_kernel
-from .block.fwd import _block_fwd_kernel
+from .block.fwd import _block_fwd_kernel, _block_fwd_lse_kernel
 from .block.plan import head_loop, max_registers, overlap_products, split_groups
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
@@ -46,7 +46,7 @@ from .flash.bwd import (
     bwd_launch_options,
 )
 from .flash.fwd import _flash_fwd_kernel, fwd_launch_options
-from .common.meta import num_warps, tile_extent
+from .common.meta import num_warps, static_meta, tile_extent
 from .flash.schedule import flash_tiles
 
 ARCHS = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
@@ -153,6 +153,20 @@ def _block_builds(capability: int) -> Iterator[Build]:
         if regs:
             options["maxnreg"] = regs
         yield Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
+
+
+def _lse_builds(capability: int) -> Iterator[Build]:
+    """The simple forward that also stores the logsumexp, which runs the forward with gradients of
+    blocks of 65-128 tokens at head dims over 128 (their backward runs the flash kernels): 16-bit,
+    block 128, D 192 and 256, split-half rotary or none, causal, one or four query heads per kv head."""
+    for dtype, dim, rotary, causal, groups in itertools.product(
+        ("bf16", "fp16"), (192, 256), (False, True), (False, True), (1, 4),
+    ):
+        name = f"fwd_lse_{dtype}_b128_d{dim}_g{groups}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+        meta = dict(static_meta(128, dim, dim if rotary else 0, False, False, causal, True, "tf32", False))
+        options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
+        meta.update(GROUPS=groups, INT64=False, INLINE_SEQS=0, SLOT=0, HEAD_LOOP=False)
+        yield Build(name, _block_fwd_lse_kernel, dtype, _kernel_constexprs(_block_fwd_lse_kernel, meta), options)
 
 
 def _packed_builds(capability: int) -> Iterator[Build]:
@@ -419,6 +433,7 @@ def builds(capability: int) -> Iterator[Build]:
     """Every shipped kernel build, with the launch options used on GPUs of ``capability``."""
     yield from _fp8_builds(capability)
     yield from _block_builds(capability)
+    yield from _lse_builds(capability)
     yield from _packed_builds(capability)
     yield from _hopper_builds(capability)
     yield from _hopper_packed_builds(capability)

@@ -102,9 +102,22 @@ def test_flop_count_under_fake_tensors_is_the_bound():
     assert library.score_elements(torch.tensor([0, 3, 10]), 10, 0) == 9 + 49
 
 
-def test_single_tile_kinds_save_no_lse():
-    assert not library.saves_lse(library.SINGLE_TILE_MAX)
-    assert library.saves_lse(library.SINGLE_TILE_MAX + 1) and library.saves_lse(0)
+def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
+    tile, short, wide = library.SINGLE_TILE_MAX, library.ONE_PROGRAM_BACKWARD_MAX, library.ONE_PROGRAM_BACKWARD_HEAD_DIM
+    assert not library.saves_lse(tile, wide) and not library.saves_lse(short, 256)
+    assert library.saves_lse(short + 1, wide + 16) and library.saves_lse(tile, 256)
+    assert library.saves_lse(tile + 1, 16) and library.saves_lse(0, 16)
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(64, 144), (100, 144), (128, 128), (0, 16)])
+def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim):
+    q, k, v, offsets = make_jagged([3, 0, 70], 2, 1, head_dim, torch.float32, 0)
+    args = (offsets, block_size, 0.1, False, None, None, 0, False, None, None, "reference")
+    _, lse = library.attention_fwd(q, k, v, *args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in (q, k, v, offsets)]
+        _, fake_lse = library.attention_fwd(*fakes, *args[1:])
+    assert fake_lse.shape == lse.shape == (2, 73 if library.saves_lse(block_size, head_dim) else 0)
 
 
 @pytest.mark.gpu

@@ -62,17 +62,39 @@ def test_edge_lengths(heads, kv_heads, dim, block_size, causal, dtype):
 
 def test_wide_heads_in_long_blocks_take_the_flash_backward(monkeypatch):
     """Blocks over 64 rows with head dims over 128 (no block kernel's backward fits one program on
-    the GPU) get the flash kernels' backward on a recomputed output and logsumexp: gradients match
-    the oracle, and the block kernels' backward is not called."""
+    the GPU) get the flash kernels' backward on the output and logsumexp the forward saved:
+    gradients match the oracle, and neither the block kernels' backward nor their forward without
+    a logsumexp is called."""
     from blockattn_layers.ops.backends import triton_block
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the block kernels' backward ran")
+        raise AssertionError("a block kernel without the logsumexp ran")
 
     monkeypatch.setattr(triton_block, "block_attention_bwd", refuse)
+    monkeypatch.setattr(triton_block, "block_attention_fwd", refuse)
     _check([0, 1, 99, 129, 3], 2, 1, 144, torch.float32, block_size=100, causal=True, rope_theta=1e4)
-    with pytest.raises(AssertionError, match="block kernels' backward ran"):
+    with pytest.raises(AssertionError, match="without the logsumexp ran"):
         _check([5, 70], 1, 1, 144, torch.float32, block_size=64)
+
+
+@pytest.mark.parametrize("causal,rotary", [(False, {}), (True, dict(rope_theta=1e4, rotary_dim=64))],
+                         ids=["plain", "causal-partial-rotary"])
+def test_wide_heads_in_long_blocks_save_the_logsumexp(causal, rotary):
+    """The forward op of those kinds returns each query row's logsumexp, as the reference computes
+    it in float64 (zero- and one-token sequences, lengths around the block, grouped query heads);
+    the output without gradients (the variant choice, no logsumexp) equals the one with them."""
+    lengths = [0, 1, 80, 161, 0, 7]
+    q, k, v = _inputs(lengths, 4, 2, 160, torch.float32, 3)
+    offsets = _offsets(lengths)
+    args = (80, 0.125, causal, rotary.get("rope_theta"), None, rotary.get("rotary_dim", 0), False, None, None)
+    out, lse = torch.ops.blockattn.attention_fwd(q, k, v, offsets, *args, "triton")
+    want, want_lse = torch.ops.blockattn.attention_fwd(q.double(), k.double(), v.double(), offsets, *args,
+                                                       "reference")
+    assert lse.shape == (4, sum(lengths)) and lse.dtype == torch.float32
+    assert rel_err(out, want) < 2e-5 and rel_err(lse, want_lse) < 1e-6
+    with torch.no_grad():
+        inference = bl.block_attention(q, k, v, offsets, 80, scale=0.125, causal=causal, backend="triton", **rotary)
+    torch.testing.assert_close(inference, out, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -142,11 +164,12 @@ def test_backward_bitwise_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_opcheck_triton_ops():
-    lengths = [5, 0, 33]
-    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, 16, torch.float32, 6))
+@pytest.mark.parametrize("block_size,dim", [(16, 16), (72, 144)], ids=["one-program-backward", "saves-lse"])
+def test_opcheck_triton_ops(block_size, dim):
+    lengths = [5, 0, 33] if block_size == 16 else [5, 0, 75]
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, 2, 1, dim, torch.float32, 6))
     offsets = _offsets(lengths)
-    args = (q, k, v, offsets, 16, 0.25, True, 1000.0, None, 16, False, None, None, "triton")
+    args = (q, k, v, offsets, block_size, 0.25, True, 1000.0, None, 16, False, None, None, "triton")
     torch.library.opcheck(torch.ops.blockattn.attention_fwd.default, args)
 
 

@@ -84,8 +84,15 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert reasons["backward: flash"] == []
     assert all("flash kernels run it" in why[-1] for name, why in reasons.items()
                if name.startswith("backward: ") and name != "backward: flash")
-    assert bl.dispatch.describe(wide, "triton").endswith("(backward: flash kernels)")
+    assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
+    # There the forward with gradients stores the logsumexp, which only the simple kernels do.
+    wide_mha = dataclasses.replace(wide, num_heads=2)
+    reasons = explain_variants(wide_mha)["triton"]
+    assert reasons["hopper"] == [] and reasons["forward with gradients: simple"] == []
+    assert "logsumexp" in reasons["forward with gradients: hopper"][-1]
+    assert bl.dispatch.describe(wide_mha, "triton") == (
+        "triton, hopper kernels (forward with gradients: simple kernels; backward: flash kernels)")
 
 
 def test_hopper_layout_reasons():

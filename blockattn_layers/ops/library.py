@@ -7,12 +7,13 @@ per-sequence attention. Both ops take the arguments of ``block_attention`` after
 serves the tensors' device and runs it, so the kernel is a run-time choice, never part of a
 traced or exported graph.
 
-The forward returns ``(out, lse)``. Kernels that need more than one tile per block
-(:func:`saves_lse`: blocks over ``SINGLE_TILE_MAX`` tokens and full attention) return the
-logsumexp of each query row's scaled scores, ``lse [H, T]`` float32, which their backward
-reads; every backend returns the same quantity there. Single-tile kinds recompute everything
-from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only q, k, v, offsets
-(and positions / cpu_offsets when given).
+The forward returns ``(out, lse)``. Kinds whose backward runs the multi-tile kernels
+(:func:`saves_lse`: full attention, blocks over ``SINGLE_TILE_MAX`` tokens, and blocks over
+``ONE_PROGRAM_BACKWARD_MAX`` tokens with heads over ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` wide)
+return the logsumexp of each query row's scaled scores, ``lse [H, T]`` float32, which that
+backward reads with ``out``; every backend returns the same quantity there. The other kinds
+recompute everything from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only
+q, k, v, offsets (and positions / cpu_offsets when given).
 
 The FLOP formulas count in-block work only (``torch.utils.flop_counter``): forward
 ``4 * sum(n_b^2) * H * D`` over the attention units ``n_b`` (blocks, or whole sequences),
@@ -36,9 +37,20 @@ SINGLE_TILE_MAX = 128
 _NON_TENSOR_INPUTS = 10
 
 
-def saves_lse(block_size: int) -> bool:
-    """Whether the forward of this kind returns (and autograd saves) ``lse`` for its backward."""
-    return block_size == 0 or block_size > SINGLE_TILE_MAX
+# A backward of one program per block holds the block's q, k, v, dO and P tiles: blocks of up to
+# this many tokens at any head dim, longer ones (up to ``SINGLE_TILE_MAX``) at head dims up to
+# ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` (128 x 256 tiles would take 288 KB of shared memory; the
+# H200 has 227 KB per program).
+ONE_PROGRAM_BACKWARD_MAX = 64
+ONE_PROGRAM_BACKWARD_HEAD_DIM = 128
+
+
+def saves_lse(block_size: int, head_dim: int) -> bool:
+    """Whether the forward of this kind returns (and autograd saves) ``out`` and ``lse`` for its
+    backward: where the backward runs the multi-tile kernels."""
+    if block_size == 0 or block_size > SINGLE_TILE_MAX:
+        return True
+    return block_size > ONE_PROGRAM_BACKWARD_MAX and head_dim > ONE_PROGRAM_BACKWARD_HEAD_DIM
 
 
 def op_backend(backend: str, q: Tensor, k: Tensor, block_size: int, causal: bool,
@@ -77,7 +89,7 @@ def attention_bwd(
 
 @attention_fwd.register_fake
 def _fwd_fake(q, k, v, offsets, block_size, *args):
-    lse_rows = q.shape[0] if saves_lse(block_size) else 0
+    lse_rows = q.shape[0] if saves_lse(block_size, q.shape[2]) else 0
     return q.new_empty(q.shape), q.new_empty((q.shape[1], lse_rows), dtype=torch.float32)
 
 
@@ -91,7 +103,7 @@ def _setup_context(ctx, inputs, output) -> None:
      cpu_offsets, max_seqlen, backend) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    keep = saves_lse(block_size)
+    keep = saves_lse(block_size, q.shape[2])
     ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out if keep else None, lse if keep else None)
     ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend)
 

@@ -25,8 +25,8 @@ from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
-from ..common.tiles import (block_positions, block_probs, finite_flag, head_rows, load_cols, pair_cols, pass_cols,
-                            same_slot, store_cols)
+from ..common.tiles import (block_positions, block_probs, block_probs_lse, finite_flag, head_rows, load_cols, pair_cols,
+                            pass_cols, row_ptrs, same_slot, store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan, blocks_per_program, grid_heads
@@ -41,15 +41,16 @@ from .variants import SIMPLE, call_facts, choose, forced_name
 
 @triton.jit
 def _fwd_head(
-    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, sin, cos, qk_scale, log2_theta,
+    Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, sin, cos, qk_scale, log2_theta,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    """Kv head ``hk`` of a block and its query heads. ``HEAD_LOOP`` (called for each kv head in
+    """Kv head ``hk`` of a block and its query heads (``STORE_LSE``: and each query row's
+    logsumexp, into ``Lse [H, T]``). ``HEAD_LOOP`` (called for each kv head in
     turn): the rotary ``sin``, ``cos`` are given, and the head offsets join the 32-bit row offsets
     (hoisted out of the loop, the usual ``ptr + head + row`` keeps 64-bit row offsets live)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -85,7 +86,12 @@ def _fwd_head(
             qp = load_cols(q_ptr, q_rows, row_ok, cols_p, p_ok, q_stride, stride_qd, INT64)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
         # With rotary, rows normalized by a reciprocal (H200: D128 forward 1.33 -> 1.32 ms).
-        p = block_probs(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
+        if STORE_LSE:
+            tl.static_assert(not HEAD_LOOP, "the logsumexp is stored by one program per kv head")
+            p, lse = block_probs_lse(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
+            tl.store(row_ptrs(Lse, hk * GROUPS + g, stride_lh, rows, INT64), lse, mask=row_ok)
+        else:
+            p = block_probs(same_slot(s, offs_m, SLOT), offs_m, row_ok, qk_scale, IS_CAUSAL, ROT_DIM > 0)
         o = tl.dot(p.to(dtype), v, input_precision=PRECISION)
         o_ptr, o_rows, o_stride = head_rows(O, rows, stride_ot, stride_oh, hk * GROUPS + g, INT64, HEAD_LOOP)
         store_cols(o_ptr, o, o_rows, row_ok, offs_d, d_ok, o_stride, stride_od, INT64)
@@ -94,13 +100,13 @@ def _fwd_head(
 
 @triton.jit
 def _fwd_block(
-    Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta, kv_heads,
+    Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
-    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
+    PRECISION: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """The tile's rows ``rows`` (``row_ok``: which are real; a tile of blocks:
     ``common.schedule.packed_rows``) of kv head ``hk`` and its query heads; ``HEAD_LOOP``: of
@@ -113,30 +119,31 @@ def _fwd_block(
                                  FAST_TRIG, False)
         # One stage: a pipelined head loop turns the loads into cp.async copies (slower).
         for h in tl.range(0, kv_heads, num_stages=1):
-            _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, h, sin, cos,
+            _fwd_head(Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok, offs_m, prow, h, sin, cos,
                       qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                      stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
                       HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True, SLOT)
+                      HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, True, SLOT, STORE_LSE)
         return 1
     else:
         unused = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        return _fwd_head(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, unused, unused,
+        return _fwd_head(Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, unused, unused,
                   qk_scale, log2_theta, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                  stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                  stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
                   HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False, SLOT)
+                  HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, False, SLOT, STORE_LSE)
 
 
 @triton.jit
 def _fwd_tile(
-    Q, K, V, O, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    Q, K, V, O, Lse, Sched, Pos, pid, hk, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
     HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """One tile (table slot ``pid``, or with ``SLOT`` the ``BLOCK_M // SLOT`` slots from ``pid *
     BLOCK_M // SLOT``) of kv head ``hk`` and its query heads (see ``_fwd_block``); empty tiles are
@@ -144,23 +151,23 @@ def _fwd_tile(
     start, n, first_row, packed = tile_of_program(Sched, slots, num_seqs, block_size, pid, BLOCK_M, INLINE_SEQS, SLOT)
     if n > 0:
         offs_m, rows, row_ok, prow = tile_rows(start, n, packed, BLOCK_M, SLOT)
-        finite = _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale, log2_theta,
-                            kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-                            stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+        finite = _fwd_block(Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok, offs_m, prow, hk, qk_scale,
+                            log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                            stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
                             HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                            HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+                            HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT, STORE_LSE)
         if SLOT > 0:
             if finite == 0:
                 # A non-finite v reached the other blocks of the tile: each block again alone, its
                 # rows the only ones loaded (the others read as zeros) and stored.
                 tl.debug_barrier()
                 for b in range(0, BLOCK_M // SLOT):
-                    _fwd_block(Q, K, V, O, Pos, start, first_row, rows, row_ok & (offs_m // SLOT == b), offs_m, prow,
-                               hk, qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd,
+                    _fwd_block(Q, K, V, O, Lse, Pos, start, first_row, rows, row_ok & (offs_m // SLOT == b), offs_m,
+                               prow, hk, qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd,
                                stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                               stride_ot, stride_oh, stride_od,
+                               stride_ot, stride_oh, stride_od, stride_lh,
                                HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-                               HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT)
+                               HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, HEAD_LOOP, SLOT, STORE_LSE)
 
 
 @triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -174,11 +181,30 @@ def _block_fwd_kernel(
     HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
     PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
 ):
-    _fwd_tile(Q, K, V, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
+    _fwd_tile(Q, K, V, O, O, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
               qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-              stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+              stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, 0,
               HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
-              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, SLOT)
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, SLOT, False)
+
+
+@triton.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads", "stride_lh"])
+def _block_fwd_lse_kernel(
+    Q, K, V, O, Lse, Sched, Pos,
+    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
+    HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr,
+    PRECISION: tl.constexpr, INLINE_SEQS: tl.constexpr, HEAD_LOOP: tl.constexpr, SLOT: tl.constexpr,
+):
+    """``_block_fwd_kernel`` that also stores each query row's logsumexp, ``Lse [H, T]``."""
+    _fwd_tile(Q, K, V, O, Lse, Sched, Pos, tl.program_id(0), tl.program_id(1), slots, num_seqs, block_size,
+              qk_scale, log2_theta, kv_heads, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+              stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
+              HEAD_DIM, GROUPS, BLOCK_M, BLOCK_D, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED,
+              HAS_POS, IS_CAUSAL, FAST_TRIG, INT64, PRECISION, INLINE_SEQS, HEAD_LOOP, SLOT, True)
 
 
 def block_attention_fwd(
@@ -200,6 +226,34 @@ def block_attention_fwd_prepared(
     (:class:`~blockattn_layers.kernels.block.bwd.PreparedBackward`, or None)."""
     return _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
                     rotary_interleaved, cpu_offsets, True)
+
+
+def block_attention_fwd_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
+    scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
+    rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward and each query row's logsumexp: ``(o [T, H, D], lse [H, T] float32)``, the
+    natural-log logsumexp of the scaled scores that the flash kernels' backward reads. Runs the
+    simple kernels (the other variants do not store it), one program per block and kv head."""
+    total, heads = q.shape[0], q.shape[1]
+    o = empty_contiguous(q)
+    lse = q.new_empty((heads, total), dtype=torch.float32)
+    if total == 0:
+        return o, lse
+    sched = Schedule(offsets, total, block_size, cpu_offsets)
+    if sched.programs == 0:
+        return o, lse
+    rot = rotary_dim if rope_theta is not None else 0
+    int64 = needs_int64(q, k, v, o)
+    pos = positions if positions is not None else sched.table
+    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, False,
+                              sched.inline_seqs, int64, SIMPLE, launch_fwd_lse)
+    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+    args = (q, k, v, o, lse, sched.table, pos, sched.programs, sched.num_seqs, block_size, scale * LOG2E, log2_theta,
+            k.shape[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0))
+    launch_fwd_lse((sched.programs, k.shape[1]), args, meta, q, key)
+    return o, lse
 
 
 class _Remembered:
@@ -316,3 +370,4 @@ def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal
 
 
 launch_fwd = Launcher(_block_fwd_kernel)
+launch_fwd_lse = Launcher(_block_fwd_lse_kernel)

@@ -62,18 +62,30 @@ def block_positions(Pos, block_start, first_row, offs_m, row_ok, HAS_POS: tl.con
 
 
 @triton.jit
-def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, RECIP: tl.constexpr):
+def block_probs_lse(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, RECIP: tl.constexpr):
     """Exact softmax of the block's raw scores ``s``, normalized, float32 ``[M, M]`` (``RECIP``:
-    by one reciprocal per row and a multiply, not a full division per element)."""
+    by one reciprocal per row and a multiply, not a full division per element), and each row's
+    natural-log logsumexp of the scaled scores (``qk_scale`` includes log2(e)), as the flash
+    kernels store it."""
     s = s * qk_scale
     valid = row_ok[None, :]
     if IS_CAUSAL:
         valid = valid & (offs_m[:, None] >= offs_m[None, :])
     s = tl.where(valid, s, float("-inf"))
-    p = tl.exp2(s - tl.max(s, 1)[:, None])
+    row_max = tl.max(s, 1)
+    p = tl.exp2(s - row_max[:, None])
+    row_sum = tl.sum(p, 1)
+    lse = (row_max + tl.log2(row_sum)) * 0.6931471805599453
     if RECIP:
-        return p * (1.0 / tl.sum(p, 1))[:, None]
-    return p / tl.sum(p, 1)[:, None]
+        return p * (1.0 / row_sum)[:, None], lse
+    return p / row_sum[:, None], lse
+
+
+@triton.jit
+def block_probs(s, offs_m, row_ok, qk_scale, IS_CAUSAL: tl.constexpr, RECIP: tl.constexpr):
+    """:func:`block_probs_lse`'s probabilities alone."""
+    p, _ = block_probs_lse(s, offs_m, row_ok, qk_scale, IS_CAUSAL, RECIP)
+    return p
 
 
 @triton.jit
@@ -109,3 +121,11 @@ def same_slot(s, offs_m, SLOT: tl.constexpr):
     if SLOT == 0:
         return s
     return tl.where((offs_m[:, None] // SLOT) == (offs_m[None, :] // SLOT), s, -1.0e30)
+
+
+@triton.jit
+def row_ptrs(ptr, h, stride_h, rows, INT64: tl.constexpr):
+    """Pointers to ``x[h, rows]`` of a ``[H, T]`` float32 row statistic (lse, delta)."""
+    if INT64:
+        return ptr + h.to(tl.int64) * stride_h + rows.to(tl.int64)
+    return ptr + h * stride_h + rows

@@ -430,11 +430,3 @@ def allowed(offs_m, offs_n, n_ok, IS_CAUSAL: tl.constexpr):
     if IS_CAUSAL:
         ok = ok & (offs_m[:, None] >= offs_n[None, :])
     return ok
-
-
-@triton.jit
-def row_ptrs(ptr, h, stride_h, rows, INT64: tl.constexpr):
-    """Pointers to ``x[h, rows]`` of a ``[H, T]`` float32 row statistic (lse, delta)."""
-    if INT64:
-        return ptr + h.to(tl.int64) * stride_h + rows.to(tl.int64)
-    return ptr + h * stride_h + rows

@@ -5,7 +5,9 @@ backward that recomputes the probabilities from q, k, v. The block-kernel varian
 hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
 choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Where no
 block kernel's backward fits one program (``one_tile_backward_fits``: blocks over 64 rows with head
-dims over 128), the backward runs the flash kernels on a recomputed output and logsumexp.
+dims over 128; the op layer's ``saves_lse``), the forward runs the simple kernels, which also
+store each row's logsumexp, and the backward runs the flash kernels on the saved output and
+logsumexp. Without gradients (``forward_inference``) the forward there takes the variant choice.
 Kernel sizes are run-time arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
 interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
@@ -19,27 +21,39 @@ from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits
-from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_prepared
+from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.common.meta import MAX_TILE
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
-from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
-from ..library import SINGLE_TILE_MAX
+from ..library import SINGLE_TILE_MAX, saves_lse
 
 assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
+assert all(saves_lse(block, dim) != one_tile_backward_fits(block, dim) for block in (64, 65, 128) for dim in (128, 144)), \
+    "the op layer must save lse exactly where the block kernels' backward does not fit one program"
 
 
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
     rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
-) -> Tuple[Tensor, None]:
-    return block_attention_fwd(
-        q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets,
-    ), None
+) -> Tuple[Tensor, Optional[Tensor]]:
+    args = (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+            cpu_offsets)
+    if saves_lse(block_size, q.shape[2]):
+        return block_attention_fwd_lse(*args)
+    return block_attention_fwd(*args), None
+
+
+def _forward_inference(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
+    rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+) -> Tensor:
+    """The output alone, from the variant the choice takes (no logsumexp to store)."""
+    return block_attention_fwd(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
+                               rotary_interleaved, cpu_offsets)
 
 
 def _forward_prepared(
@@ -60,10 +74,7 @@ def _backward(
     positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    if not one_tile_backward_fits(block_size, q.shape[-1]):
-        # The flash kernels' backward, on the output and logsumexp its forward recomputes.
-        out, lse = flash_attention_fwd(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
-                                       rotary_dim, rotary_interleaved, cpu_offsets)
+    if saves_lse(block_size, q.shape[2]):
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
                                    positions, rotary_dim, rotary_interleaved, cpu_offsets,
                                    deterministic=deterministic_backward())
@@ -85,28 +96,46 @@ def triton_devices() -> frozenset:
 
 # The backward of calls whose block kernels' backward does not fit one program.
 FLASH_BACKWARD = "flash"
+# The phase, beside "backward", whose variant choice ``_variant_reasons`` may show apart.
+FORWARD_WITH_GRADIENTS = "forward with gradients"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
-                         "on a recomputed output and logsumexp")
+                         "on the forward's output and logsumexp")
+
+
+_LSE_FORWARD = ("forward with gradients of blocks over 64 tokens with head_dim over 128: it stores each row's "
+                "logsumexp for the flash backward, which only the simple kernels do")
 
 
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs). Where
     the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``;
-    ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits``)."""
+    ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits``), and
+    there, where the forward without gradients takes another variant, the forward with gradients'
+    reasons under ``forward with gradients: NAME`` (the simple kernels, which store the logsumexp)."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
     facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
                                req.rotary_interleaved, False)
     forward = variants.explain(facts)
+    training = forward
     if not one_tile_backward_fits(req.block_size or 0, req.head_dim):
         backward = {name: why + [_NO_ONE_TILE_BACKWARD] for name, why in forward.items()}
         backward[FLASH_BACKWARD] = []
+        training = {name: [] if name == variants.SIMPLE.name else why + [_LSE_FORWARD] for name, why in forward.items()}
     else:
         backward = variants.explain(facts._replace(backward=True))
-    if backward == forward:
-        return forward
-    return {**forward, **{f"backward: {name}": why for name, why in backward.items()}}
+    reasons = dict(forward)
+    if _running(training) != _running(forward):
+        reasons.update({f"{FORWARD_WITH_GRADIENTS}: {name}": why for name, why in training.items()})
+    if backward != forward:
+        reasons.update({f"backward: {name}": why for name, why in backward.items()})
+    return reasons
+
+
+def _running(reasons: Dict[str, List[str]]) -> Optional[str]:
+    """The variant that runs: the first without reasons (the dicts follow ``AUTO_ORDER``)."""
+    return next((name for name, why in reasons.items() if not why), None)
 
 
 def cuda_reasons(req: AttentionRequest) -> list:
@@ -120,6 +149,7 @@ register_backend(BackendSpec(
     forward=_forward,
     backward=_backward,
     forward_prepared=_forward_prepared,
+    forward_inference=_forward_inference,
     priority=10,
     devices=triton_devices,
     auto_devices=frozenset({"cuda"}),
