@@ -20,6 +20,8 @@ def _options_per_call(q, k, block_size, rot, interleaved, has_pos, causal, backw
     meta.update(INT64=int64, GROUPS=q.shape[1] // k.shape[1], INLINE_SEQS=inline_seqs, SLOT=0)
     if not backward:
         meta["HEAD_LOOP"] = plan.head_loop(meta, variant.name)
+    else:
+        meta["num_warps"] = plan.simple_backward_warps(meta)
     regs = plan.max_registers(meta, variant, backward, _meta.major_of(q), q.element_size())
     if regs:
         meta["maxnreg"] = regs
@@ -45,6 +47,20 @@ def test_block_plan_gives_the_options_built_per_call():
             assert meta == _options_per_call(*args, variants.SIMPLE), args
             assert loop == (not backward and meta["HEAD_LOOP"])
             assert _plan(*args)[2] is key  # built once, then looked up
+
+
+@pytest.mark.parametrize("heads,block,rotary,warps", [
+    ((4, 1, 96), 64, True, 8), ((8, 2, 32), 128, False, 8), ((4, 1, 256), 32, True, 8),
+    ((2, 2, 96), 64, True, 4), ((4, 1, 64), 32, False, 4), ((4, 1, 256), 16, True, 4),
+])
+def test_simple_backward_of_grouped_heads_takes_8_warps_where_measured_faster(heads, block, rotary, warps):
+    """The simple backward of grouped query heads: 8 warps on 64- and 128-row tiles and on 32-row
+    tiles of D256 with rotary (H200), 4 elsewhere on tiles up to 64 x 128; the forward keeps 4."""
+    h, hk, d = heads
+    q, k = torch.empty(3, h, d, dtype=torch.bfloat16), torch.empty(3, hk, d, dtype=torch.bfloat16)
+    args = (q, k, block, d if rotary else 0, False, False, False)
+    assert _plan(*args, True, 0, False)[0]["num_warps"] == warps
+    assert _plan(*args, False, 0, False)[0]["num_warps"] == 4
 
 
 def test_block_plan_key_follows_tf32_and_variant():

@@ -95,6 +95,20 @@ def overlap_products(meta: dict, variant: Variant, backward: bool) -> bool:
             and meta["BLOCK_D"] <= 64 and variant.name == "hopper")
 
 
+def simple_backward_warps(meta: dict) -> int:
+    """Warps of the simple kernels' backward. With grouped query heads, 8 on tiles of 64 and 128
+    rows, where the dK and dV accumulators live across the group's loop beside k and v (H200, bf16,
+    grid lengths, ms, 4 -> 8 warps: block 64 D96 rotary 4x1 5.89 -> 3.25, 8x2 11.95 -> 6.63; block
+    128 D32 4x1 2.08 -> 1.45, rotary 2.90 -> 1.79; D64 4x1 3.77 -> 1.84, causal 3.29 -> 1.91), and on
+    32-row tiles of D256 with rotary (4x1 7.31 -> 6.05); else ``common.meta.num_warps``'s (4 on the
+    other 16- and 32-row tiles: 8 were 1.1-3x slower at every D 32-256 measured; one query head per
+    kv head: 8 no faster, block 64 D96 rotary 2x2 1.75 / 1.74, block 128 D64 1.38 / 1.41)."""
+    if meta["GROUPS"] > 1 and (meta["BLOCK_M"] >= 64 or (meta["BLOCK_M"] == 32 and meta["BLOCK_D"] >= 256
+                                                          and meta["ROT_DIM"] > 0)):
+        return max(8, meta["num_warps"])
+    return meta["num_warps"]
+
+
 def grid_heads(meta: dict, loop: bool, kv_heads: int) -> int:
     """The forward grid's second axis: one where it loops over the kv heads (``loop``, the plan's
     ``HEAD_LOOP``), the query heads where it runs one program per query head (``split_groups``),
@@ -165,6 +179,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     meta["HEAD_LOOP"] = loop
     if variant.num_warps is not None:
         meta["num_warps"] = variant.num_warps
+    elif backward and variant.name == "simple":
+        meta["num_warps"] = simple_backward_warps(meta)
     regs = max_registers(meta, variant, backward, major, dtype.itemsize)
     if regs:
         meta["maxnreg"] = regs
