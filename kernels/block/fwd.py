@@ -228,6 +228,20 @@ def block_attention_fwd_prepared(
                     rotary_interleaved, cpu_offsets, True)
 
 
+def _launch_facts(q, k, v, o, offsets, block_size, rope_theta, positions, rotary_dim, cpu_offsets) -> Optional[tuple]:
+    """``(schedule, rotary dim or 0, int64, positions or the block table, log2(theta) or 0)`` of a
+    forward launch, or None where there is nothing to launch (no rows, or no blocks)."""
+    if q.shape[0] == 0:
+        return None
+    sched = Schedule(offsets, q.shape[0], block_size, cpu_offsets)
+    if sched.programs == 0:
+        return None
+    rot = rotary_dim if rope_theta is not None else 0
+    pos = positions if positions is not None else sched.table
+    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
+    return sched, rot, needs_int64(q, k, v, o), pos, log2_theta
+
+
 def block_attention_fwd_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block_size: int,
     scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[torch.Tensor],
@@ -236,20 +250,14 @@ def block_attention_fwd_lse(
     """The forward and each query row's logsumexp: ``(o [T, H, D], lse [H, T] float32)``, the
     natural-log logsumexp of the scaled scores that the flash kernels' backward reads. Runs the
     simple kernels (the other variants do not store it), one program per block and kv head."""
-    total, heads = q.shape[0], q.shape[1]
     o = empty_contiguous(q)
-    lse = q.new_empty((heads, total), dtype=torch.float32)
-    if total == 0:
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    call = _launch_facts(q, k, v, o, offsets, block_size, rope_theta, positions, rotary_dim, cpu_offsets)
+    if call is None:
         return o, lse
-    sched = Schedule(offsets, total, block_size, cpu_offsets)
-    if sched.programs == 0:
-        return o, lse
-    rot = rotary_dim if rope_theta is not None else 0
-    int64 = needs_int64(q, k, v, o)
-    pos = positions if positions is not None else sched.table
+    sched, rot, int64, pos, log2_theta = call
     meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, False,
                               sched.inline_seqs, int64, SIMPLE, launch_fwd_lse)
-    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
     args = (q, k, v, o, lse, sched.table, pos, sched.programs, sched.num_seqs, block_size, scale * LOG2E, log2_theta,
             k.shape[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0))
     launch_fwd_lse((sched.programs, k.shape[1]), args, meta, q, key)
@@ -290,19 +298,13 @@ def _forward(q, k, v, offsets, block_size, scale, causal, rope_theta, positions,
     launcher's key, host time that a small batch pays on every call (H200 host, small shape,
     forward with grad, median per call: 63-80 -> 34-55 us, FA2 varlen's 29-49 in the same
     processes)."""
-    total = q.shape[0]
     kv_heads = k.shape[1]
     o = empty_contiguous(q)
-    if total == 0:
+    call = _launch_facts(q, k, v, o, offsets, block_size, rope_theta, positions, rotary_dim, cpu_offsets)
+    if call is None:
         return o, None
-    sched = Schedule(offsets, total, block_size, cpu_offsets)
-    if sched.programs == 0:
-        return o, None
-    rot = rotary_dim if rope_theta is not None else 0
-    int64 = needs_int64(q, k, v, o)
-    pos = positions if positions is not None else sched.table
+    sched, rot, int64, pos, log2_theta = call
     qk_scale = scale * LOG2E
-    log2_theta = math.log2(rope_theta) if rope_theta is not None else 0.0
     sig = seen = None
     if q.is_cuda and not int64:
         ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), sched.table.data_ptr(), pos.data_ptr()]
