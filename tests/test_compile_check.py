@@ -123,6 +123,14 @@ def test_flash_kernels_compile(arch, instruction, tmp_path):
     assert (wide <= set(ptx)) == (arch == "sm_90")
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_float32_flash_builds_fit_shared_memory(arch, tmp_path):
+    """float32 flash builds at D128 (forward, both backward modes, plain and rotary) take their own
+    tiles, within a program's shared memory: the 16-bit ones' needed 246-328 KB."""
+    ptx = _compile_check(arch, "flash_fwd_fp32,flash_dkv_fp32,flash_dq_fp32,flash_dkv_fast_fp32", tmp_path)
+    assert len(ptx) == 8
+
+
 def test_flash_tiles_over_shared_memory_fail(tmp_path):
     """A flash build whose tiles need more shared memory than a program gets fails the check (the
     fast dK/dV pass at D256 with 64-row query tiles: 270,864 bytes, as the H200 refused it)."""

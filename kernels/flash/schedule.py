@@ -188,6 +188,10 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
         # H200 (measured; seed3 backward 5.03 -> 4.23 ms with the 64-row dQ tiles); sm_100
         # (major 10+) cannot pipeline that loop in Triton 3.6, so it keeps 32-row inner tiles.
         if major >= 10:
+            if itemsize > 2 and head_dim > 64:
+                # float32 at D 65-128: the 16-bit tiles' forward, dQ and fast dK/dV passes take
+                # 246-328 KB of shared memory (compile_check); these take 164-197 KB.
+                return dict(fwd=(128, 32), dkv=(128, 32), dq=(64, 32), dkv_fast=(64, 32))
             return dict(fwd=(128, 64), dkv=(128, 32), dq=(128, 32), dkv_fast=(128, 32))
         # Blocks of at most 512 rows have few key tiles per query tile; 32-row key tiles give the
         # forward's 3-stage pipeline more of them (H200, bf16 D128: block 256 2.61 -> 2.11 ms,
@@ -197,6 +201,11 @@ def flash_tiles(head_dim: int, device_type: str, itemsize: int = 2, major: int =
         # key tiles at D > 64 in 16-bit types (H200, seed3 backward 8.11 -> 5.66 ms against 64-row
         # ones; float32 ones would need 361 KB of shared memory).
         fast = (128, 64) if major == 9 and head_dim > 64 and itemsize == 2 else (64, 64)
+        if itemsize > 2 and head_dim > 64:
+            # float32 at D 65-128: 128 x 64 forward tiles in 3 stages take 262 KB of shared memory
+            # on sm_90 (328 KB on sm_100), the fast dK/dV pass over 64-row query tiles 230-247 KB:
+            # over the 227 KB a program gets (compile_check); 32-row key / query tiles fit (164 KB).
+            return dict(fwd=(128, 32), dkv=(64, 64), dq=(64, 64), dkv_fast=(64, 32))
         return dict(fwd=(128, 32) if short else (128, 64), dkv=(64, 64), dq=(64, 64), dkv_fast=fast)
     if itemsize > 2:
         # float32 at D > 128: 64-row tiles need more shared memory than sm_90 has.
