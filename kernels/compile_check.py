@@ -11,8 +11,9 @@ copy their tiles with asynchronous copies (``cp.async``), and the warp-specializ
 reallocate registers between partitions (``setmaxnreg``). The sm_100 Gluon kernels must hold
 ``tcgen05.mma``, a tensor-memory load or store, TMA copies, asynchronous copies, mbarrier waits and
 ``setmaxnreg``. For each sm_100 and hopper build the registers and spills (ptxas -v), shared
-memory and tensor memory are printed, and a build over budget (``Usage.over_budget``) fails. Tiles and launch options are the
-ones the launchers use on that generation.
+memory and tensor memory are printed, and a build over budget (``Usage.over_budget``) fails; every
+Triton build's shared memory is checked against the same budget. Tiles, launch options and the
+float32 products' precision are the ones the launchers use on that generation.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel, _block_fwd_lse_kernel
-from .block.plan import head_loop, max_registers, overlap_products, split_groups
+from .block.plan import head_loop, max_registers, overlap_products, split_groups, tf32_tiles_fit
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
 )
@@ -147,6 +148,11 @@ def _block_builds(capability: int) -> Iterator[Build]:
         backward = kernel is not _block_fwd_kernel
         constexprs = _block_constexprs(dim, 1, block, dim if rotary else 0, False, causal, 0)
         constexprs["HEAD_LOOP"] = not backward and head_loop(constexprs, SIMPLE.name)
+        if dtype == "fp32" and not tf32_tiles_fit(block, dim, backward, MAX_SHARED):
+            # The launch plan takes IEEE products there (block.plan.tf32_tiles_fit); that build of
+            # the 128 x 128 rotary causal backward did not finish compiling in 30 minutes on CPU
+            # (kernels/PERF_NOTES.md, session 23), so it is not built here.
+            continue
         size = 4 if dtype == "fp32" else 2
         options = dict(num_warps=4, num_stages=1)
         regs = max_registers(constexprs, SIMPLE, backward, capability // 10, size)
@@ -319,7 +325,7 @@ def _flash_builds(capability: int) -> Iterator[Build]:
     on) and half rotary (pointer loads), with the tiles and options of full attention; the
     backward's deterministic passes and the fast one's (the dK/dV pass with atomic dQ, the delta
     and dQ store passes). On sm_90, whose tiles at D > 128 are their own, also bf16 D = 256 plain
-    heads (their shared memory is checked against the budget, as every flash build's)."""
+    heads (their shared memory is checked against the budget, as every Triton build's)."""
     major = capability // 10
     kinds = (("fwd", "fwd", _flash_fwd_kernel), ("dkv", "dkv", _flash_bwd_dkdv_kernel),
              ("dq", "dq", _flash_bwd_dq_kernel), ("dkv_fast", "dkv_fast", _flash_bwd_dkdv_kernel),
@@ -554,7 +560,8 @@ def main(argv=None) -> int:
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
         hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX))
-        if build.name.startswith("flash_") and not build.name.startswith("flash_gluon_"):
+        if not (GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction)):
+            # Every Triton build's shared memory (the Gluon builds' is in their usage below).
             over = Usage(None, None, int(getattr(compiled.metadata, "shared", 0) or 0), 0).over_budget()
             if over:
                 failures.append(f"{build.name}: over budget: {'; '.join(over)}")

@@ -11,6 +11,7 @@ Import it from any test as ``from tests.oracle import oracle_attention, make_jag
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -176,3 +177,15 @@ def clean_and_poisoned(attention, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
         return (out, *torch.autograd.grad(out, leaves, xs[3]))
 
     return run(False), run(True)
+
+
+@contextlib.contextmanager
+def tf32_products():
+    """``torch.backends.cuda.matmul.allow_tf32 = True`` inside the block, the previous value after
+    (pytest's monkeypatch cannot set it: it is no plain attribute)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -10,6 +10,8 @@ from blockattn_layers.kernels.block import plan, variants
 from blockattn_layers.kernels.common import launch as _launch
 from blockattn_layers.kernels.common import meta as _meta
 
+from tests.oracle import tf32_products
+
 
 def _options_per_call(q, k, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs, int64, variant):
     """The launch options as built from their parts on every call, for the simple kernels."""
@@ -61,6 +63,22 @@ def test_simple_backward_of_grouped_heads_takes_8_warps_where_measured_faster(he
     args = (q, k, block, d if rotary else 0, False, False, False)
     assert _plan(*args, True, 0, False)[0]["num_warps"] == warps
     assert _plan(*args, False, 0, False)[0]["num_warps"] == 4
+
+
+@pytest.mark.parametrize("block,dim,backward,precision", [
+    (64, 128, True, "tf32"), (128, 128, True, "ieee"), (64, 256, True, "ieee"), (128, 64, True, "tf32"),
+    (64, 256, False, "tf32"), (128, 256, False, "ieee"), (128, 128, False, "tf32"),
+])
+def test_float32_takes_tf32_products_only_where_their_tiles_fit(block, dim, backward, precision):
+    """With TF32 allowed, float32 tiles whose operands would overflow a program's shared memory
+    (H200: 227 KB) take IEEE products instead of failing to launch; 16-bit types are unaffected."""
+    q = torch.empty(3, 2, dim)
+    with tf32_products():
+        assert _plan(q, q, block, 0, False, False, False, backward, 0, False)[0]["PRECISION"] == precision
+    assert plan.tf32_tiles_fit(block, dim, backward, 227 * 1024) == (precision == "tf32")
+    half = q.to(torch.bfloat16)
+    with tf32_products():
+        assert _plan(half, half, block, 0, False, False, False, backward, 0, False)[0]["PRECISION"] == "tf32"
 
 
 def test_block_plan_key_follows_tf32_and_variant():

@@ -25,7 +25,8 @@ from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 from blockattn_layers.kernels.flash.schedule import FlashSchedule, tma_loads
 
-from tests.oracle import clean_and_poisoned, offsets_from_lengths, oracle_attention, rel_err, rotary_positions
+from tests.oracle import (clean_and_poisoned, offsets_from_lengths, oracle_attention, rel_err, rotary_positions,
+                          tf32_products)
 
 interpret_only = pytest.mark.skipif(
     not interpreter_active(), reason="CPU interpreter tests; the GPU tests cover the kernels on a GPU"
@@ -406,27 +407,27 @@ def test_gpu_matches_float64_reference(case, dtype, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["deterministic", "fast"])
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[2]], ids=["full-causal-gqa", "block512-rotary"])
-def test_gpu_float32_with_tf32_products(monkeypatch, case, mode):
+def test_gpu_float32_with_tf32_products(case, mode):
     """float32 with TF32 products allowed (``torch.backends.cuda.matmul.allow_tf32``), D128: the
     kernels' tensor-core tiles, whose 16-bit sizes needed more shared memory than an H200 program
     gets, launch and match the float64 reference within twice the error of the same-precision
     naive computation (a floor of 4e-3)."""
     from blockattn_layers import reference
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     case, dim, q, k, v, offsets = _gpu_inputs(case, torch.float32, 4)
     qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
-    out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
-    grad_out = torch.randn_like(out)
-    with bl.fast_backward(mode == "fast"):
-        grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
     rot = case.get("rotary_dim", dim) if "rope_theta" in case else 0
     args = (case["block_size"], dim ** -0.5, case.get("causal", False), case.get("rope_theta"), None, rot, False)
+    with tf32_products():
+        out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
+        grad_out = torch.randn_like(out)
+        with bl.fast_backward(mode == "fast"):
+            grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
+        naive = reference.attention_forward(q, k, v, offsets, *args)
+        naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args)
     d = [x.double() for x in (q, k, v)]
     oracle = reference.attention_forward(*d, offsets, *args)
     oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
-    naive = reference.attention_forward(q, k, v, offsets, *args)
-    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args)
     assert rel_err(out, oracle) <= max(2 * rel_err(naive, oracle), 4e-3)
     for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
         assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 6e-3), f"d{name}"

@@ -123,6 +123,24 @@ def test_accuracy_edge_lengths(case, dtype):
     check_against_oracle(q, k, v, offsets, **case)
 
 
+@pytest.mark.parametrize("case", [
+    dict(heads=2, kv_heads=2, dim=128, block_size=128),
+    dict(heads=4, kv_heads=2, dim=256, block_size=64, causal=True),
+    dict(heads=4, kv_heads=1, dim=256, block_size=128, rope_theta=10000.0),
+], ids=_case_id)
+def test_float32_with_tf32_products_at_large_tiles(case):
+    """float32 with TF32 allowed where the tiles' TF32 operands would not fit a program's shared
+    memory (128 x 128 and 64 x 256 backward, 128 x 256 forward): the launch plan takes IEEE
+    products there, so the calls run and match the oracle as float32 does."""
+    from tests.oracle import tf32_products
+
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS, heads, kv_heads, dim, torch.float32, seed=dim)
+    with tf32_products():
+        check_against_oracle(q, k, v, offsets, floor=4e-3, **case)
+
+
 # Issue 25's shape grid, covered: every (block, head dim) pair of the grid once, with the heads,
 # rotary forms, causal setting and dtype rotating so that each block meets every rotary form, each
 # head dim every head layout, and both dtypes and causal settings appear in every block.

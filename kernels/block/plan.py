@@ -8,7 +8,7 @@ import torch
 
 from blockattn_layers.runtime.caches import HostCache
 
-from ..common.meta import device_major, input_precision, num_warps, sm_count, static_meta
+from ..common.meta import device_major, input_precision, max_shared_memory, num_warps, sm_count, static_meta
 from .variants import Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
@@ -109,6 +109,15 @@ def simple_backward_warps(meta: dict) -> int:
     return meta["num_warps"]
 
 
+def tf32_tiles_fit(block_m: int, block_d: int, backward: bool, max_shared: int) -> bool:
+    """Whether the Triton block kernels' float32 tiles fit a program's shared memory with TF32
+    products, which stage their operands there: 3 (forward) or 7 (backward) tiles of ``block_m x
+    block_d`` 4-byte values (compile_check, sm_90, Triton 3.6: forward 64 x 128 98 KB, 128 x 256 393
+    KB; backward 64 x 128 229 KB, 128 x 128 and 64 x 256 459 KB, over the H200's 227 KB, where the
+    launch fails). IEEE products take no shared memory for their operands."""
+    return (7 if backward else 3) * block_m * block_d * 4 <= max_shared
+
+
 def grid_heads(meta: dict, loop: bool, kv_heads: int) -> int:
     """The forward grid's second axis: one where it loops over the kv heads (``loop``, the plan's
     ``HEAD_LOOP``), the query heads where it runs one program per query head (``split_groups``),
@@ -175,6 +184,10 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if variant.packs_blocks:
         meta.update(SLOT=meta["BLOCK_M"], BLOCK_M=64, num_warps=num_warps(64, meta["BLOCK_D"], backward))
     major = device_major(device) if on_cuda else 9
+    if meta["PRECISION"] == "tf32" and dtype == torch.float32 and not tf32_tiles_fit(
+            meta["BLOCK_M"], meta["BLOCK_D"], backward, max_shared_memory(device)):
+        # TF32 is allowed, not asked for: where its tiles do not fit, the exact products.
+        meta["PRECISION"] = "ieee"
     loop = not backward and head_loop(meta, variant.name)
     meta["HEAD_LOOP"] = loop
     if variant.num_warps is not None:

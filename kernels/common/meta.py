@@ -33,6 +33,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.lru_cache(maxsize=16)
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on a CUDA device (the limit Triton checks a
+    launch against); 227 KB, sm_90's, for CPU tensors under the interpreter."""
+    if device.type != "cuda":
+        return 227 * 1024
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 def tile_extent(n: int) -> int:
     """Tile extent for ``n`` rows or columns: a power of two, at least 16 (the smallest dot)."""
     return max(16, triton.next_power_of_2(n))
