@@ -172,8 +172,9 @@ FAST_BACKWARD = Method(
 class _FlashKernels(torch.autograd.Function):
     """The flash kernels called directly (not through the op, whose contract gives blocks of up to
     128 tokens to the single-tile kernels): the forward saves its output and logsumexp, or, with
-    ``recompute``, the backward computes them again first, as the ``triton`` backend does where no
-    block kernel's backward fits (``one_tile_backward_fits``)."""
+    ``recompute``, the backward computes them again first, as the ``triton`` backend did where no
+    block kernel's backward fits (``one_tile_backward_fits``) until session 23 (it now saves them
+    from the simple forward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, block_size, params, recompute):
@@ -230,7 +231,7 @@ FLASH_KERNELS = [
         ("flash_kernels", False, "the flash kernels called directly at blocks of up to 128 tokens (outside the op, "
          "which gives those to the single-tile kernels), output and logsumexp saved"),
         ("flash_kernels[recompute]", True, "flash_kernels with the backward recomputing output and logsumexp, as "
-         "the triton backend does where no block kernel's backward fits"),
+         "the triton backend did where no block kernel's backward fits (it now saves them)"),
     )
 ]
 
