@@ -166,7 +166,12 @@ def _lse_builds(capability: int) -> Iterator[Build]:
     blocks of 65-128 tokens at head dims over 128 (their backward runs the flash kernels): 16-bit,
     block 128, D 192 and 256, split-half rotary or none, causal, one or four query heads per kv head.
     Rotary with grouped query heads on sm_90 only: on sm_100 Triton 3.6 builds those dots without
-    tcgen05 products (the simple forward without the store too; kernels/PERF_NOTES.md, session 23)."""
+    tcgen05 products (the simple forward without the store too; kernels/PERF_NOTES.md, session 23).
+    On sm_90 also the hopper twin, which auto takes there for one query head per kv head (bf16 and
+    fp16, D 192 / 256, causal or not, one or two query heads per kv head; no rotary past D128)."""
+    if capability // 10 == 9 and gluon_import_error() is None:
+        for dtype, dim, causal, groups in itertools.product(("bf16", "fp16"), (192, 256), (False, True), (1, 2)):
+            yield _hopper_build("fwd_lse", dtype, 128, dim, False, causal, groups, False)
     for dtype, dim, rotary, causal, groups in itertools.product(
         ("bf16", "fp16"), (192, 256), (False, True), (False, True), (1, 4),
     ):
@@ -197,19 +202,21 @@ def _packed_builds(capability: int) -> Iterator[Build]:
 def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool, causal: bool, groups: int,
                   int64: bool, variant=HOPPER) -> Build:
     """A build of ``variant``'s Gluon kernels (hopper or hopper_packed; the caller sets the latter's
-    ``SLOT``) with the launch plan's ``HEAD_LOOP``, register cap and ``SPLIT_GROUPS``."""
-    from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel
+    ``SLOT``) with the launch plan's ``HEAD_LOOP``, register cap and ``SPLIT_GROUPS``; ``kind``:
+    fwd, fwd_lse (the forward that also stores the logsumexp) or bwd."""
+    from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel, _hopper_fwd_lse_kernel
 
-    kernel = _hopper_fwd_kernel if kind == "fwd" else _hopper_bwd_kernel
+    kernel = {"fwd": _hopper_fwd_kernel, "fwd_lse": _hopper_fwd_lse_kernel, "bwd": _hopper_bwd_kernel}[kind]
+    forward = kind != "bwd"
     constexprs = _block_constexprs(head_dim, groups, block, head_dim if rotary else 0, rotary and causal, causal,
                                    512 if groups == 2 else 0)
     constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64)
-    constexprs["HEAD_LOOP"] = kind == "fwd" and head_loop(constexprs, variant.name)
+    constexprs["HEAD_LOOP"] = forward and head_loop(constexprs, variant.name)
     options = dict(num_warps=block // 16, num_stages=1)
     regs = max_registers(constexprs, variant, kind == "bwd", 9, 2)
     if regs:
         options["maxnreg"] = regs
-    if kind == "fwd":
+    if forward:
         constexprs["SPLIT_GROUPS"] = 1
         if split_groups(constexprs, variant, False):
             constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)

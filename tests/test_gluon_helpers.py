@@ -59,6 +59,7 @@ block_probs = triton_tiles.block_probs
 
 block_of = gs.function(sm90_block._block_of)
 probs = gs.function(sm90_block._probs)
+probs_lse = gs.function(sm90_block._probs_lse)
 store_via = gs.function(sm90_block._store_via)
 store_halves_via = gs.function(sm90_block._store_halves_via)
 unrotate_store = gs.function(sm90_block._unrotate_store)
@@ -68,6 +69,7 @@ sin_cos_rows = gs.function(sm90_rotary.sin_cos_rows)
 rotate_in_place = gs.function(sm90_rotary.rotate_in_place)
 tile_range = gs.function(persistent.tile_range)
 HOPPER_FWD, HOPPER_BWD = sm90_block._hopper_fwd_kernel, sm90_block._hopper_bwd_kernel
+HOPPER_FWD_LSE = sm90_block._hopper_fwd_lse_kernel
 WS_FWD, WS_BWD = sm90_ws._hopper_ws_fwd_kernel, sm90_ws._hopper_ws_bwd_kernel
 
 LOG2E = 1.4426950408889634
@@ -384,6 +386,11 @@ def test_probs(n, causal):
         triton_p = torch.empty(BLOCK_M, BLOCK_M)
         _probs_triton[(1,)](s, triton_p, n, scale * LOG2E, BLOCK_M, causal, recip)
         torch.testing.assert_close(p * inv[:, None], triton_p, rtol=0, atol=1e-6)
+    # ``_probs_lse``: the same, and each row's natural-log logsumexp of the scaled scores.
+    p_lse, inv_lse, lse = probs_lse(s, n, scale * LOG2E, causal, BLOCK_M, LAYOUT)
+    assert torch.equal(p_lse, p) and torch.equal(inv_lse, inv)
+    want_lse = torch.logsumexp((s.double() * scale).masked_fill(~valid, float("-inf")), dim=1)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
 
 
 # ----------------------------------------------------------------------------- stores
@@ -486,6 +493,19 @@ class _Case:
                         **constexprs)
         return o, run
 
+    def forward_lse(self, grid, **constexprs):
+        """The forward that also stores the logsumexp: o and lse as the reference has them, each
+        element written once."""
+        o = _sentinel(self.q.shape, self.q.dtype)
+        lse = _sentinel((self.q.shape[1], self.q.shape[0]), torch.float32)
+        run = gs.launch(HOPPER_FWD_LSE, grid, **dict(self.values, **constexprs), O=o, Lse=lse, stride_lh=lse.stride(0),
+                        **_strides(q=self.q, k=self.k, v=self.v, o=o))
+        assert torch.equal(run.writes("O"), torch.ones(o.shape, dtype=torch.int32))
+        assert torch.equal(run.writes("Lse"), torch.ones(lse.shape, dtype=torch.int32))
+        want, want_lse = reference.attention_forward_lse(self.q, self.k, self.v, *self.reference)
+        _assert_close(o, want)
+        torch.testing.assert_close(lse, want_lse.float(), rtol=0, atol=2e-5)
+
     def run_backward(self, kernel, grid):
         """``((dq, dk, dv), launch)`` of the backward kernel on this case's inputs."""
         dq, dk, dv = (_sentinel(x.shape, x.dtype) for x in (self.q, self.k, self.v))
@@ -557,6 +577,28 @@ def test_hopper_kernels(name):
     if case.values["ROT_DIM"] and case.values["GROUPS"] == 1:
         case.forward(HOPPER_FWD, (programs, 1), HEAD_LOOP=True)
     case.backward(HOPPER_BWD, (programs, kv_heads))
+
+
+LSE_KERNEL_CASES = {
+    # name: (_Case arguments, keywords, SPLIT_GROUPS); blocks over 64 at D > 128, where the forward
+    # with gradients stores the logsumexp for the flash backward.
+    "d256_block128_causal": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 256, False, False, True), dict(block_size=128), 1),
+    "d144_block100_mqa": (([0, 1, 99, 100, 101, 250], 3, 1, 144, False, False, False), dict(block_size=100), 1),
+    "d192_block128_gqa_split": (([3, 128, 0, 200], 4, 2, 192, False, False, True), dict(block_size=128), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(LSE_KERNEL_CASES))
+def test_hopper_forward_lse_kernel(name):
+    """The hopper forward that also stores each query row's logsumexp (``_hopper_fwd_lse_kernel``),
+    whole: o and lse as ``reference.attention_forward_lse`` has them, every element of each stored
+    once, one program per kv head and its query heads or per query head (``SPLIT_GROUPS``)."""
+    args, keywords, split = LSE_KERNEL_CASES[name]
+    case = _Case(*args, **keywords)
+    if split > 1:
+        case.forward_lse((case.sched.programs, case.q.shape[1]), HEAD_LOOP=False, GROUPS=1, SPLIT_GROUPS=split)
+    else:
+        case.forward_lse((case.sched.programs, case.kv_heads), HEAD_LOOP=False)
 
 
 PACKED_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 0, 64, 65, 7, 130, 5]

@@ -104,20 +104,30 @@ def test_flop_count_under_fake_tensors_is_the_bound():
 
 def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
     tile, short, wide = library.SINGLE_TILE_MAX, library.ONE_PROGRAM_BACKWARD_MAX, library.ONE_PROGRAM_BACKWARD_HEAD_DIM
-    assert not library.saves_lse(tile, wide) and not library.saves_lse(short, 256)
-    assert library.saves_lse(short + 1, wide + 16) and library.saves_lse(tile, 256)
-    assert library.saves_lse(tile + 1, 16) and library.saves_lse(0, 16)
+    half = torch.bfloat16
+    assert not library.saves_lse(tile, wide, half) and not library.saves_lse(short, 256, half)
+    assert library.saves_lse(short + 1, wide + 16, half) and library.saves_lse(tile, 256, half)
+    assert library.saves_lse(tile + 1, 16, half) and library.saves_lse(0, 16, half)
+    # float32 tiles of over FLOAT32_TILE_MAX elements (rows and channels rounded up to powers of two).
+    f32 = torch.float32
+    assert library.FLOAT32_TILE_MAX == 64 * 128
+    assert not library.saves_lse(64, 128, f32) and not library.saves_lse(33, 100, f32)
+    assert not library.saves_lse(128, 64, f32) and not library.saves_lse(32, 256, f32)
+    assert library.saves_lse(65, 128, f32) and library.saves_lse(64, 129, f32) and library.saves_lse(128, 128, f32)
+    assert not library.saves_lse(65, 128, half) and not library.saves_lse(64, 129, half)
 
 
-@pytest.mark.parametrize("block_size,head_dim", [(64, 144), (100, 144), (128, 128), (0, 16)])
-def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim):
-    q, k, v, offsets = make_jagged([3, 0, 70], 2, 1, head_dim, torch.float32, 0)
+@pytest.mark.parametrize("block_size,head_dim,dtype", [(64, 144, torch.float32), (100, 144, torch.float16),
+                                                       (128, 128, torch.float32), (128, 128, torch.float16),
+                                                       (0, 16, torch.float32)])
+def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim, dtype):
+    q, k, v, offsets = make_jagged([3, 0, 70], 2, 1, head_dim, dtype, 0)
     args = (offsets, block_size, 0.1, False, None, None, 0, False, None, None, "reference")
     _, lse = library.attention_fwd(q, k, v, *args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fakes = [mode.from_tensor(x) for x in (q, k, v, offsets)]
         _, fake_lse = library.attention_fwd(*fakes, *args[1:])
-    assert fake_lse.shape == lse.shape == (2, 73 if library.saves_lse(block_size, head_dim) else 0)
+    assert fake_lse.shape == lse.shape == (2, 73 if library.saves_lse(block_size, head_dim, dtype) else 0)
 
 
 @pytest.mark.gpu

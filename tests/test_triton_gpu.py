@@ -129,9 +129,9 @@ def test_accuracy_edge_lengths(case, dtype):
     dict(heads=4, kv_heads=1, dim=256, block_size=128, rope_theta=10000.0),
 ], ids=_case_id)
 def test_float32_with_tf32_products_at_large_tiles(case):
-    """float32 with TF32 allowed where the tiles' TF32 operands would not fit a program's shared
-    memory (128 x 128 and 64 x 256 backward, 128 x 256 forward): the launch plan takes IEEE
-    products there, so the calls run and match the oracle as float32 does."""
+    """float32 with TF32 allowed at tiles whose operands would not fit a program's shared memory,
+    with TF32 or IEEE products (128 x 128, 64 x 256, 128 x 256): the op layer runs them on the flash
+    kernels, so the calls run and match the oracle as float32 does."""
     from tests.oracle import tf32_products
 
     case = dict(case)
@@ -459,6 +459,9 @@ HOPPER_CASES = [
     # One program per query head (the forward's SPLIT_GROUPS): 128-row tiles at D 96-128, and D256.
     dict(heads=8, kv_heads=2, dim=96, block_size=128),
     dict(heads=4, kv_heads=2, dim=256, block_size=64, causal=True),
+    # Blocks over 64 at D > 128: the forward stores the logsumexp, the flash kernels run the backward.
+    dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True),
+    dict(heads=4, kv_heads=2, dim=192, block_size=100),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 
@@ -471,6 +474,27 @@ def test_hopper_kernels_forced(monkeypatch, case, table):
     """The Gluon kernels take these calls on sm_90 (checked) and match the float64 oracle, fp16
     and bf16, with the in-kernel schedule or the block table, on lengths around the block size."""
     _forced_variant_matches_oracle(monkeypatch, "hopper", case, table, EDGE_LENGTHS * 2 + LENGTHS_AROUND_128)
+
+
+@SM90
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,causal", [
+    (2, 2, 256, 128, True), (4, 2, 192, 100, False), (2, 1, 144, 128, False), (8, 2, 256, 128, True)])
+def test_hopper_forward_stores_the_logsumexp(heads, kv_heads, dim, block_size, causal):
+    """The hopper forward that stores each row's logsumexp (blocks over 64 at D > 128, whose
+    backward runs the flash kernels on it) is taken there and matches the float64 oracle's, as the
+    simple kernels' does, output included."""
+    from blockattn_layers.kernels.block.fwd import block_attention_fwd_lse
+
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS + LENGTHS_AROUND_128, heads, kv_heads, dim, torch.bfloat16)
+    args = (offsets, block_size, dim ** -0.5, causal, None, None, 0, False, None)
+    want, want_lse = torch.ops.blockattn.attention_fwd(q.double(), k.double(), v.double(), *args, None, "reference")
+    facts = variants.call_facts(q, k, block_size, 0, False, False, stores_lse=True)
+    for name in ("hopper", "simple"):
+        with variants.forced_variant(name):
+            assert variants.choose(facts, q, (q, k, v)).name == name
+            out, lse = block_attention_fwd_lse(q, k, v, *args)
+        torch.testing.assert_close(lse, want_lse.float(), rtol=1e-4, atol=1e-4, msg=name)
+        assert rel(out, want) < 1e-2, name
 
 
 def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):

@@ -72,9 +72,32 @@ def test_wide_heads_in_long_blocks_take_the_flash_backward(monkeypatch):
 
     monkeypatch.setattr(triton_block, "block_attention_bwd", refuse)
     monkeypatch.setattr(triton_block, "block_attention_fwd", refuse)
-    _check([0, 1, 99, 129, 3], 2, 1, 144, torch.float32, block_size=100, causal=True, rope_theta=1e4)
+    _check([0, 1, 99, 129, 3], 2, 1, 144, torch.float16, block_size=100, causal=True, rope_theta=1e4)
     with pytest.raises(AssertionError, match="without the logsumexp ran"):
-        _check([5, 70], 1, 1, 144, torch.float32, block_size=64)
+        _check([5, 70], 1, 1, 144, torch.float16, block_size=64)
+
+
+@pytest.mark.parametrize("dim,block_size", [(128, 128), (256, 64)])
+def test_float32_tiles_over_shared_memory_take_the_flash_kernels(monkeypatch, dim, block_size):
+    """float32 blocks whose tile would not fit a program's shared memory on the GPU (128 x 128 and
+    64 x 256: the launch failed there with IEEE products too) run forward and backward on the flash
+    kernels, with and without gradients, and match the oracle; 16-bit ones keep the block kernels."""
+    from blockattn_layers.ops.backends import triton_block
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a block kernel ran")
+
+    for name in ("block_attention_bwd", "block_attention_fwd", "block_attention_fwd_lse"):
+        monkeypatch.setattr(triton_block, name, refuse)
+    lengths = [0, 1, block_size - 1, block_size + 1, 3]
+    _check(lengths, 4, 2, dim, torch.float32, block_size=block_size, causal=True)
+    q, k, v = _inputs(lengths, 4, 2, dim, torch.float32, 0)
+    with torch.no_grad():
+        out = bl.block_attention(q, k, v, _offsets(lengths), block_size, backend="triton")
+    want = oracle_attention(q.double(), k.double(), v.double(), _offsets(lengths), block_size)
+    assert rel_err(out, want) < 2e-5
+    with pytest.raises(AssertionError, match="a block kernel ran"):
+        _check(lengths, 4, 2, dim, torch.float16, block_size=block_size)
 
 
 @pytest.mark.parametrize("causal,rotary", [(False, {}), (True, dict(rope_theta=1e4, rotary_dim=64))],
@@ -84,17 +107,17 @@ def test_wide_heads_in_long_blocks_save_the_logsumexp(causal, rotary):
     it in float64 (zero- and one-token sequences, lengths around the block, grouped query heads);
     the output without gradients (the variant choice, no logsumexp) equals the one with them."""
     lengths = [0, 1, 80, 161, 0, 7]
-    q, k, v = _inputs(lengths, 4, 2, 160, torch.float32, 3)
+    q, k, v = _inputs(lengths, 4, 2, 160, torch.float16, 3)
     offsets = _offsets(lengths)
     args = (80, 0.125, causal, rotary.get("rope_theta"), None, rotary.get("rotary_dim", 0), False, None, None)
     out, lse = torch.ops.blockattn.attention_fwd(q, k, v, offsets, *args, "triton")
     want, want_lse = torch.ops.blockattn.attention_fwd(q.double(), k.double(), v.double(), offsets, *args,
                                                        "reference")
     assert lse.shape == (4, sum(lengths)) and lse.dtype == torch.float32
-    assert rel_err(out, want) < 2e-5 and rel_err(lse, want_lse) < 1e-6
+    assert rel_err(out, want) < 3e-3 and rel_err(lse, want_lse) < 1e-4  # q, k rotated in float16
     with torch.no_grad():
         inference = bl.block_attention(q, k, v, offsets, 80, scale=0.125, causal=causal, backend="triton", **rotary)
-    torch.testing.assert_close(inference, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inference, out, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -86,13 +86,54 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
                if name.startswith("backward: ") and name != "backward: flash")
     assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
-    # There the forward with gradients stores the logsumexp, which only the simple kernels do.
+    # There the forward with gradients stores the logsumexp: hopper has such a kernel, so the forward
+    # with gradients takes the same variant as the one without.
     wide_mha = dataclasses.replace(wide, num_heads=2)
     reasons = explain_variants(wide_mha)["triton"]
+    assert reasons["hopper"] == [] and not any(name.startswith("forward with gradients") for name in reasons)
+    assert bl.dispatch.describe(wide_mha, "triton") == "triton, hopper kernels (backward: flash kernels)"
+    # A variant without one leaves the forward with gradients to the next that has one.
+    no_lse = variants.HOPPER._replace(lse_forward=None)
+    monkeypatch.setattr(variants, "AUTO_ORDER", (no_lse,) + variants.AUTO_ORDER[1:])
+    monkeypatch.setitem(variants.VARIANTS, "hopper", no_lse)
+    reasons = explain_variants(wide_mha)["triton"]
     assert reasons["hopper"] == [] and reasons["forward with gradients: simple"] == []
-    assert "logsumexp" in reasons["forward with gradients: hopper"][-1]
+    assert reasons["forward with gradients: hopper"] == [variants.LSE_REASON]
     assert bl.dispatch.describe(wide_mha, "triton") == (
         "triton, hopper kernels (forward with gradients: simple kernels; backward: flash kernels)")
+
+
+def test_float32_tiles_over_shared_memory_show_the_flash_kernels(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    req = AttentionRequest(device_type="cuda", dtype=torch.float32, head_dim=128, num_heads=2, num_kv_heads=2,
+                           block_size=128, causal=False, rotary=False, capability=(9, 0))
+    reasons = explain_variants(req)["triton"]
+    assert reasons["flash"] == [] and all("float32 tile" in why[-1] for name, why in reasons.items() if name != "flash")
+    assert bl.dispatch.describe(req, "triton") == "triton, flash kernels"
+    assert bl.dispatch.describe(dataclasses.replace(req, head_dim=64), "triton") == "triton, simple kernels"
+
+
+def test_the_forwards_that_store_the_logsumexp_take_the_plain_forwards_plans():
+    """A variant's two forwards share one launch plan (``block.plan.block_plan`` keys it by the
+    variant, not the kernel): the same constexprs, and the same arguments with ``Lse`` after ``O``
+    and its head stride last."""
+    kernels = [variants.SIMPLE]
+    if variants.gluon_import_error() is None:
+        kernels.append(variants.HOPPER)
+    for variant in kernels:
+        plain, lse = variant.kernels()[0], variant.lse_forward()
+        assert lse.constexpr_names() == plain.constexpr_names(), variant.name
+        plain_args, lse_args = list(plain.kernel.arg_names), list(lse.kernel.arg_names)
+        at = plain_args.index("O") + 1
+        tail = plain_args.index("stride_od") + 1
+        assert lse_args == plain_args[:at] + ["Lse"] + plain_args[at:tail] + ["stride_lh"] + plain_args[tail:]
+    # Every variant that admits a call whose forward stores the logsumexp has such a kernel.
+    for name, variant in variants.VARIANTS.items():
+        for block, dim, groups, rot in [(65, 144, 1, 0), (128, 256, 1, 0), (128, 192, 4, 0), (100, 256, 2, 256)]:
+            for major in (8, 9, 10):
+                facts = _facts(major=major, block_size=block, head_dim=dim, groups=groups, rot=rot)
+                if not variant.call_reasons(facts):
+                    assert variant.lse_forward is not None, (name, facts)
 
 
 def test_hopper_layout_reasons():

@@ -8,8 +8,9 @@ serves the tensors' device and runs it, so the kernel is a run-time choice, neve
 traced or exported graph.
 
 The forward returns ``(out, lse)``. Kinds whose backward runs the multi-tile kernels
-(:func:`saves_lse`: full attention, blocks over ``SINGLE_TILE_MAX`` tokens, and blocks over
-``ONE_PROGRAM_BACKWARD_MAX`` tokens with heads over ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` wide)
+(:func:`saves_lse`: full attention, blocks over ``SINGLE_TILE_MAX`` tokens, blocks over
+``ONE_PROGRAM_BACKWARD_MAX`` tokens with heads over ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` wide, and
+float32 blocks whose tile exceeds ``FLOAT32_TILE_MAX`` elements)
 return the logsumexp of each query row's scaled scores, ``lse [H, T]`` float32, which that
 backward reads with ``out``; every backend returns the same quantity there. The other kinds
 recompute everything from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only
@@ -43,12 +44,28 @@ _NON_TENSOR_INPUTS = 10
 # H200 has 227 KB per program).
 ONE_PROGRAM_BACKWARD_MAX = 64
 ONE_PROGRAM_BACKWARD_HEAD_DIM = 128
+# float32 blocks are computed in one tile where it has at most this many elements (the block's
+# rows by the head's channels, each rounded up to a power of two, at least 16); larger float32
+# tiles did not fit a program's shared memory on the H200, forward or backward.
+FLOAT32_TILE_MAX = 64 * 128
 
 
-def saves_lse(block_size: int, head_dim: int) -> bool:
+def float32_tile_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a block of this kind fits the single-tile kernels as far as float32 goes: any
+    16-bit dtype, float32 where the tile has at most ``FLOAT32_TILE_MAX`` elements."""
+    if dtype != torch.float32:
+        return True
+    return _extent(block_size) * _extent(head_dim) <= FLOAT32_TILE_MAX
+
+
+def _extent(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def saves_lse(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the forward of this kind returns (and autograd saves) ``out`` and ``lse`` for its
     backward: where the backward runs the multi-tile kernels."""
-    if block_size == 0 or block_size > SINGLE_TILE_MAX:
+    if block_size == 0 or block_size > SINGLE_TILE_MAX or not float32_tile_fits(block_size, head_dim, dtype):
         return True
     return block_size > ONE_PROGRAM_BACKWARD_MAX and head_dim > ONE_PROGRAM_BACKWARD_HEAD_DIM
 
@@ -89,7 +106,7 @@ def attention_bwd(
 
 @attention_fwd.register_fake
 def _fwd_fake(q, k, v, offsets, block_size, *args):
-    lse_rows = q.shape[0] if saves_lse(block_size, q.shape[2]) else 0
+    lse_rows = q.shape[0] if saves_lse(block_size, q.shape[2], q.dtype) else 0
     return q.new_empty(q.shape), q.new_empty((q.shape[1], lse_rows), dtype=torch.float32)
 
 
@@ -103,7 +120,7 @@ def _setup_context(ctx, inputs, output) -> None:
      cpu_offsets, max_seqlen, backend) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    keep = saves_lse(block_size, q.shape[2])
+    keep = saves_lse(block_size, q.shape[2], q.dtype)
     ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out if keep else None, lse if keep else None)
     ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend)
 

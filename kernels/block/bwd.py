@@ -28,7 +28,7 @@ from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols
 from . import self_check
-from .plan import block_grid, block_plan
+from .plan import block_grid, block_plan, float32_tile_fits
 from .variants import SIMPLE, call_facts, choose
 
 
@@ -306,11 +306,12 @@ _TEMPLATES = HostCache("block_backwards")
 _NO_LAST = (None, None)
 
 
-def one_tile_backward_fits(block_size: int, head_dim: int) -> bool:
+def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether a block kernel's backward fits one program: not for blocks over 64 rows with head
     dims over 128, whose 128 x 256 tiles of q, k, v, dO and P would take 288 KB of shared memory
-    (the H200 has 227 KB per program; Triton's simple kernels ask for more)."""
-    return block_size <= 64 or head_dim <= 128
+    (the H200 has 227 KB per program; Triton's simple kernels ask for more), nor for float32 tiles
+    over ``plan.FLOAT32_TILE_MAX`` elements."""
+    return (block_size <= 64 or head_dim <= 128) and float32_tile_fits(block_size, head_dim, dtype)
 
 
 def prepare_backward(
@@ -329,7 +330,7 @@ def prepare_backward(
     The first backward of a signature compiles its kernel through the ordinary path; until then
     there is nothing to prepare.
     """
-    if fwd_key is None or sched.programs == 0 or not one_tile_backward_fits(block_size, q.shape[2]):
+    if fwd_key is None or sched.programs == 0 or not one_tile_backward_fits(block_size, q.shape[2], q.dtype):
         return None
     last_key, template = _TEMPLATES.get(None, _NO_LAST)
     if fwd_key is not last_key:

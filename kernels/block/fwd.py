@@ -249,18 +249,24 @@ def block_attention_fwd_lse(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward and each query row's logsumexp: ``(o [T, H, D], lse [H, T] float32)``, the
     natural-log logsumexp of the scaled scores that the flash kernels' backward reads. Runs the
-    simple kernels (the other variants do not store it), one program per block and kv head."""
+    variant the choice takes among those with such a kernel (``Variant.lse_forward``); one that
+    would be self-checked at first use leaves the call to the simple kernels."""
     o = empty_contiguous(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     call = _launch_facts(q, k, v, o, offsets, block_size, rope_theta, positions, rotary_dim, cpu_offsets)
     if call is None:
         return o, lse
     sched, rot, int64, pos, log2_theta = call
-    meta, _, key = block_plan(q, k, block_size, rot, rotary_interleaved, positions is not None, causal, False,
-                              sched.inline_seqs, int64, SIMPLE, launch_fwd_lse)
+    has_pos = positions is not None
+    facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, has_pos, stores_lse=True)
+    variant = choose(facts, q, (q, k, v))
+    flags = (block_size, rot, rotary_interleaved, has_pos, causal, sched.inline_seqs, int64)
+    launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags, lse=True)
+    if self_check.pending(variant, facts.major, key):
+        launcher, meta, key, grid = _plan(SIMPLE, q, k, sched.programs, *flags, lse=True)
     args = (q, k, v, o, lse, sched.table, pos, sched.programs, sched.num_seqs, block_size, scale * LOG2E, log2_theta,
             k.shape[1], *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0))
-    launch_fwd_lse((sched.programs, k.shape[1]), args, meta, q, key)
+    launcher(grid, args, meta, q, key)
     return o, lse
 
 
@@ -361,9 +367,11 @@ def _launch_ordinary(q, k, v, o, sched, pos, block_size, qk_scale, log2_theta, r
     return launched
 
 
-def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:
-    """``(launcher, meta, key, grid)`` of ``variant``'s forward launch."""
-    launcher = variant.kernels()[0]
+def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64,
+          lse: bool = False) -> tuple:
+    """``(launcher, meta, key, grid)`` of ``variant``'s forward launch (``lse``: its forward that
+    also stores the logsumexp)."""
+    launcher = variant.lse_forward() if lse else variant.kernels()[0]
     meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, inline_seqs, int64,
                                  variant, launcher)
     grid = block_grid(programs, grid_heads(meta, loop, k.shape[1]), q.device, False, variant, meta["BLOCK_D"],

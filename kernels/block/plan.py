@@ -8,7 +8,7 @@ import torch
 
 from blockattn_layers.runtime.caches import HostCache
 
-from ..common.meta import device_major, input_precision, max_shared_memory, num_warps, sm_count, static_meta
+from ..common.meta import device_major, input_precision, max_shared_memory, num_warps, sm_count, static_meta, tile_extent
 from .variants import Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
@@ -109,12 +109,26 @@ def simple_backward_warps(meta: dict) -> int:
     return meta["num_warps"]
 
 
+# float32 tiles of at most this many elements (``BLOCK_M x BLOCK_D``) fit a program's shared memory,
+# forward and backward. Larger ones did not on the H200 with IEEE products either, whose layout
+# conversions stage there (Triton 3.6; backward 64 x 256 272 KB with grouped-query heads, 128 x 128
+# 320 KB, forward 128 x 256 384 KB with rotary and grouped-query heads; limit 227 KB): the op layer
+# runs those blocks on the flash kernels (``ops.library.float32_tile_fits``, the same bound).
+FLOAT32_TILE_MAX = 64 * 128
+
+
+def float32_tile_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the block kernels' tile of a call fits as far as float32 goes (16-bit dtypes always)."""
+    return dtype != torch.float32 or tile_extent(block_size) * tile_extent(head_dim) <= FLOAT32_TILE_MAX
+
+
 def tf32_tiles_fit(block_m: int, block_d: int, backward: bool, max_shared: int) -> bool:
     """Whether the Triton block kernels' float32 tiles fit a program's shared memory with TF32
     products, which stage their operands there: 3 (forward) or 7 (backward) tiles of ``block_m x
     block_d`` 4-byte values (compile_check, sm_90, Triton 3.6: forward 64 x 128 98 KB, 128 x 256 393
     KB; backward 64 x 128 229 KB, 128 x 128 and 64 x 256 459 KB, over the H200's 227 KB, where the
-    launch fails). IEEE products take no shared memory for their operands."""
+    launch fails). IEEE products stage layout conversions there instead, which fit the tiles
+    ``float32_tile_fits`` admits."""
     return (7 if backward else 3) * block_m * block_d * 4 <= max_shared
 
 

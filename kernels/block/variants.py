@@ -59,14 +59,16 @@ class CallFacts(NamedTuple):
     int64: bool
     has_pos: bool = False
     backward: bool = False
+    stores_lse: bool = False
 
 
 def call_facts(q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool,
-               int64: bool, has_pos: bool = False, backward: bool = False) -> CallFacts:
+               int64: bool, has_pos: bool = False, backward: bool = False, stores_lse: bool = False) -> CallFacts:
     """What the variant choice reads of a call, short of the tensors' layout (``has_pos``: rotary
-    positions given; ``backward``: the choice is the backward's)."""
+    positions given; ``backward``: the choice is the backward's; ``stores_lse``: the forward also
+    stores each row's logsumexp, for the flash backward)."""
     return CallFacts(q.device.type, major_of(q) if q.is_cuda else None, q.dtype, q.shape[2], q.shape[1] // k.shape[1],
-                     block_size, rot, interleaved, int64, has_pos, backward)
+                     block_size, rot, interleaved, int64, has_pos, backward, stores_lse)
 
 
 class Variant(NamedTuple):
@@ -74,6 +76,8 @@ class Variant(NamedTuple):
 
     ``generations``: compute-capability majors where ``auto`` may take it (None: every one);
     ``kernels``: returns its ``(forward, backward)`` launchers, imported at first use;
+    ``lse_forward``: returns its forward launcher that also stores each row's logsumexp (same
+    arguments with ``Lse`` after ``O`` and its head stride last), or None where it has none;
     ``persistent``: a grid of resident programs (``programs_per_sm`` of them per SM, keyed
     (backward, BLOCK_D > 64)) instead of one program per (block, kv head); ``block_m``: fixed
     tile rows; ``warpgroup_tiles``: tiles of 64 or 128 rows (the block's tile extent, at least 64)
@@ -103,6 +107,7 @@ class Variant(NamedTuple):
     verified_on: Optional[FrozenSet[int]] = None
     num_warps: Optional[int] = None
     auto_reasons: Optional[Callable[[CallFacts], List[str]]] = None
+    lse_forward: Optional[Callable[[], Launcher]] = None
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -270,6 +275,18 @@ def _simple_kernels() -> Tuple[Launcher, Launcher]:
     return fwd.launch_fwd, bwd.launch_bwd
 
 
+def _simple_lse_forward() -> Launcher:
+    from . import fwd
+
+    return fwd.launch_fwd_lse
+
+
+def _hopper_lse_forward() -> Launcher:
+    from ..sm90 import block
+
+    return block.launch_fwd_lse
+
+
 def _hopper_kernels() -> Tuple[Launcher, Launcher]:
     from ..sm90 import block
 
@@ -338,11 +355,12 @@ PACKED_MAX_BLOCK = 32
 
 SIMPLE = Variant(
     "simple", "Triton, one program per (block, kv head); rotary at D <= 64: per block, looping over the kv heads",
-    None, False, _no_reasons, _no_reasons, _simple_kernels)
+    None, False, _no_reasons, _no_reasons, _simple_kernels, lse_forward=_simple_lse_forward)
 HOPPER = Variant(
     "hopper", "Gluon for sm_90: cp.async tiles in shared memory, wgmma from one copy, rotary rotated in place, "
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
-    _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_auto_reasons)
+    _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_auto_reasons,
+    lse_forward=_hopper_lse_forward)
 HOPPER_PACKED = Variant(
     "hopper_packed", "the hopper kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block)", frozenset({9}), False,
@@ -452,6 +470,18 @@ def forced_variant(name: str):
         force_variant("auto" if before is None else before.name)
 
 
+LSE_REASON = "no forward that stores the logsumexp (which the flash backward reads)"
+
+
+def _call_reasons(variant: Variant, facts: CallFacts) -> List[str]:
+    """The variant's ``call_reasons``, and where the forward must store the logsumexp, a variant
+    with no such kernel (``lse_forward``)."""
+    reasons = list(variant.call_reasons(facts))
+    if facts.stores_lse and variant.lse_forward is None:
+        reasons.append(LSE_REASON)
+    return reasons
+
+
 def _state_reasons(variant: Variant, facts: CallFacts, by_auto: bool) -> List[str]:
     """Reasons of the process's state: disabled by its self-check, or (for ``auto``) no recorded
     hardware run on this generation without the opt-in."""
@@ -472,7 +502,7 @@ def _auto(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) ->
     for variant in AUTO_ORDER:
         if variant.generations is not None and facts.major not in variant.generations:
             continue
-        if (not variant.call_reasons(facts) and not _auto_reasons(variant, facts)
+        if (not _call_reasons(variant, facts) and not _auto_reasons(variant, facts)
                 and not _state_reasons(variant, facts, True) and not variant.layout_reasons(q, tensors)):
             return variant
     return SIMPLE
@@ -482,7 +512,7 @@ def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -
     """The variant that computes this call: the forced one where it admits the call, else auto's."""
     variant = forced()
     if variant is not None:
-        reasons = (variant.call_reasons(facts) + _state_reasons(variant, facts, False)
+        reasons = (_call_reasons(variant, facts) + _state_reasons(variant, facts, False)
                    + variant.layout_reasons(q, tensors))
         if not reasons:
             return variant
@@ -508,7 +538,7 @@ def explain(facts: CallFacts) -> Dict[str, List[str]]:
     reasons: Dict[str, List[str]] = {}
     taken = False
     for variant in order:
-        why = list(variant.call_reasons(facts)) or _state_reasons(variant, facts, variant is not chosen)
+        why = _call_reasons(variant, facts) or _state_reasons(variant, facts, variant is not chosen)
         if variant is not chosen and not why:
             why = [f"auto takes another variant here: {r}" for r in _auto_reasons(variant, facts)]
         if variant is not chosen:

@@ -140,17 +140,27 @@ def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexp
 
 
 @gluon.jit
-def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
+def _probs_lse(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """Exact softmax of raw scores ``s`` over the block's ``n`` keys (and the causal triangle):
-    unnormalized probabilities and the rows' reciprocal sums."""
+    unnormalized probabilities, the rows' reciprocal sums, and the rows' natural-log logsumexp of
+    the scaled scores (``qk_scale`` includes log2(e)), as the flash kernels store it."""
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LAYOUT))
     valid = gl.expand_dims(cols < n, 0)
     if IS_CAUSAL:
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
         valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
     s = gl.where(valid, s * qk_scale, float("-inf"))
-    p = gl.exp2(s - gl.expand_dims(gl.max(s, 1), 1))
-    return p, 1.0 / gl.sum(p, 1)
+    row_max = gl.max(s, 1)
+    p = gl.exp2(s - gl.expand_dims(row_max, 1))
+    total = gl.sum(p, 1)
+    return p, 1.0 / total, (row_max + gl.log2(total)) * 0.6931471805599453
+
+
+@gluon.jit
+def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
+    """:func:`_probs_lse` without the logsumexp."""
+    p, inv, _ = _probs_lse(s, n, qk_scale, IS_CAUSAL, BLOCK_M, LAYOUT)
+    return p, inv
 
 
 @gluon.jit
@@ -437,15 +447,18 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
 
 
 @gluon.jit
-def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, prow, hk, qk_scale, log2_theta,
-              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk, qk_scale, log2_theta,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr):
+              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
+              STORE_LSE: gl.constexpr):
     """Kv head ``hk`` of one tile and its ``GROUPS`` query heads: the tile's tokens ``rows`` where
     ``row_ok`` (in the row layout of ``BLOCK_D``), a block (rows ``start .. start + n``, its first
     row ``first_row`` in its sequence) or with ``SLOT`` blocks of ``SLOT`` rows each (``prow``: each
-    row's index in its sequence). Returns, for a tile of blocks, how many elements of the first
-    head's output are not finite (else 0)."""
+    row's index in its sequence). ``STORE_LSE`` (a block, not a tile of blocks): also each query
+    row's logsumexp, into ``Lse [H, T]``. Returns, for a tile of blocks, how many elements of the
+    first head's output are not finite (else 0)."""
+    gl.static_assert(not (STORE_LSE and SLOT > 0), "the logsumexp of a block, not of a tile of blocks")
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     HALF: gl.constexpr = BLOCK_D // 2
     ROTARY: gl.constexpr = ROT_DIM > 0
@@ -518,6 +531,10 @@ def _fwd_tile(Q, K, V, O, Pos, start, n, first_row, rows, row_ok, prow, hk, qk_s
             s = warpgroup_mma(q_s.index(g % STAGES), k_s.permute((1, 0)), zero_s)
         if SLOT > 0:
             p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
+        elif STORE_LSE:
+            p, inv, lse = _probs_lse(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+            gl.store(Lse + (hk * GROUPS + g) * stride_lh + rows, gl.convert_layout(lse, gl.SliceLayout(1, ld)),
+                     mask=row_ok)
         else:
             p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
         o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
@@ -551,21 +568,21 @@ def _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, b
     rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT, INLINE_SEQS, 4)
     if INT64:
         rows = rows.to(gl.int64)
-    _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, qk_scale, log2_theta,
-              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS,
-              HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+    _fwd_tile(Q, K, V, O, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, qk_scale,
+              log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, 0,
+              GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, False)
 
 
-@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
-def _hopper_fwd_kernel(
-    Q, K, V, O, Sched, Pos,
-    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-    ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
-):
+@gluon.jit
+def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                 GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+                 ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                 HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr,
+                 STORE_LSE: gl.constexpr):
+    """One program of the forward (``STORE_LSE``: and each query row's logsumexp, ``Lse [H, T]``,
+    of blocks one per program without the kv-head loop)."""
+    gl.static_assert(not (STORE_LSE and HEAD_LOOP), "the logsumexp without the kv-head loop")
     if SPLIT_GROUPS > 1:
         # One query head per program (GROUPS is 1), the grid's second axis over the query heads.
         # Programs start in launch order (the first axis fastest): taken as (tile, head) with the
@@ -579,6 +596,7 @@ def _hopper_fwd_kernel(
         hk = h // SPLIT_GROUPS
         Q = Q + (h - hk) * stride_qh
         O = O + (h - hk) * stride_oh
+        Lse = Lse + (h - hk) * stride_lh
     else:
         pid = gl.program_id(0)
         hk = gl.program_id(1)
@@ -592,9 +610,9 @@ def _hopper_fwd_kernel(
         if INT64:
             rows = rows.to(gl.int64)
         if n > 0:
-            bad = _fwd_tile(Q, K, V, O, Pos, 0, n, 0, rows, row_ok, prow, hk, qk_scale, log2_theta, stride_qt,
-                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, GROUPS,
-                            HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            bad = _fwd_tile(Q, K, V, O, Lse, Pos, 0, n, 0, rows, row_ok, prow, hk, qk_scale, log2_theta, stride_qt,
+                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                            GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, STORE_LSE)
             if bad > 0:
                 # A NaN or infinity in v reached the other blocks' rows (0 x NaN in P V): each block
                 # again alone.
@@ -613,9 +631,44 @@ def _hopper_fwd_kernel(
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                                   stride_oh, BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
         elif n > 0:
-            _fwd_tile(Q, K, V, O, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale, log2_theta,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT)
+            _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale,
+                      log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                      stride_oh, stride_lh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT,
+                      STORE_LSE)
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_fwd_kernel(
+    Q, K, V, O, Sched, Pos,
+    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
+):
+    _fwd_program(Q, K, V, O, O, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, 0,
+                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
+                 SLOT, SPLIT_GROUPS, False)
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_fwd_lse_kernel(
+    Q, K, V, O, Lse, Sched, Pos,
+    slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
+    ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
+):
+    """``_hopper_fwd_kernel`` that also stores each query row's logsumexp, ``Lse [H, T]`` (blocks
+    one per program: no ``SLOT``, no ``HEAD_LOOP``)."""
+    _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
+                 SLOT, SPLIT_GROUPS, True)
 
 
 @gluon.jit
@@ -968,4 +1021,5 @@ def _hopper_bwd_kernel(
 
 
 launch_fwd = Launcher(_hopper_fwd_kernel)
+launch_fwd_lse = Launcher(_hopper_fwd_lse_kernel)
 launch_bwd = Launcher(_hopper_bwd_kernel)

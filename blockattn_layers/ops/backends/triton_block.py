@@ -1,13 +1,14 @@
 """The ``triton`` backend: single-pass block kernels (``blockattn_layers.kernels``), one tile per block.
 
 For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
-backward that recomputes the probabilities from q, k, v. The block-kernel variants (simple,
+backward that recomputes the probabilities from q, k, v. float32 blocks whose tile would not fit a
+program's shared memory (``float32_tile_fits``) run forward and backward on the flash kernels. The block-kernel variants (simple,
 hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
 choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Where no
 block kernel's backward fits one program (``one_tile_backward_fits``: blocks over 64 rows with head
-dims over 128; the op layer's ``saves_lse``), the forward runs the simple kernels, which also
-store each row's logsumexp, and the backward runs the flash kernels on the saved output and
-logsumexp. Without gradients (``forward_inference``) the forward there takes the variant choice.
+dims over 128; the op layer's ``saves_lse``), the forward also stores each row's logsumexp (the
+variants with such a kernel: ``Variant.lse_forward``), and the backward runs the flash kernels on
+the saved output and logsumexp. Without gradients (``forward_inference``) it stores none.
 Kernel sizes are run-time arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
 interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
@@ -22,15 +23,21 @@ from torch import Tensor
 from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
+from blockattn_layers.kernels.block.plan import float32_tile_fits
 from blockattn_layers.kernels.common.meta import MAX_TILE
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
+from .. import library
 from ..library import SINGLE_TILE_MAX, saves_lse
 
 assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
-assert all(saves_lse(block, dim) != one_tile_backward_fits(block, dim) for block in (64, 65, 128) for dim in (128, 144)), \
+assert all(saves_lse(block, dim, dtype) != one_tile_backward_fits(block, dim, dtype)
+           and library.float32_tile_fits(block, dim, dtype) == float32_tile_fits(block, dim, dtype)
+           for block in (1, 16, 17, 32, 64, 65, 128) for dim in (16, 64, 128, 144, 256)
+           for dtype in (torch.bfloat16, torch.float32)), \
     "the op layer must save lse exactly where the block kernels' backward does not fit one program"
 
 
@@ -41,7 +48,9 @@ def _forward(
 ) -> Tuple[Tensor, Optional[Tensor]]:
     args = (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
             cpu_offsets)
-    if saves_lse(block_size, q.shape[2]):
+    if not float32_tile_fits(block_size, q.shape[2], q.dtype):
+        return flash_attention_fwd(*args)
+    if saves_lse(block_size, q.shape[2], q.dtype):
         return block_attention_fwd_lse(*args)
     return block_attention_fwd(*args), None
 
@@ -52,8 +61,11 @@ def _forward_inference(
     cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
 ) -> Tensor:
     """The output alone, from the variant the choice takes (no logsumexp to store)."""
-    return block_attention_fwd(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-                               rotary_interleaved, cpu_offsets)
+    args = (q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+            cpu_offsets)
+    if not float32_tile_fits(block_size, q.shape[2], q.dtype):
+        return flash_attention_fwd(*args)[0]
+    return block_attention_fwd(*args)
 
 
 def _forward_prepared(
@@ -74,7 +86,7 @@ def _backward(
     positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    if saves_lse(block_size, q.shape[2]):
+    if saves_lse(block_size, q.shape[2], q.dtype):
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
                                    positions, rotary_dim, rotary_interleaved, cpu_offsets,
                                    deterministic=deterministic_backward())
@@ -94,35 +106,37 @@ def triton_devices() -> frozenset:
     return frozenset({"cuda", "cpu"}) if interpreter_active() else frozenset({"cuda"})
 
 
-# The backward of calls whose block kernels' backward does not fit one program.
-FLASH_BACKWARD = "flash"
+# The kernels of calls whose block kernels' backward (and, for float32, forward) does not fit one program.
+FLASH = "flash"
 # The phase, beside "backward", whose variant choice ``_variant_reasons`` may show apart.
 FORWARD_WITH_GRADIENTS = "forward with gradients"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
-
-
-_LSE_FORWARD = ("forward with gradients of blocks over 64 tokens with head_dim over 128: it stores each row's "
-                "logsumexp for the flash backward, which only the simple kernels do")
+_FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
 
 
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs). Where
     the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``;
     ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits``), and
-    there, where the forward without gradients takes another variant, the forward with gradients'
-    reasons under ``forward with gradients: NAME`` (the simple kernels, which store the logsumexp)."""
+    there, where the forward without gradients takes another variant than the forward with them
+    (which stores the logsumexp: ``CallFacts.stores_lse``), the latter's reasons under
+    ``forward with gradients: NAME``. float32 calls whose tile does not fit (``float32_tile_fits``):
+    ``flash`` both ways, every variant with that reason."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
     facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
                                req.rotary_interleaved, False)
     forward = variants.explain(facts)
+    block_size = req.block_size or 0
+    if not float32_tile_fits(block_size, req.head_dim, req.dtype):
+        return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
-    if not one_tile_backward_fits(req.block_size or 0, req.head_dim):
+    if not one_tile_backward_fits(block_size, req.head_dim, req.dtype):
         backward = {name: why + [_NO_ONE_TILE_BACKWARD] for name, why in forward.items()}
-        backward[FLASH_BACKWARD] = []
-        training = {name: [] if name == variants.SIMPLE.name else why + [_LSE_FORWARD] for name, why in forward.items()}
+        backward[FLASH] = []
+        training = variants.explain(facts._replace(stores_lse=True))
     else:
         backward = variants.explain(facts._replace(backward=True))
     reasons = dict(forward)
