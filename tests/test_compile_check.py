@@ -152,8 +152,12 @@ def test_register_caps():
     128 rows it spilled: 9-11x the floor on the H200); the hopper rotary
     backward at D128 with one query head per kv head; on sm_90 with
     16-bit inputs, 64-row simple tiles and one query head per kv head, the rotary forward at D128,
-    the rotary backward at D64, the plain backward at D128 and the plain forward at D64."""
-    from blockattn_layers.kernels.block.plan import HEAD_LOOP_MAXNREG, max_registers as caps
+    the rotary backward at D64, the plain backward at D128 and the plain forward at D64; the hopper
+    forward of grouped query heads on 128-row tiles of D <= 64, and its backward of one query head per
+    kv head there at D32 and at D64 with rotary."""
+    from blockattn_layers.kernels.block.plan import (
+        HEAD_LOOP_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG, HOPPER_TILE128_BWD_MAXNREG, max_registers as caps,
+    )
     from blockattn_layers.kernels.block.variants import VARIANTS
 
     def max_registers(meta, variant, *args):
@@ -171,10 +175,18 @@ def test_register_caps():
     assert max_registers(meta(0, 128), "simple", True, 9, 2) == 168
     assert max_registers(meta(0, 64), "simple", False, 9, 2) == 72
     assert max_registers(meta(128, 128), "hopper", True, 9, 2) == 168
+    for rot, d in [(0, 32), (32, 32), (0, 64), (64, 64)]:
+        assert max_registers(meta(rot, d, 128, groups=4), "hopper", False, 9, 2) == HOPPER_GROUP_LOOP_MAXNREG
+    for rot, d in [(0, 32), (32, 32), (64, 64)]:
+        assert max_registers(meta(rot, d, 128), "hopper", True, 9, 2) == HOPPER_TILE128_BWD_MAXNREG
     for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
                  (meta(64, 64), "hopper", True, 9, 2), (meta(128, 128, groups=2), "hopper", True, 9, 2),
                  (meta(64, 64, 128), "simple", False, 9, 2), (meta(32, 32, 128, groups=4), "simple", False, 9, 2),
-                 (meta(64, 64, 128), "hopper", False, 9, 2), (meta(128, 128, 128), "hopper", True, 9, 2)]:
+                 (meta(64, 64, 128), "hopper", False, 9, 2), (meta(128, 128, 128), "hopper", True, 9, 2),
+                 (meta(0, 128, 128, groups=4), "hopper", False, 9, 2),
+                 (meta(0, 64, 128, groups=4), "hopper", True, 9, 2),
+                 (meta(0, 256, 128, groups=2), "hopper", False, 9, 2), (meta(0, 64, 128), "hopper", True, 9, 2),
+                 (meta(32, 32, 128, groups=2), "hopper", True, 9, 2), (meta(0, 32, 128), "hopper", False, 9, 2)]:
         assert max_registers(*args) is None, args
     for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),
                  (meta(128, 128), "simple", False, 9, 4), (meta(128, 128, 128), "simple", False, 9, 2),

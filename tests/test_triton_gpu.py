@@ -88,6 +88,7 @@ CASES = [
     dict(heads=4, kv_heads=4, dim=64, block_size=64),
     dict(heads=4, kv_heads=2, dim=128, block_size=64, causal=True),
     dict(heads=4, kv_heads=1, dim=32, block_size=100),
+    dict(heads=8, kv_heads=2, dim=32, block_size=128, rope_theta=10000.0, causal=True),
     dict(heads=2, kv_heads=2, dim=80, block_size=48, causal=True),
     dict(heads=2, kv_heads=2, dim=256, block_size=32),
     dict(heads=2, kv_heads=1, dim=16, block_size=128, causal=True),

@@ -24,7 +24,7 @@ from .variants import Variant
 # - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
 #   1.184 ms (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
-# The hopper kernels' caps at 64-row tiles (128-row ones take ptxas's choice), keyed as
+# The hopper kernels' caps at 64-row tiles (128-row ones take ptxas's choice but the one below), keyed as
 # ``_SM90_MAXNREG`` (one query head per kv head); none
 # measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
 # 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
@@ -33,6 +33,18 @@ HEAD_LOOP_MAXNREG = 128
 # rotated back 32 rows at a time from shared memory (``sm90.block._unrotate_store``), needs 178
 # registers uncapped and 168 with 16 bytes spilled: 3 programs per SM instead of 2.
 HOPPER_MAXNREG: dict = {(True, 128, True): 168}
+# The hopper forward of grouped query heads on 128-row tiles of D <= 64 (the group's loop in one
+# program): ptxas takes 138-201 registers at D64 or with causal or rotary, one 8-warp program per
+# SM; capped at 128 (no spills at D32, 4-96 bytes at D64), two. H200, bf16, grid lengths, ms
+# uncapped -> capped (session 24): 8x2 D32 1.385 -> 1.123, causal 1.514 -> 1.120, rotary 1.666 ->
+# 1.187; 8x2 D64 1.789 -> 1.237, causal 1.788 -> 1.402; 4x1 D64 0.919 -> 0.755.
+HOPPER_GROUP_LOOP_MAXNREG = 128
+# The hopper backward of one query head per kv head on 128-row tiles of D32, and of D64 with rotary:
+# ptxas takes 170-189 registers, one 8-warp program per SM; capped at 128 (156-240 bytes spilled),
+# two. H200, bf16, grid lengths, 2x2 heads, ms uncapped -> capped (session 24): D32 0.836 -> 0.723,
+# causal 0.868 -> 0.833, rotary 0.959 -> 0.802; D64 rotary 1.185 -> 1.089; D64 without rotary
+# 0.996 -> 1.013 and causal 1.018 -> 1.028 (slower: not capped).
+HOPPER_TILE128_BWD_MAXNREG = 128
 # hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
@@ -59,7 +71,12 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"])) if meta["GROUPS"] == 1 else None
     if variant.name == "hopper":
         if meta["BLOCK_M"] != 64:
-            return None
+            if meta["BLOCK_D"] > 64:
+                return None
+            if backward:
+                capped = meta["GROUPS"] == 1 and (meta["BLOCK_D"] == 32 or meta["ROT_DIM"] > 0)
+                return HOPPER_TILE128_BWD_MAXNREG if capped else None
+            return HOPPER_GROUP_LOOP_MAXNREG if meta["GROUPS"] > 1 else None
         if not backward and head_loop(meta, variant.name):
             return HEAD_LOOP_MAXNREG
         return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
