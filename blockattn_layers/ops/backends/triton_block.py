@@ -2,15 +2,16 @@
 
 For blocks of up to ``SINGLE_TILE_MAX`` tokens: one exact softmax per block, no logsumexp, and a
 backward that recomputes the probabilities from q, k, v. float32 blocks whose tile would not fit a
-program's shared memory (``float32_tile_fits``) run forward and backward on the flash kernels. The block-kernel variants (simple,
-hopper, ...: ``kernels.block.variants``) declare what they admit; the launch runs the one they
-choose, and ``variant_reasons`` shows the choice to the dispatcher's ``explain_variants``. Where no
-block kernel's backward fits one program (``one_tile_backward_fits``: blocks over 64 rows with head
-dims over 128; the op layer's ``saves_lse``), the forward also stores each row's logsumexp (the
-variants with such a kernel: ``Variant.lse_forward``), and the backward runs the flash kernels on
-the saved output and logsumexp. Without gradients (``forward_inference``) it stores none.
-Kernel sizes are run-time arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through Triton's
-interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
+program's shared memory (``float32_tile_fits``) run forward and backward on the flash kernels. The
+block-kernel variants (simple, hopper, ...: ``kernels.block.variants``) declare what they admit; the
+launch runs the one they choose, and ``variant_reasons`` shows the choice to the dispatcher's
+``explain_variants``. Where no block kernel's backward fits one program (``one_tile_backward_fits``:
+blocks over 64 rows with head dims over 128; the op layer's ``saves_lse``), the forward also stores
+each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``), and the backward
+runs the flash kernels on the saved output and logsumexp. Without gradients (``forward_inference``)
+it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
+compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
+(by name only: ``auto`` never picks it there).
 """
 from __future__ import annotations
 
