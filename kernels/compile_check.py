@@ -231,7 +231,8 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
     """The Gluon kernels of the hopper variant (sm_90 only): 16-bit dtypes, D 64 / 128 on 64-row
     tiles with rotary, causal, one or two query heads per kv head, the block table or the in-kernel
     schedule; then, in bf16, the other tiles the variant admits (``HOPPER.call_reasons``): 128-row
-    tiles (two warpgroups, causal), D 32, 96 (padded to 128) and 256, and 64-bit addressing."""
+    tiles (two warpgroups, causal; D64 too, where the launch plan caps registers), D 32, 96 (padded
+    to 128) and 256, and 64-bit addressing."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     for kind, dtype, dim, rotary, causal, groups in itertools.product(
@@ -239,11 +240,11 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
     ):
         yield _hopper_build(kind, dtype, 64, dim, rotary, causal, groups, False)
     for kind, block, dim, rotary, groups in itertools.product(
-        ("fwd", "bwd"), (64, 128), (32, 96, 128, 256), (False, True), (1, 2),
+        ("fwd", "bwd"), (64, 128), (32, 64, 96, 128, 256), (False, True), (1, 2),
     ):
         facts = CallFacts("cuda", 9, torch.bfloat16, dim, groups, block, dim if rotary else 0, False, False,
                           backward=kind == "bwd")
-        if (block, dim) != (64, 128) and not HOPPER.call_reasons(facts):
+        if (block == 128 or dim not in (64, 128)) and not HOPPER.call_reasons(facts):
             yield _hopper_build(kind, "bf16", block, dim, rotary, block == 128, groups, False)
     for kind in ("fwd", "bwd"):
         yield _hopper_build(kind, "bf16", 64, 128, True, False, 1, True)
