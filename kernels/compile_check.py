@@ -11,7 +11,7 @@ copy their tiles with asynchronous copies (``cp.async``), and the warp-specializ
 reallocate registers between partitions (``setmaxnreg``). The sm_100 Gluon kernels must hold
 ``tcgen05.mma``, a tensor-memory load or store, TMA copies, asynchronous copies, mbarrier waits and
 ``setmaxnreg``. For each sm_100 and hopper build the registers and spills (ptxas -v), shared
-memory and tensor memory are printed, and a build over budget (``Usage.over_budget``) fails; every
+memory, tensor memory and the programs an SM holds at once are printed, and a build over budget (``Usage.over_budget``) fails; every
 Triton build's shared memory is checked against the same budget. Tiles, launch options and the
 float32 products' precision are the ones the launchers use on that generation.
 """
@@ -38,7 +38,7 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel, _block_fwd_lse_kernel
-from .block.plan import head_loop, max_registers, overlap_products, split_groups, tf32_tiles_fit
+from .block.plan import float32_tile_fits, head_loop, max_registers, overlap_products, split_groups
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
 )
@@ -148,10 +148,8 @@ def _block_builds(capability: int) -> Iterator[Build]:
         backward = kernel is not _block_fwd_kernel
         constexprs = _block_constexprs(dim, 1, block, dim if rotary else 0, False, causal, 0)
         constexprs["HEAD_LOOP"] = not backward and head_loop(constexprs, SIMPLE.name)
-        if dtype == "fp32" and not tf32_tiles_fit(block, dim, backward, MAX_SHARED):
-            # The launch plan takes IEEE products there (block.plan.tf32_tiles_fit); that build of
-            # the 128 x 128 rotary causal backward did not finish compiling in 30 minutes on CPU
-            # (kernels/PERF_NOTES.md, session 23), so it is not built here.
+        if dtype == "fp32" and not float32_tile_fits(block, dim, torch.float32):
+            # The op layer runs those float32 blocks on the flash kernels (``block.plan.float32_tile_fits``).
             continue
         size = 4 if dtype == "fp32" else 2
         options = dict(num_warps=4, num_stages=1)
@@ -511,6 +509,29 @@ class Usage(NamedTuple):
         spill = "?" if self.spill_bytes is None else self.spill_bytes
         return f"regs {regs} spill {spill} B smem {self.shared} B tmem {self.tmem_columns} cols"
 
+    def programs_per_sm(self, warps: int, capability: int) -> Optional[int]:
+        """How many programs of ``warps`` warps an SM of this generation holds at once, as its
+        registers (allocated per warp in 256s), shared memory (1 KB more per program), threads and
+        tensor memory allow; None where ptxas could not report the registers."""
+        if self.registers is None:
+            return None
+        per_warp = -(-self.registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+        limits = [SM_REGISTERS // (per_warp * warps), SM_SHARED[capability] // (self.shared + SHARED_PER_PROGRAM),
+                  SM_THREADS[capability] // (32 * warps), MAX_PROGRAMS_PER_SM]
+        if self.tmem_columns:
+            limits.append(MAX_TMEM_COLUMNS // self.tmem_columns)
+        return min(limits)
+
+
+# What an SM holds, for ``Usage.programs_per_sm``: 64 K 32-bit registers on every generation here;
+# shared memory (bytes) and threads by compute capability (CUDA programming guide, occupancy).
+SM_REGISTERS = 65536
+REGISTER_GRANULE = 256
+SM_SHARED = {80: 167936, 89: 102400, 90: 233472, 100: 233472}
+SHARED_PER_PROGRAM = 1024
+SM_THREADS = {80: 2048, 89: 1536, 90: 2048, 100: 2048}
+MAX_PROGRAMS_PER_SM = 32
+
 
 def ptxas_usage(ptx: str, capability: int) -> Tuple[Optional[int], Optional[int]]:
     """``(registers, spill store bytes)`` of a kernel's PTX from the Triton wheel's ptxas (``-v``),
@@ -575,7 +596,9 @@ def main(argv=None) -> int:
                 failures.append(f"{build.name}: over budget: {'; '.join(over)}")
         if build.name.startswith(("sm100_", "flash_gluon_")) or hopper:
             used = usage(compiled, ARCHS[args.arch])
-            print(f"{build.name}: {used}")
+            # (The compiled kernel's warps: with warp specialization, every partition's.)
+            held = used.programs_per_sm(compiled.metadata.num_warps, ARCHS[args.arch])
+            print(f"{build.name}: {used}, {held} programs per SM")
             over = used.over_budget(HOPPER_MAX_SPILL_BYTES if hopper else MAX_SPILL_BYTES)
             if used.registers is None:
                 over.append("ptxas could not report registers")

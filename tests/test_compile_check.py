@@ -240,6 +240,21 @@ def test_budget_overruns_fail():
         assert len(used.over_budget()) == 1, used
 
 
+def test_programs_per_sm():
+    """Programs an SM holds (sm_90: 64 K registers in 256-register pieces per warp, 228 KB of shared
+    memory, 1 KB more per program, 2048 threads): the hopper forward's causal group loop on 128-row
+    tiles at 167 registers holds one 8-warp program, at 128 two (session 24)."""
+    from blockattn_layers.kernels.compile_check import Usage
+
+    assert Usage(167, 0, 32768, 0).programs_per_sm(8, 90) == 1
+    assert Usage(128, 0, 32768, 0).programs_per_sm(8, 90) == 2
+    assert Usage(72, 0, 0, 0).programs_per_sm(4, 90) == 7
+    assert Usage(64, 0, 98304, 0).programs_per_sm(4, 90) == 2  # shared memory binds
+    assert Usage(32, 0, 0, 0).programs_per_sm(4, 89) == 12  # threads bind (1536 on sm_89)
+    assert Usage(128, 0, 0, 256).programs_per_sm(4, 100) == 2  # tensor memory binds
+    assert Usage(None, None, 0, 0).programs_per_sm(4, 90) is None
+
+
 def test_fp8_kernels_compile(tmp_path):
     """The fp8 forward and the fp8 projection build for sm_89, sm_90 and sm_100 (e4m3 loads
     converted in registers, or float32 results converted to e4m3 with saturation; each
