@@ -568,6 +568,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", default="",
                         help="compile only variants whose name contains this (or one of these, comma-separated)")
+    parser.add_argument("--usage", action="store_true",
+                        help="print every build's registers, spills, shared memory and programs per SM "
+                             "(by default the Gluon builds' only)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
@@ -594,11 +597,13 @@ def main(argv=None) -> int:
             over = Usage(None, None, int(getattr(compiled.metadata, "shared", 0) or 0), 0).over_budget()
             if over:
                 failures.append(f"{build.name}: over budget: {'; '.join(over)}")
-        if build.name.startswith(("sm100_", "flash_gluon_")) or hopper:
+        gluon_build = build.name.startswith(("sm100_", "flash_gluon_")) or hopper
+        if gluon_build or args.usage:
             used = usage(compiled, ARCHS[args.arch])
             # (The compiled kernel's warps: with warp specialization, every partition's.)
             held = used.programs_per_sm(compiled.metadata.num_warps, ARCHS[args.arch])
             print(f"{build.name}: {used}, {held} programs per SM")
+        if gluon_build:
             over = used.over_budget(HOPPER_MAX_SPILL_BYTES if hopper else MAX_SPILL_BYTES)
             if used.registers is None:
                 over.append("ptxas could not report registers")

@@ -255,6 +255,20 @@ def test_programs_per_sm():
     assert Usage(None, None, 0, 0).programs_per_sm(4, 90) is None
 
 
+def test_usage_of_every_build_on_request(tmp_path):
+    """``--usage`` prints the registers, spills, shared memory and programs per SM of the Triton
+    builds too (without it, the Gluon builds' only)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_90", "--out",
+           str(tmp_path), "--only", "fwd_bf16_b64_d128_causal"]
+    plain = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0 and "fwd_bf16_b64_d128_causal:" not in plain.stdout, plain.stdout
+    result = subprocess.run(cmd + ["--usage"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("fwd_bf16_b64_d128_causal:"))
+    assert "regs " in line and "programs per SM" in line and "regs ?" not in line, line
+
+
 def test_fp8_kernels_compile(tmp_path):
     """The fp8 forward and the fp8 projection build for sm_89, sm_90 and sm_100 (e4m3 loads
     converted in registers, or float32 results converted to e4m3 with saturation; each
