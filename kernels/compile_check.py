@@ -152,7 +152,7 @@ def _block_builds(capability: int) -> Iterator[Build]:
             # The op layer runs those float32 blocks on the flash kernels (``block.plan.float32_tile_fits``).
             continue
         size = 4 if dtype == "fp32" else 2
-        options = dict(num_warps=4, num_stages=1)
+        options = dict(num_warps=num_warps(block, dim, backward), num_stages=1)
         regs = max_registers(constexprs, SIMPLE, backward, capability // 10, size)
         if regs:
             options["maxnreg"] = regs
