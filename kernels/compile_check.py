@@ -11,9 +11,10 @@ copy their tiles with asynchronous copies (``cp.async``), and the warp-specializ
 reallocate registers between partitions (``setmaxnreg``). The sm_100 Gluon kernels must hold
 ``tcgen05.mma``, a tensor-memory load or store, TMA copies, asynchronous copies, mbarrier waits and
 ``setmaxnreg``. For each sm_100 and hopper build the registers and spills (ptxas -v), shared
-memory, tensor memory and the programs an SM holds at once are printed, and a build over budget (``Usage.over_budget``) fails; every
-Triton build's shared memory is checked against the same budget. Tiles, launch options and the
-float32 products' precision are the ones the launchers use on that generation.
+memory, tensor memory and the programs an SM holds at once are printed (``--usage``: for every
+build), and a build over budget (``Usage.over_budget``) fails; every Triton build's shared memory
+is checked against the same budget. Tiles, launch options and the float32 products' precision are
+the ones the launchers use on that generation.
 """
 from __future__ import annotations
 

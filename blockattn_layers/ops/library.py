@@ -59,6 +59,7 @@ def float32_tile_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> boo
 
 
 def _extent(n: int) -> int:
+    # The kernels' ``tile_extent`` (``kernels.common.meta``), restated: the op layer imports no Triton.
     return max(16, 1 << (n - 1).bit_length())
 
 

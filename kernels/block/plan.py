@@ -24,9 +24,8 @@ from .variants import Variant
 # - plain forward, D = 64: 72 (80 without; 16 bytes spilled; 6 -> 7 programs per SM): 1.199 ->
 #   1.184 ms (64: 1.519 ms).
 HEAD_LOOP_MAXNREG = 128
-# The hopper kernels' caps at 64-row tiles (128-row ones take ptxas's choice but the one below), keyed as
-# ``_SM90_MAXNREG`` (one query head per kv head); none
-# measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
+# The hopper kernels' caps at 64-row tiles (128-row ones: the two caps after this one, else
+# ptxas's choice), keyed as ``_SM90_MAXNREG`` (one query head per kv head); none measured faster (H200, prod shapes: 168 and 128 on the backward, ms, uncapped -> capped: D128
 # 2.042 -> 2.042 / 2.086, D64 2.245 -> 2.244 / 2.243, rotary D128 2.523 -> 2.534 / 2.533, rotary
 # D64 2.450 -> 2.463 / 2.571). Their rotary kv-head loop takes ``HEAD_LOOP_MAXNREG`` (168 without,
 # no spills at 128: rotary D64 forward 1.186 -> 1.164 ms). The rotary D128 backward, its gradients
