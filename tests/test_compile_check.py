@@ -155,17 +155,19 @@ def test_register_caps():
     16-bit inputs, 64-row simple tiles and one query head per kv head, the rotary forward at D128,
     the rotary backward at D64, the plain backward at D128 and the plain forward at D64; the hopper
     forward of grouped query heads on 128-row tiles of D <= 64, and its backward of one query head per
-    kv head there at D32 and at D64 with rotary."""
+    kv head there at D32 and at D64 with rotary; the hopper rotary forward of grouped query heads at
+    D128, and of one query head per kv head on 128-row tiles (not D64 causal)."""
     from blockattn_layers.kernels.block.plan import (
-        HEAD_LOOP_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG, HOPPER_TILE128_BWD_MAXNREG, max_registers as caps,
+        HEAD_LOOP_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG, HOPPER_ROTARY_GROUP_FWD_MAXNREG,
+        HOPPER_TILE128_BWD_MAXNREG, HOPPER_TILE128_ROTARY_FWD_MAXNREG, max_registers as caps,
     )
     from blockattn_layers.kernels.block.variants import VARIANTS
 
     def max_registers(meta, variant, *args):
         return caps(meta, VARIANTS[variant], *args)
 
-    def meta(rot, d, m=64, groups=1):
-        return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m, GROUPS=groups)
+    def meta(rot, d, m=64, groups=1, causal=False):
+        return dict(ROT_DIM=rot, BLOCK_D=d, BLOCK_M=m, GROUPS=groups, IS_CAUSAL=causal)
 
     assert max_registers(meta(64, 64), "simple", False, 8, 4) == HEAD_LOOP_MAXNREG
     assert max_registers(meta(64, 64, groups=2), "simple", False, 9, 2) == HEAD_LOOP_MAXNREG
@@ -178,12 +180,21 @@ def test_register_caps():
     assert max_registers(meta(128, 128), "hopper", True, 9, 2) == 168
     for rot, d in [(0, 32), (32, 32), (0, 64), (64, 64)]:
         assert max_registers(meta(rot, d, 128, groups=4), "hopper", False, 9, 2) == HOPPER_GROUP_LOOP_MAXNREG
+    for m in (64, 128):
+        for causal in (False, True):
+            assert (max_registers(meta(128, 128, m, groups=4, causal=causal), "hopper", False, 9, 2)
+                    == HOPPER_ROTARY_GROUP_FWD_MAXNREG[m])
+    for rot, d, causal in [(32, 32, False), (32, 32, True), (64, 64, False), (128, 128, False), (128, 128, True)]:
+        assert (max_registers(meta(rot, d, 128, causal=causal), "hopper", False, 9, 2)
+                == HOPPER_TILE128_ROTARY_FWD_MAXNREG)
     for rot, d in [(0, 32), (32, 32), (64, 64)]:
         assert max_registers(meta(rot, d, 128), "hopper", True, 9, 2) == HOPPER_TILE128_BWD_MAXNREG
     for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
+                 (meta(64, 64, 128, causal=True), "hopper", False, 9, 2),
+                 (meta(128, 128, groups=4), "hopper", True, 9, 2), (meta(64, 64, groups=4), "hopper", False, 9, 2),
                  (meta(64, 64), "hopper", True, 9, 2), (meta(128, 128, groups=2), "hopper", True, 9, 2),
                  (meta(64, 64, 128), "simple", False, 9, 2), (meta(32, 32, 128, groups=4), "simple", False, 9, 2),
-                 (meta(64, 64, 128), "hopper", False, 9, 2), (meta(128, 128, 128), "hopper", True, 9, 2),
+                 (meta(128, 128, 128), "hopper", True, 9, 2),
                  (meta(0, 128, 128, groups=4), "hopper", False, 9, 2),
                  (meta(0, 64, 128, groups=4), "hopper", True, 9, 2),
                  (meta(0, 256, 128, groups=2), "hopper", False, 9, 2), (meta(0, 64, 128), "hopper", True, 9, 2),

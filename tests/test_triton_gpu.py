@@ -457,6 +457,10 @@ HOPPER_CASES = [
     dict(heads=8, kv_heads=2, dim=128, block_size=64),
     dict(heads=4, kv_heads=2, dim=64, block_size=128, causal=True),
     dict(heads=4, kv_heads=1, dim=128, block_size=128, rope_theta=1e4),
+    # Rotary forward of grouped query heads at D128 (angles for each head, output by halves through
+    # q's tiles) with given positions; the capped rotary forward on 128-row tiles at D32.
+    dict(heads=8, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, positions="int"),
+    dict(heads=2, kv_heads=2, dim=32, block_size=128, rope_theta=1e4, causal=True),
     # One program per query head (the forward's SPLIT_GROUPS): 128-row tiles at D 96-128, and D256.
     dict(heads=8, kv_heads=2, dim=96, block_size=128),
     dict(heads=4, kv_heads=2, dim=256, block_size=64, causal=True),

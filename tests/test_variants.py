@@ -49,9 +49,9 @@ def test_hopper_call_reasons():
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
     assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
     # Grouped-query heads at 128-row tiles: admitted (they can be forced); auto takes the forward
-    # at D 32-128 but D64 with rotary, and the backward at D 32 / 64 / 128.
+    # at D 32-128, and the backward at D 32 / 64 / 128.
     for dim, rot, taken in [(128, 0, True), (96, 0, True), (128, 128, True), (32, 0, True), (32, 32, True),
-                            (64, 0, True), (64, 64, False), (256, 0, False)]:
+                            (64, 0, True), (64, 64, True), (256, 0, False)]:
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, rot=rot))
         assert (reasons == []) == taken, (dim, rot, reasons)
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
@@ -223,12 +223,13 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
         assert auto(block_size=16, head_dim=256, backward=True) == "packed"
     with variants.forced_variant("hopper_packed"):
         assert auto(block_size=16, head_dim=256, backward=True) == "hopper_packed"
-    # Grouped-query heads at 128-row tiles: the forward at D64 with rotary and the backward at padded
-    # head dims are simple by auto, the forward at D 32-128 otherwise and the backward at D 32 / 64 /
-    # 128 hopper; hopper when forced, both ways.
+    # Grouped-query heads at 128-row tiles: the forward at D256 and the backward at padded head dims
+    # are simple by auto, the forward at D 32-128 and the backward at D 32 / 64 / 128 hopper; hopper
+    # when forced, both ways.
     assert auto(block_size=128, groups=2) == "hopper" and auto(block_size=128, groups=2, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=64) == "hopper"
-    assert auto(block_size=128, groups=2, head_dim=64, rot=64) == "simple"
+    assert auto(block_size=128, groups=2, head_dim=64, rot=64) == "hopper"
+    assert auto(block_size=128, groups=2, head_dim=256) == "simple"
     assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
     assert auto(block_size=128, groups=4, head_dim=32, backward=True) == "hopper"

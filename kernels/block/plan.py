@@ -44,6 +44,18 @@ HOPPER_GROUP_LOOP_MAXNREG = 128
 # causal 0.868 -> 0.833, rotary 0.959 -> 0.802; D64 rotary 1.185 -> 1.089; D64 without rotary
 # 0.996 -> 1.013 and causal 1.018 -> 1.028 (slower: not capped).
 HOPPER_TILE128_BWD_MAXNREG = 128
+# The hopper forward of grouped query heads with rotary at D128 (its angles computed for each head,
+# each head's output stored by halves through its q tiles: ``sm90.block._rotary_group_fwd_d128``),
+# keyed by tile rows: 172 registers and 64 KB of shared memory at 64 rows, capped at 168 (no
+# spills) 3 programs per SM instead of 2; 215 at 128 rows, capped at 128 (156 bytes spilled) 2
+# instead of 1. H200, bf16, grid lengths, ms before -> after (session 25): block 64 4x1 0.873 ->
+# 0.744, causal 0.872 -> 0.755, 8x2 1.741 -> 1.596; block 128 4x1 1.443 -> 1.194.
+HOPPER_ROTARY_GROUP_FWD_MAXNREG = {64: 168, 128: 128}
+# The hopper rotary forward of one query head per kv head on 128-row tiles: 139-248 registers (the
+# kv-head loop at D32 / D64), one 8-warp program per SM; capped at 128 (0-112 bytes spilled), two.
+# H200, bf16, grid lengths, 2x2 heads, ms uncapped -> capped (session 25): D32 0.389 -> 0.285, D64
+# 0.500 -> 0.412, D128 0.967 -> 0.700; D64 causal 0.525 -> 0.580 (slower: not capped).
+HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
 # hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
@@ -69,7 +81,13 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     if variant.name == "hopper_packed":
         return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"])) if meta["GROUPS"] == 1 else None
     if variant.name == "hopper":
+        rotary_fwd = not backward and meta["ROT_DIM"] > 0
+        if rotary_fwd and meta["GROUPS"] > 1 and meta["BLOCK_D"] == 128:
+            return HOPPER_ROTARY_GROUP_FWD_MAXNREG[meta["BLOCK_M"]]
         if meta["BLOCK_M"] != 64:
+            if rotary_fwd and meta["GROUPS"] == 1:
+                slower = meta["BLOCK_D"] == 64 and meta["IS_CAUSAL"]
+                return None if slower else HOPPER_TILE128_ROTARY_FWD_MAXNREG
             if meta["BLOCK_D"] > 64:
                 return None
             if backward:

@@ -208,9 +208,10 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     (``plan.split_groups``: 2.056 vs 2.414, 2.059 vs 2.452), at D128 rotary (2.874 vs 4.248), and,
     since its group loop runs at 128 registers (``plan.HOPPER_GROUP_LOOP_MAXNREG``, session 24), at
     D32 (1.123 vs 1.256-1.339; causal 1.120 vs 1.275-1.316; rotary 1.187 vs 1.263-1.283) and D64
-    without rotary (1.237 vs 1.595-1.666; causal 1.402 vs 1.522-1.544; 4x1 0.755 vs 0.898-0.912);
-    simple faster at D64 with rotary (causal 1.811 vs 1.623-1.654; 64-96 bytes spilled) and D256
-    (4.895 vs 5.003). Their backward at D64 / D128 (P read back
+    (1.237 vs 1.595-1.666; causal 1.402 vs 1.522-1.544; 4x1 0.755 vs 0.898-0.912; with rotary,
+    session 25, timed apart from the host's work: 8x2 1.296 vs 1.575, causal 1.328 vs 1.451, 4x1
+    causal 0.671 vs 0.737, where session 24's A/B, each call synced, had simple ahead); simple
+    faster at D256 (4.895 vs 5.003). Their backward at D64 / D128 (P read back
     from shared memory) is 1.3-2.3x faster than simple (block 128, heads 8x2 and 4x1, rotary none and
     split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80), at D32 1.02-1.13x (8x2 2.643 vs
     2.961, causal 2.709 vs 3.058, rotary 3.014 vs 3.302; 4x1 1.395 vs 1.464); at D96, on tiles padded
@@ -219,9 +220,9 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     if facts.groups > 1 and facts.block_size > 64:
         tile = tile_extent(facts.head_dim)
         if not facts.backward:
-            if tile == 256 or (tile == 64 and facts.rot):
-                return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}"
-                        f"{' with rotary' if facts.rot else ''}: simple is faster on the H200"]
+            if tile == 256:
+                return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
+                        "simple is faster on the H200"]
         elif facts.head_dim not in (32, 64, 128):
             return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim} "
                     f"(tiles padded to {tile} channels): simple is faster on the H200"]

@@ -342,10 +342,7 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     # first_row through an opaque copy: the compiler would otherwise reuse the rotation's angles
     # of these rows (same values, same layout) and hold them live from the top of the kernel.
-    first_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [first_row], dtype=gl.int32, is_pure=False,
-                                          pack=1)
-    log2_theta = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [log2_theta], dtype=gl.float32, is_pure=False,
-                                          pack=1)
+    first_row, log2_theta = _opaque_angles_args(first_row, log2_theta)
     for c in gl.static_range(BLOCK_M // ROWS):
         x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
@@ -356,6 +353,28 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
                  mask=mask)
         gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
                  ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _opaque_angles_args(first_row, log2_theta):
+    """``first_row`` and ``log2_theta`` through opaque copies, so that angles computed from them are
+    computed again rather than reused from earlier (same values, same layout) and held live."""
+    first_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [first_row], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+    log2_theta = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [log2_theta], dtype=gl.float32, is_pure=False,
+                                           pack=1)
+    return first_row, log2_theta
+
+
+@gluon.constexpr_function
+def _rotary_group_fwd_d128(groups, rotary, block_d, slot):
+    """Whether a forward tile is a block's (not a tile of blocks') of grouped query heads with rotary
+    at D128: it computes its angles again for each query head instead of holding them live across
+    the group's loop, and each head's output in two column halves stored through that head's dead
+    q halves (no output tile of its own in shared memory). 210 -> 172 registers, 80 -> 64 KB of
+    shared memory at 64-row tiles (sm_90, bf16); with the plan's cap (``block.plan``), 3 programs
+    per SM instead of 2. At D32 / D64 neither was faster (H200, 4x1 heads, session 25)."""
+    return groups > 1 and rotary and block_d == 128 and slot == 0
 
 
 @gluon.jit
@@ -470,6 +489,9 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     rot_l: gl.constexpr = _row_layout(HALF, WARPS)
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    # Grouped query heads with rotary at D128: angles again for each head, output by halves.
+    O_HALVES: gl.constexpr = _rotary_group_fwd_d128(GROUPS, ROTARY, BLOCK_D, SLOT)
+    acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
 
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
@@ -490,7 +512,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
-        if GROUPS > 1:
+        if GROUPS > 1 and not O_HALVES:
             o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
     else:
         q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
@@ -515,6 +537,10 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                 # Angles while the copies are in flight.
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
                                          HAS_POS, SLOT, rot_l)
+            elif O_HALVES:
+                row0, theta = _opaque_angles_args(first_row, log2_theta)
+                sin, cos = _tile_sin_cos(Pos, start, n, row0, rows, row_ok, prow, theta, BLOCK_M, HALF, HAS_POS, SLOT,
+                                         rot_l)
         async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
         if ROTARY:
             qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
@@ -537,21 +563,34 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                      mask=row_ok)
         else:
             p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
-        o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
-        o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
-        if SLOT > 0 and g == 0:
-            # A NaN or infinity in v reaches every row of o (through the zero probabilities of the
-            # other blocks' keys too); in q or k it stays in its block (the scores between blocks
-            # are replaced), so the first head's o tells whether the tile must be done block by block.
-            bad = gl.sum(_nonfinite_rows(o), 0)
-        o_ptr = O + (hk * GROUPS + g) * stride_oh
-        if not ROTARY:
-            _store_tile_via(q_s.index(g % STAGES), o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D,
-                            HEAD_DIM, WARPS, SLOT)
-        elif g == GROUPS - 1:
-            _store_tile_via(v_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS, SLOT)
+        if O_HALVES:
+            zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+            p_h = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc_h, k_width=2))
+            inv_h = gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_h)), 1)
+            o_ptr = O + (hk * GROUPS + g) * stride_oh
+            o_lo = warpgroup_mma(p_h, v_s.slice(0, HALF, 1), zero_h) * inv_h
+            _store_cols_via(qa, o_ptr, o_lo, start, n, stride_ot, BLOCK_M, HALF, HALF, WARPS)
+            o_hi = warpgroup_mma(p_h, v_s.slice(HALF, HALF, 1), zero_h) * inv_h
+            _store_cols_via(qb, o_ptr + HALF, o_hi, start, n, stride_ot, BLOCK_M, HALF, HALF, WARPS)
         else:
-            _store_tile_via(o_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS, SLOT)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
+            o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
+            if SLOT > 0 and g == 0:
+                # A NaN or infinity in v reaches every row of o (through the zero probabilities of
+                # the other blocks' keys too); in q or k it stays in its block (the scores between
+                # blocks are replaced), so the first head's o tells whether the tile must be done
+                # block by block.
+                bad = gl.sum(_nonfinite_rows(o), 0)
+            o_ptr = O + (hk * GROUPS + g) * stride_oh
+            if not ROTARY:
+                _store_tile_via(q_s.index(g % STAGES), o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D,
+                                HEAD_DIM, WARPS, SLOT)
+            elif g == GROUPS - 1:
+                _store_tile_via(v_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS,
+                                SLOT)
+            else:
+                _store_tile_via(o_s, o_ptr, o, start, n, rows, row_ok, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS,
+                                SLOT)
     return bad
 
 
