@@ -339,7 +339,6 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
     """``_unrotate_store`` of halves already parked in the float32 tiles ``a_s``, ``b_s``."""
     ROWS: gl.constexpr = 32
     layout: gl.constexpr = _row_layout(HALF, WARPS)
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     # first_row through an opaque copy: the compiler would otherwise reuse the rotation's angles
     # of these rows (same values, same layout) and hold them live from the top of the kernel.
     first_row, log2_theta = _opaque_angles_args(first_row, log2_theta)
@@ -347,12 +346,22 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
         x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
         sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, HAS_POS, layout)
-        offs_m = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        mask = gl.expand_dims(offs_m < n, 1)
-        gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
-                 mask=mask)
-        gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
-                 ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
+        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, layout)
+
+
+@gluon.jit
+def _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, first, scale, stride_t, ROWS: gl.constexpr,
+                             HALF: gl.constexpr, layout: gl.constexpr):
+    """Store rows ``first .. first + ROWS`` of a gradient whose rotary halves are ``x``, ``y`` (float32,
+    in ``layout``), rotated back by their angles ``sin``, ``cos`` and scaled:
+    ``((x cos + y sin) scale, (y cos - x sin) scale)``, masked to the block's ``n`` rows."""
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    offs_m = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    mask = gl.expand_dims(offs_m < n, 1)
+    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
+             mask=mask)
+    gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
+             ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -384,18 +393,12 @@ def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride
     (float16: within 2.5e-4 of the float32 angles, a quarter of a bf16 rounding step)."""
     ROWS: gl.constexpr = 32
     layout: gl.constexpr = _row_layout(HALF, WARPS)
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     for c in gl.static_range(BLOCK_M // ROWS):
         x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
         sin = sin_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
         cos = cos_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
-        offs_m = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        mask = gl.expand_dims(offs_m < n, 1)
-        gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
-                 mask=mask)
-        gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
-                 ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
+        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, layout)
 
 
 @gluon.jit
