@@ -199,16 +199,17 @@ def _packed_builds(capability: int) -> Iterator[Build]:
 
 
 def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool, causal: bool, groups: int,
-                  int64: bool, variant=HOPPER) -> Build:
+                  int64: bool, variant=HOPPER, rot_dim: Optional[int] = None) -> Build:
     """A build of ``variant``'s Gluon kernels (hopper or hopper_packed; the caller sets the latter's
     ``SLOT``) with the launch plan's ``HEAD_LOOP``, register cap and ``SPLIT_GROUPS``; ``kind``:
-    fwd, fwd_lse (the forward that also stores the logsumexp) or bwd."""
+    fwd, fwd_lse (the forward that also stores the logsumexp) or bwd. Rotary over ``rot_dim``
+    channels (default all)."""
     from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel, _hopper_fwd_lse_kernel
 
     kernel = {"fwd": _hopper_fwd_kernel, "fwd_lse": _hopper_fwd_lse_kernel, "bwd": _hopper_bwd_kernel}[kind]
     forward = kind != "bwd"
-    constexprs = _block_constexprs(head_dim, groups, block, head_dim if rotary else 0, rotary and causal, causal,
-                                   512 if groups == 2 else 0)
+    rot = (rot_dim or head_dim) if rotary else 0
+    constexprs = _block_constexprs(head_dim, groups, block, rot, rotary and causal, causal, 512 if groups == 2 else 0)
     constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64)
     constexprs["HEAD_LOOP"] = forward and head_loop(constexprs, variant.name)
     options = dict(num_warps=block // 16, num_stages=1)
@@ -221,7 +222,8 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
             constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
     if kind == "bwd":
         constexprs["OVERLAP"] = overlap_products(constexprs, variant, True)
-    name = (f"{kind}_{dtype}_b{block}_d{head_dim}{'_rope' if rotary else ''}{'_causal' if causal else ''}"
+    rope = "" if not rotary else "_rope" if rot == head_dim else f"_rope{rot}"
+    name = (f"{kind}_{dtype}_b{block}_d{head_dim}{rope}{'_causal' if causal else ''}"
             f"{'_gqa' if groups > 1 else ''}{'_int64' if int64 else ''}_hopper")
     return Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
 
@@ -231,7 +233,7 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
     tiles with rotary, causal, one or two query heads per kv head, the block table or the in-kernel
     schedule; then, in bf16, the other tiles the variant admits (``HOPPER.call_reasons``): 128-row
     tiles (two warpgroups, causal; D64 too, where the launch plan caps registers), D 32, 96 (padded
-    to 128) and 256, and 64-bit addressing."""
+    to 128) and 256, 64-bit addressing, and rotary over half the channels."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     for kind, dtype, dim, rotary, causal, groups in itertools.product(
@@ -247,6 +249,12 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
             yield _hopper_build(kind, "bf16", block, dim, rotary, block == 128, groups, False)
     for kind in ("fwd", "bwd"):
         yield _hopper_build(kind, "bf16", 64, 128, True, False, 1, True)
+    # Partial rotary (half the channels; pass-through columns in the half tiles).
+    for kind, (block, dim), groups in itertools.product(("fwd", "bwd"), ((64, 64), (64, 96), (128, 128)), (1, 2)):
+        facts = CallFacts("cuda", 9, torch.bfloat16, dim, groups, block, dim // 2, False, False,
+                          backward=kind == "bwd")
+        if not HOPPER.call_reasons(facts):
+            yield _hopper_build(kind, "bf16", block, dim, True, block == 128, groups, False, rot_dim=dim // 2)
 
 
 # Name ending of the hopper_packed builds (not ``_hopper``: ``--only _hopper`` selects the hopper variant's).

@@ -10,7 +10,8 @@ Triton's interpreter) and with PyTorch or plain-Python oracles:
   ``sin_cos_rows`` with ``common.rotary.block_sin_cos`` and ``reference.rotary_angles``,
   ``rotate_in_place`` with ``reference.apply_rotary``;
 - ``_probs`` with ``common.tiles.block_probs`` and a torch softmax;
-- ``_unrotate_store`` with ``reference.apply_rotary(inverse=True)``, and the stores' row masks;
+- ``_unrotate_store`` with ``reference.apply_rotary(inverse=True)`` (also of partial rotary and
+  padded head dims), and the stores' row masks;
 - the whole kernels, forward and backward, against ``reference.attention_forward`` /
   ``attention_backward``, every output element written exactly once.
 
@@ -61,11 +62,12 @@ block_of = gs.function(sm90_block._block_of)
 probs = gs.function(sm90_block._probs)
 probs_lse = gs.function(sm90_block._probs_lse)
 store_via = gs.function(sm90_block._store_via)
-store_halves_via = gs.function(sm90_block._store_halves_via)
+store_halves_tile_via = gs.function(sm90_block._store_halves_tile_via)
 unrotate_store = gs.function(sm90_block._unrotate_store)
 reduced = gs.function(sm90_rotary._reduced)
 sin_cos = gs.function(sm90_rotary.sin_cos)
 sin_cos_rows = gs.function(sm90_rotary.sin_cos_rows)
+half_channels = gs.function(sm90_rotary.half_channels)
 rotate_in_place = gs.function(sm90_rotary.rotate_in_place)
 tile_range = gs.function(persistent.tile_range)
 HOPPER_FWD, HOPPER_BWD = sm90_block._hopper_fwd_kernel, sm90_block._hopper_bwd_kernel
@@ -301,7 +303,7 @@ def test_sin_cos(has_pos, kind, first_row, n, half, theta):
     pos = _positions(kind, start + BLOCK_M) if has_pos else torch.zeros(1, dtype=torch.int32)
     log2_theta = math.log2(theta)
     with gs.record_asm() as asm:
-        sin, cos = sin_cos(gs.pointer(pos), start, n, first_row, log2_theta, BLOCK_M, half, has_pos, LAYOUT)
+        sin, cos = sin_cos(gs.pointer(pos), start, n, first_row, log2_theta, BLOCK_M, half, half, has_pos, LAYOUT)
     assert sin.shape == cos.shape == (BLOCK_M, half) and sin.dtype == torch.float32
 
     if has_pos:
@@ -331,9 +333,9 @@ def test_sin_cos_rows(has_pos):
     """``sin_cos_rows(ROW0, ROWS)`` are rows ``ROW0 .. ROW0 + ROWS`` of ``sin_cos``, exactly (the
     backward's unrotation takes them 32 rows at a time)."""
     pos = gs.pointer(_positions("int", 200))
-    whole = sin_cos(pos, 11, 50, 4160, math.log2(10000.0), BLOCK_M, 64, has_pos, LAYOUT)
+    whole = sin_cos(pos, 11, 50, 4160, math.log2(10000.0), BLOCK_M, 64, 24, has_pos, LAYOUT)
     for row0 in (0, 32):
-        part = sin_cos_rows(pos, 11, 50, 4160, math.log2(10000.0), row0, 32, 64, has_pos, LAYOUT)
+        part = sin_cos_rows(pos, 11, 50, 4160, math.log2(10000.0), row0, 32, 64, 24, has_pos, LAYOUT)
         for got, want in zip(part, whole):
             assert torch.equal(got, want[row0:row0 + 32])
 
@@ -347,13 +349,44 @@ def test_rotate_in_place(half, dtype):
     x = torch.randn(BLOCK_M, 2 * half, generator=g).to(dtype)
     first_row = 300
     no_pos = gs.pointer(torch.zeros(1, dtype=torch.int32))
-    sin, cos = sin_cos(no_pos, 0, BLOCK_M, first_row, math.log2(10000.0), BLOCK_M, half, False, LAYOUT)
+    sin, cos = sin_cos(no_pos, 0, BLOCK_M, first_row, math.log2(10000.0), BLOCK_M, half, half, False, LAYOUT)
     a, b = x[:, :half].clone(), x[:, half:].clone()
     rotate_in_place(gs.shared(a), gs.shared(b), sin, cos, LAYOUT)
     angles = reference.rotary_angles(torch.arange(first_row, first_row + BLOCK_M), 10000.0, 2 * half, torch.float32)
     want = reference.apply_rotary(x.float()[:, None, :], angles, 2 * half, False)[:, 0].to(dtype)
     tol = dict(rtol=0, atol=4e-3) if dtype == torch.float16 else dict(rtol=0, atol=3e-2)
     torch.testing.assert_close(torch.cat([a, b], 1), want, **tol)
+
+
+@pytest.mark.parametrize("has_pos", [False, True])
+@pytest.mark.parametrize("head_dim,rot_dim,half", [(128, 64, 64), (96, 96, 64), (80, 48, 64), (48, 16, 32),
+                                                   (64, 64, 32)])
+def test_half_tiles_rotate_as_reference(head_dim, rot_dim, half, has_pos):
+    """A row tile split into the half tiles a and b by ``half_channels`` (columns past ``head_dim /
+    2`` masked, as the kernels' copies do), rotated in place at ``sin_cos``'s angles of
+    ``rot_dim / 2`` pairs, and put back by the same map, is ``reference.apply_rotary`` of the row
+    with ``rotary_dim = rot_dim`` (split halves; pass-through channels unchanged): every channel is
+    held once, the pairs meet in one column and the pass-through columns rotate by 0."""
+    g = torch.Generator().manual_seed(head_dim + rot_dim)
+    x = torch.randn(BLOCK_M, head_dim, generator=g)
+    cols_a, cols_b = (c.long() for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim))
+    held = head_dim // 2
+    assert sorted(torch.cat([cols_a[:held], cols_b[:held]]).tolist()) == list(range(head_dim))
+    a, b = torch.zeros(BLOCK_M, half), torch.zeros(BLOCK_M, half)
+    a[:, :held], b[:, :held] = x[:, cols_a[:held]], x[:, cols_b[:held]]
+    pos = _positions("int", BLOCK_M, 500)
+    sin, cos = sin_cos(gs.pointer(pos), 0, BLOCK_M, 17, math.log2(10000.0), BLOCK_M, half, rot_dim // 2, has_pos,
+                       LAYOUT)
+    rotate_in_place(gs.shared(a), gs.shared(b), sin, cos, LAYOUT)
+    got = torch.empty_like(x)
+    got[:, cols_a[:held]], got[:, cols_b[:held]] = a[:, :held], b[:, :held]
+    at = pos.double() if has_pos else torch.arange(17, 17 + BLOCK_M, dtype=torch.float64)
+    angles = reference.rotary_angles(at, 10000.0, rot_dim, torch.float64)
+    want = reference.apply_rotary(x.double()[:, None, :], angles, rot_dim, False)[:, 0]
+    # (float32 angles: a few ulps of the largest, times the largest channel.)
+    atol = (2e-6 + 8 * float(at.max()) * 2**-24) * float(x.abs().max())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=atol)
+    assert torch.equal(got[:, rot_dim:], x[:, rot_dim:])
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -409,8 +442,8 @@ def _assert_only_rows(out: torch.Tensor, writes: torch.Tensor, head: int, start:
 
 @pytest.mark.parametrize("start,n", [(0, 64), (70, 1), (5, 37)])
 def test_store_via(start, n):
-    """``_store_via`` and ``_store_halves_via`` store a tile's first ``n`` rows to rows
-    ``start .. start + n`` of one head (through the shared buffer), and nothing else."""
+    """``_store_via`` and ``_store_halves_tile_via`` (the head's column halves) store a tile's first
+    ``n`` rows to rows ``start .. start + n`` of one head (through the shared buffer), and nothing else."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(BLOCK_M, 128, generator=g)
     for halves in (False, True):
@@ -419,32 +452,38 @@ def test_store_via(start, n):
         ptr = gs.Pointer(memory) + 2 * out.stride(1)
         buf = gs.shared(_sentinel((BLOCK_M, 128)))
         if halves:
-            store_halves_via(buf, ptr, x[:, :64], x[:, 64:], start, n, out.stride(0), BLOCK_M, 128, 4)
+            store_halves_tile_via(buf, ptr, x[:, :64], x[:, 64:], start, n, 0, 0, out.stride(0), BLOCK_M, 128, 128,
+                                  128, 4, 0)
         else:
             store_via(buf, ptr, x, start, n, out.stride(0), BLOCK_M, 128)
         _assert_only_rows(out, memory.writes_as_tensor(), 2, start, n, x[:n])
 
 
+@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64), (96, 96), (80, 48)])
 @pytest.mark.parametrize("has_pos", [False, True])
 @pytest.mark.parametrize("start,n,first_row", [(0, 64, 0), (70, 1, 4096), (5, 37, 64)])
-def test_unrotate_store(start, n, first_row, has_pos):
-    """``_unrotate_store`` (the rotary D128 backward, one query head per kv head): rows ``start ..
-    start + n`` of the head get ``reference.apply_rotary(inverse=True)`` of the float32 halves
-    times ``scale`` (at the block's positions, 32 rows at a time), and nothing else is written."""
+def test_unrotate_store(start, n, first_row, has_pos, head_dim, rot_dim):
+    """``_unrotate_store`` (the rotary backward of 128-wide tiles, one query head per kv head): rows
+    ``start .. start + n`` of the head get ``reference.apply_rotary(inverse=True)`` of the float32
+    half tiles (their channels as ``half_channels`` maps them) times ``scale`` (at the block's
+    positions, 32 rows at a time), and nothing else is written: no padding column."""
     half, scale = 64, 0.0884
     g = torch.Generator().manual_seed(start + n)
     a, b = torch.randn(BLOCK_M, half, generator=g), torch.randn(BLOCK_M, half, generator=g)
     pos = _positions("int", 200, top=5000)
-    out = _sentinel((200, 2, 2 * half))
+    out = _sentinel((200, 2, head_dim))
     memory = gs.Memory(out, "DQ")
     ptr = gs.Pointer(memory) + out.stride(1)
     bufs = [gs.shared(_sentinel((BLOCK_M, 2 * half))) for _ in range(2)]
     unrotate_store(*bufs, a, b, ptr, gs.pointer(pos), start, n, first_row, math.log2(10000.0), scale, out.stride(0),
-                   BLOCK_M, half, has_pos, 4)
+                   BLOCK_M, half, head_dim, rot_dim, has_pos, 4)
     at = pos[start:start + n] if has_pos else torch.arange(first_row, first_row + n)
-    angles = reference.rotary_angles(at, 10000.0, 2 * half, torch.float64)
-    grad = torch.cat([a, b], 1)[:n].double()[:, None, :]
-    want = reference.apply_rotary(grad, angles, 2 * half, False, inverse=True)[:, 0] * scale
+    angles = reference.rotary_angles(at, 10000.0, rot_dim, torch.float64)
+    held = head_dim // 2
+    cols_a, cols_b = (c.long()[:held] for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim))
+    grad = torch.empty(BLOCK_M, head_dim)
+    grad[:, cols_a], grad[:, cols_b] = a[:, :held], b[:, :held]
+    want = reference.apply_rotary(grad[:n].double()[:, None, :], angles, rot_dim, False, inverse=True)[:, 0] * scale
     _assert_only_rows(out, memory.writes_as_tensor(), 1, start, n, want)
 
 
@@ -458,7 +497,7 @@ class _Case:
     reference's arguments."""
 
     def __init__(self, lengths, heads, kv_heads, dim, rotary, has_pos, causal, block_size=64, dtype=torch.float16,
-                 offsets_dtype=torch.int32, seed=0, int64=False):
+                 offsets_dtype=torch.int32, seed=0, int64=False, rot_dim=None):
         g = torch.Generator().manual_seed(seed)
         total = sum(lengths)
         self.offsets = _offsets(lengths, offsets_dtype)
@@ -467,17 +506,17 @@ class _Case:
         self.sched = Schedule(self.offsets, total, block_size, None)
         pos = torch.randint(0, 5000, (total,), generator=g, dtype=torch.int32) if has_pos else None
         scale, theta = dim ** -0.5, 10000.0
+        rot = (rot_dim or dim) if rotary else 0
         self.kv_heads = kv_heads
         self.values = dict(
             Q=self.q, K=self.k, V=self.v, DO=self.do, Sched=self.sched.table,
             Pos=pos if has_pos else self.sched.table, slots=self.sched.programs, num_seqs=self.sched.num_seqs,
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
-            BLOCK_D=tile_extent(dim), ROT_DIM=dim if rotary else 0, HAS_POS=has_pos, IS_CAUSAL=causal,
+            BLOCK_D=tile_extent(dim), ROT_DIM=rot, HAS_POS=has_pos, IS_CAUSAL=causal,
             INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False,
         )
-        self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, dim if rotary else 0,
-                          False)
+        self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, rot, False)
 
     def pack(self, block_size: int) -> int:
         """Launch as tiles of blocks (the ``hopper_packed`` variant): 64-row tiles of ``SLOT``-row
@@ -559,6 +598,18 @@ KERNEL_CASES = {
     "d128_block128_gqa_causal": (([0, 1, 127, 128, 129, 300, 5], 4, 2, 128, False, False, True), dict(block_size=128)),
     "d128_block128_rope_gqa_pos": (([0, 1, 127, 128, 129, 300, 5], 4, 1, 128, True, True, False),
                                    dict(block_size=128)),
+    # Rotary on half tiles that are not the head's column halves (``rotary.half_channels``): padded
+    # head dims (D96: pairs of 48 in 64-column half tiles) and partial rotary_dim (pass-through
+    # channels at angle 0), through each way the backward rotates its gradients back.
+    "d96_rope": ((EDGE_LENGTHS, 2, 2, 96, True, False, True), {}),
+    "d96_rope_gqa_pos": ((EDGE_LENGTHS, 4, 2, 96, True, True, False), {}),
+    "d128_partial64_rope_causal": ((EDGE_LENGTHS, 2, 2, 128, True, False, True), dict(rot_dim=64)),
+    "d128_partial32_rope_gqa_block128": (([0, 1, 127, 128, 129, 300, 5], 4, 2, 128, True, True, False),
+                                         dict(block_size=128, rot_dim=32)),
+    "d64_partial32_rope_gqa": ((EDGE_LENGTHS, 4, 2, 64, True, False, True), dict(rot_dim=32)),
+    "d48_rope_pos": ((EDGE_LENGTHS, 2, 2, 48, True, True, False), {}),
+    "d80_partial48_rope_block128": (([3, 128, 0, 200, 1], 2, 2, 80, True, False, True),
+                                    dict(block_size=128, rot_dim=48)),
 }
 
 
@@ -619,6 +670,9 @@ PACKED_KERNEL_CASES = {
     "d64_rope_pos_table_block20": (([0] * 510 + [3, 20, 21, 1, 45, 0, 64], 2, 1, 64, True, True, True),
                                    dict(block_size=20)),
     "d128_rope_gqa_block16_forward": ((PACKED_LENGTHS, 4, 2, 128, True, False, True), dict(block_size=16)),
+    "d48_partial16_rope_block16_causal": ((PACKED_LENGTHS, 2, 2, 48, True, False, True),
+                                          dict(block_size=16, rot_dim=16)),
+    "d96_rope_pos_gqa_block32_forward": ((PACKED_LENGTHS, 4, 2, 96, True, True, False), dict(block_size=32)),
 }
 
 

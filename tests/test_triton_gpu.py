@@ -467,6 +467,14 @@ HOPPER_CASES = [
     # Blocks over 64 at D > 128: the forward stores the logsumexp, the flash kernels run the backward.
     dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True),
     dict(heads=4, kv_heads=2, dim=192, block_size=100),
+    # Rotary in half tiles that are not the head's column halves: padded head dims (D96, D48) and
+    # partial rotary_dim (pass-through channels), one or several query heads per kv head.
+    dict(heads=2, kv_heads=2, dim=96, block_size=64, rope_theta=1e4, causal=True),
+    dict(heads=8, kv_heads=2, dim=96, block_size=128, rope_theta=1e4, positions="int"),
+    dict(heads=2, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_dim=64),
+    dict(heads=4, kv_heads=1, dim=64, block_size=128, rope_theta=1e4, rotary_dim=32, causal=True),
+    dict(heads=4, kv_heads=2, dim=80, block_size=64, rope_theta=1e4, rotary_dim=48),
+    dict(heads=2, kv_heads=2, dim=48, block_size=100, rope_theta=1e4, rotary_dim=16, positions="float"),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 
@@ -518,7 +526,7 @@ def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
                 total = q.shape[0]
                 case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
                                      else torch.rand(total, device=DEV) * 4000)
-            rot = dim if case.get("rope_theta") else 0
+            rot = case.get("rotary_dim") or dim if case.get("rope_theta") else 0
             assert _variant(q, k, (q, k, v), case["block_size"], rot) == variant
             check_against_oracle(q, k, v, offsets, **dict(case))
 
@@ -553,6 +561,8 @@ HOPPER_PACKED_CASES = [
     dict(heads=2, kv_heads=2, dim=64, block_size=16, causal=True, rope_theta=1e4),
     dict(heads=8, kv_heads=2, dim=32, block_size=32, rope_theta=500.0, positions="float"),
     dict(heads=4, kv_heads=4, dim=64, block_size=24, rope_theta=1e4, positions="int"),
+    dict(heads=2, kv_heads=2, dim=48, block_size=16, rope_theta=1e4, rotary_dim=32, causal=True),
+    dict(heads=8, kv_heads=2, dim=64, block_size=32, rope_theta=1e4, rotary_dim=32, positions="int"),
 ]
 
 
@@ -613,8 +623,8 @@ def test_hopper_ws_cuda_graph_replay(monkeypatch):
 @SM90
 def test_hopper_falls_back_to_simple():
     """Calls the hopper kernels do not take run the simple ones under auto (whatever the
-    environment forces): fp32, blocks over 128, partial or interleaved rotary, rows not 16-byte
-    aligned; 128-row blocks and 64-bit addressing run hopper, blocks of 32 or fewer rows (D64,
+    environment forces): fp32, blocks over 128, rotary_dim not a multiple of 16, interleaved
+    rotary, rows not 16-byte aligned; 128-row blocks and 64-bit addressing run hopper, blocks of 32 or fewer rows (D64,
     with and without rotary) hopper_packed."""
     q, k, v, offsets = make_inputs([5, 64, 0, 130], 2, 2, 64, torch.bfloat16)
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape).copy_(q)
@@ -626,11 +636,11 @@ def test_hopper_falls_back_to_simple():
         assert _variant(q, k, (q, k, v), 32, 64) == "hopper_packed"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
-                (q, (q, k, v), 64, 32, False, False), (q, (q, k, v), 64, 64, True, False),
+                (q, (q, k, v), 64, 24, False, False), (q, (q, k, v), 64, 64, True, False),
                 (q, (odd, k, v), 64, 0, False, False)]:
             assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
         check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)
-        check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=32)
+        check_against_oracle(q, k, v, offsets, block_size=64, rope_theta=1e4, rotary_dim=24)
 
 
 def test_auto_picks_triton_on_cuda():

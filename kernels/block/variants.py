@@ -142,8 +142,9 @@ def gluon_import_error() -> Optional[str]:
 def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], head_dims: Tuple[int, ...],
                         import_error, addresses_64bit: bool) -> List[str]:
     """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, head dims in
-    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary over all channels or none,
-    and 32-bit offsets unless ``addresses_64bit``."""
+    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary or none (which rotary dims:
+    ``_whole_rotary_reasons``, ``_half_tile_rotary_reasons``), and 32-bit offsets unless
+    ``addresses_64bit``."""
     reasons = []
     if facts.device_type != "cuda" or facts.major != major:
         reasons.append(f"needs an sm_{major}0 GPU")
@@ -158,8 +159,8 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
         reasons.append(f"block_size {facts.block_size} > {high}")
     elif facts.block_size < low:
         reasons.append(f"block_size {facts.block_size} < {low}")
-    if facts.rot and (facts.rot != facts.head_dim or facts.interleaved):
-        reasons.append("rotary other than split halves over all channels")
+    if facts.rot and facts.interleaved:
+        reasons.append("interleaved rotary (needs split halves)")
     if facts.int64 and not addresses_64bit:
         reasons.append("64-bit addressing")
     if not reasons and import_error() is not None:
@@ -167,16 +168,34 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
     return reasons
 
 
+def _whole_rotary_reasons(facts: CallFacts) -> List[str]:
+    """Rotary only over all channels (the sm_100 and hopper_ws kernels' rotary halves are the head's
+    two column halves)."""
+    if facts.rot and facts.rot != facts.head_dim:
+        return [f"rotary_dim {facts.rot} of head_dim {facts.head_dim} (needs rotary over all channels)"]
+    return []
+
+
+def _half_tile_rotary_reasons(facts: CallFacts) -> List[str]:
+    """Rotary in the sm_90 kernels' half tiles (``sm90.rotary.half_channels``): over ``rot``
+    channels of a head dim of at most 128 (D256 rotary spills), both runs of each half tile (the
+    rotary pairs, the pass-through channels) whole 16-byte chunks: ``rot`` a multiple of 16."""
+    reasons = []
+    if facts.rot and facts.head_dim > 128:
+        reasons.append(f"rotary at head_dim {facts.head_dim} (needs at most 128)")
+    if facts.rot % 16:
+        reasons.append(f"rotary_dim {facts.rot} (needs a multiple of 16)")
+    return reasons
+
+
 def _hopper_call_reasons(facts: CallFacts) -> List[str]:
-    """The hopper kernels' admission. Beyond ``_gluon_call_reasons``: rotary on power-of-two head
-    dims of 32-128 (halves of whole tiles; D256 rotary spills); in the backward no 128-row tiles
-    wider than 128 (288 KB of shared memory) and no grouped query heads at D256 (ptxas spills 7.7
-    KB). Grouped query heads at 128-row tiles are admitted (their backward reads P back from
-    shared memory: 332 bytes spilled at D128, 940 with rotary); where ``auto`` takes them is
-    ``_hopper_auto_reasons``."""
+    """The hopper kernels' admission. Beyond ``_gluon_call_reasons``: rotary as
+    ``_half_tile_rotary_reasons``; in the backward no 128-row tiles wider than 128 (288 KB of shared
+    memory) and no grouped query heads at D256 (ptxas spills 7.7 KB). Grouped query heads at
+    128-row tiles are admitted (their backward reads P back from shared memory: 332 bytes spilled
+    at D128, 940 with rotary); where ``auto`` takes them is ``_hopper_auto_reasons``."""
     reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
-    if facts.rot and facts.head_dim not in (32, 64, 128):
-        reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
+    reasons += _half_tile_rotary_reasons(facts)
     if facts.backward and facts.block_size > 64 and facts.head_dim > 128:
         reasons.append("backward of blocks over 64 with head_dim over 128")
     elif facts.backward and facts.groups > 1 and facts.head_dim > 128:
@@ -187,15 +206,14 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
 def _hopper_packed_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper kernels on 64-row tiles of several blocks (``SLOT`` rows each, 4 of up to 16
     tokens or 2 of up to 32), masked block-diagonally: what ``_gluon_call_reasons`` admits at blocks
-    of up to ``PACKED_MAX_BLOCK`` tokens; rotary at D 32 / 64 / 128 (as ``hopper``), and in the
-    backward only at D <= 64 (the D128 backward rotates its gradients back through shared memory, 32
-    rows of one block at a time: not written for tiles of blocks); in the backward no grouped query
-    heads over D128 (as ``hopper``)."""
+    of up to ``PACKED_MAX_BLOCK`` tokens; rotary as ``hopper``, and in the backward only on tiles of
+    up to 64 channels (128-wide ones rotate their gradients back through shared memory, 32 rows of
+    one block at a time: not written for tiles of blocks); in the backward no grouped query heads
+    over D128 (as ``hopper``)."""
     reasons = _gluon_call_reasons(facts, 9, (1, PACKED_MAX_BLOCK), HOPPER_HEAD_DIMS, gluon_import_error, True)
-    if facts.rot and facts.head_dim not in (32, 64, 128):
-        reasons.append(f"rotary at head_dim {facts.head_dim} (needs 32, 64 or 128)")
-    elif facts.rot and facts.backward and facts.head_dim > 64:
-        reasons.append(f"rotary backward at head_dim {facts.head_dim} (needs 32 or 64)")
+    reasons += _half_tile_rotary_reasons(facts)
+    if facts.rot and facts.backward and tile_extent(facts.head_dim) > 64:
+        reasons.append(f"rotary backward at head_dim {facts.head_dim} (needs at most 64)")
     if facts.backward and facts.groups > 1 and facts.head_dim > 128:
         reasons.append("backward of grouped-query heads with head_dim over 128")
     return reasons
@@ -255,6 +273,7 @@ def sm100_import_error() -> Optional[str]:
 
 def _sm100_call_reasons(facts: CallFacts) -> List[str]:
     reasons = _gluon_call_reasons(facts, 10, SM100_BLOCKS, SM100_HEAD_DIMS, sm100_import_error, False)
+    reasons += _whole_rotary_reasons(facts)
     if (facts.rot == facts.head_dim == 128 and not facts.interleaved and not facts.has_pos and facts.groups > 1
             and facts.block_size > 64):
         reasons.append("rotary at implicit positions with grouped-query heads, D128 and 128-row tiles "
@@ -264,6 +283,7 @@ def _sm100_call_reasons(facts: CallFacts) -> List[str]:
 
 def _hopper_ws_call_reasons(facts: CallFacts) -> List[str]:
     reasons = _gluon_call_reasons(facts, 9, (1, 64), SM100_HEAD_DIMS, gluon_import_error, False)
+    reasons += _whole_rotary_reasons(facts)
     if facts.groups != 1:
         reasons.append("grouped-query attention (needs one query head per kv head)")
     return reasons

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..common.launch import Launcher
 from ..sm90.block import (
     _acc_layout, _block_of, _copy_halves, _copy_rows, _probs, _row_layout,
-    _smem_layout, _store_halves_via, _store_via,
+    _smem_layout, _store_halves_tile_via, _store_via,
 )
 from ..sm90.persistent import drop_ring, init_ring, row_map, tile_range
 from ..sm90.rotary import rotate_in_place, sin_cos
@@ -65,7 +65,7 @@ def _store_tile(buf, out_map, ptr, lo, hi, start, n, col, stride_t, BLOCK_M: gl.
         tma.async_copy_shared_to_global(out_map, [start.to(gl.int32), col], buf)
         tma.store_wait(0)
     elif HALVES:
-        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH, 4)
+        _store_halves_tile_via(buf, ptr, lo, hi, start, n, 0, 0, stride_t, BLOCK_M, WIDTH, WIDTH, WIDTH, 4, 0)
     else:
         _store_via(buf, ptr, lo, start, n, stride_t, BLOCK_M, WIDTH)
 
@@ -113,8 +113,8 @@ def _tile_scores(qa, qb, ka, kb, vt, dot, Q, K, V, DO, h, start, n, sin, cos, of
         rows = start + offs_m
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
-            _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, HALF)
-            _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, HALF)
+            _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, BLOCK_D, BLOCK_D, HALF)
+            _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, BLOCK_D, BLOCK_D, HALF)
         else:
             _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
             _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)
@@ -161,7 +161,7 @@ def _fwd_compute(o_map, q_s, qb_s, k_s, kb_s, v_s, ready, empty, Q, K, V, O, Sch
         qa, qb, ka, kb, vt = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s), v_s.index(s)
         if ROTARY:
             # Angles while the loads are in flight.
-            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, rot_l)
         else:
             sin = 0.0  # (unused without rotary)
             cos = 0.0
@@ -249,7 +249,7 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
         qa, qb, ka, kb = q_s.index(s), qb_s.index(s), k_s.index(s), kb_s.index(s)
         vt, dot = v_s.index(s), do_s.index(s)
         if ROTARY:
-            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+            sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, rot_l)
         else:
             sin = 0.0  # (unused without rotary)
             cos = 0.0
@@ -273,7 +273,7 @@ def _bwd_compute(dq_map, dk_map, dv_map, q_s, qb_s, k_s, kb_s, v_s, do_s, pds_s,
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
-                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, acc_h)
+                sin_h, cos_h = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, acc_h)
                 dqa = warpgroup_mma(pds_s, ka, zero_h)
                 dqb = warpgroup_mma(pds_s, kb, zero_h)
                 _store_tile(dot, dq_map, DQ + h * stride_dqh, (dqa * cos_h + dqb * sin_h) * scale,

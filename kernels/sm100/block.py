@@ -170,7 +170,7 @@ def _prepare_kv(ka, kb, vt, K, V, hk, start, n, sin, cos, stride_kt, stride_kh, 
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
             _copy_halves(ka, kb, K + hk * stride_kh, rows, gl.arange(0, HALF, layout=gl.SliceLayout(0, ld)), mask,
-                         stride_kt, HALF)
+                         stride_kt, BLOCK_D, BLOCK_D, HALF)
         else:
             _copy_rows(ka, K + hk * stride_kh, rows, gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld)), mask,
                        stride_kt)
@@ -194,7 +194,7 @@ def _prepare_q(qa, qb, dot, Q, DO, h, start, n, sin, cos, stride_qt, stride_qh, 
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
             _copy_halves(qa, qb, Q + h * stride_qh, rows, gl.arange(0, HALF, layout=gl.SliceLayout(0, ld)), mask,
-                         stride_qt, HALF)
+                         stride_qt, BLOCK_D, BLOCK_D, HALF)
         else:
             _copy_rows(qa, Q + h * stride_qh, rows, gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld)), mask,
                        stride_qt)
@@ -235,12 +235,12 @@ def _angles_again(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, H
     compiler would otherwise reuse the first computation's values and keep them live (implicit
     positions only: with given ones the plain recomputation spills less)."""
     if HAS_POS:
-        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, LAYOUT)
+        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, LAYOUT)
     first_row = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [first_row], dtype=gl.int32, is_pure=False,
                                           pack=1)
     log2_theta = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [log2_theta], dtype=gl.float32, is_pure=False,
                                            pack=1)
-    return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, LAYOUT)
+    return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, LAYOUT)
 
 
 @gluon.jit
@@ -314,7 +314,7 @@ def _fwd_default(qa_s, qb_s, ka_s, kb_s, v_s, p_s, s_tm, q_ready, kv_ready, opnd
             s = c % STAGES
             if ROTARY:
                 # Angles while the loads are in flight.
-                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, rot_l)
             else:
                 sin = 0.0  # (unused without rotary)
                 cos = 0.0
@@ -497,7 +497,7 @@ def _bwd_default(dq_map, dk_map, dv_map, qa_s, qb_s, ka_s, kb_s, v_s, do_s, pds_
             hk = t % kv_heads
             s = c % KV_STAGES
             if ROTARY:
-                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+                sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HALF, HAS_POS, rot_l)
             else:
                 sin = 0.0  # (unused without rotary)
                 cos = 0.0

@@ -5,8 +5,9 @@ launch plans and the prepared backward serve both; the constexprs are the subset
 use), for the inputs ``block.variants.HOPPER`` admits: fp16 / bf16, head dims 32-256 in steps of
 16 (tiles ``BLOCK_D`` wide, the next power of two, with the channels past ``HEAD_DIM`` masked),
 blocks of up to 128 rows (64-row tiles of one warpgroup, 128-row tiles of two: ``_tile_warps``),
-no rotary or rotary on all channels in split halves (positions given or implicit), 16-byte
-aligned rows with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
+no rotary or split-half rotary over ``ROT_DIM`` of the channels, a multiple of 16 (positions
+given or implicit; q and k held as two half tiles, ``rotary.half_channels``), 16-byte aligned rows
+with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
 (block, kv head) and its ``GROUPS`` query heads; with several, the query-side tiles take two slots
 where that was measured faster (``_q_stages``), so head g + 1's copies are in flight during head
 g's products. Where the plan says so (``block.plan.split_groups``), the forward instead runs one
@@ -33,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common.launch import Launcher
-from .rotary import rotate_in_place, sin_cos, sin_cos_at, sin_cos_rows
+from .rotary import half_channels, rotate_in_place, sin_cos, sin_cos_at, sin_cos_rows
 
 
 @gluon.jit
@@ -123,10 +124,15 @@ def _copy_rows(dst, src, rows, cols, mask, stride_t):
 
 
 @gluon.jit
-def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HALF: gl.constexpr):
-    """``_copy_rows`` of a row tile's rotary halves: columns ``[0, HALF)`` and ``[HALF, 2 HALF)``."""
-    _copy_rows(a_s, src, rows, offs_h, mask, stride_t)
-    _copy_rows(b_s, src, rows, offs_h + HALF, mask, stride_t)
+def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                 HALF: gl.constexpr):
+    """``_copy_rows`` of a row tile's rotary half tiles a and b (``rotary.half_channels``; columns
+    past ``HEAD_DIM / 2`` read as zeros)."""
+    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
+    if HEAD_DIM // 2 < HALF:
+        mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+    _copy_rows(a_s, src, rows, cols_a, mask, stride_t)
+    _copy_rows(b_s, src, rows, cols_b, mask, stride_t)
 
 
 @gluon.jit
@@ -271,45 +277,56 @@ def _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH: gl.constexpr, COLS: gl.
 
 @gluon.jit
 def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, BLOCK_M: gl.constexpr,
-                           WIDTH: gl.constexpr, WARPS: gl.constexpr, SLOT: gl.constexpr):
-    """``_store_halves_via`` of a tile's rows (as ``_store_tile_via``)."""
-    if SLOT > 0:
-        HALF: gl.constexpr = WIDTH // 2
-        gl.thread_barrier()
-        buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
-        buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
-        gl.thread_barrier()
-        _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH, WIDTH, WARPS)
-    else:
-        _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M, WIDTH, WARPS)
-
-
-@gluon.jit
-def _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M: gl.constexpr,
-                  HALF: gl.constexpr, HAS_POS: gl.constexpr, SLOT: gl.constexpr, LAYOUT: gl.constexpr):
-    """The rotary ``(sin, cos)`` of a tile's rows in ``LAYOUT``: a block's (``sin_cos``), or with
-    ``SLOT`` a tile of blocks' (``sin_cos_at``)."""
-    if SLOT > 0:
-        return sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF, HAS_POS, LAYOUT)
-    else:
-        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, LAYOUT)
-
-
-@gluon.jit
-def _store_halves_via(buf, ptr, lo, hi, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
-                      WARPS: gl.constexpr):
-    """``_store_via`` of the row tile whose column halves are ``lo`` and ``hi``, by ``WARPS`` warps."""
+                           WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, WARPS: gl.constexpr,
+                           SLOT: gl.constexpr):
+    """Store the row tile whose rotary half tiles are ``lo`` and ``hi`` (``rotary.half_channels``)
+    through the dead shared tile ``buf`` (``[BLOCK_M, WIDTH]``), by ``WARPS`` warps, to a tile's rows
+    (as ``_store_tile_via``). Where the half tiles are the head's two column halves, in 16-byte
+    chunks of whole rows; else each half tile to its channels."""
     HALF: gl.constexpr = WIDTH // 2
     gl.thread_barrier()
     buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
     buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
     gl.thread_barrier()
-    _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, WARPS)
+    if HEAD_DIM == WIDTH and ROT_DIM == WIDTH:
+        if SLOT > 0:
+            _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH, WIDTH, WARPS)
+        else:
+            _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, WARPS)
+    else:
+        layout: gl.constexpr = _row_layout(HALF, WARPS)
+        if SLOT > 0:
+            rows_h = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+            ok_h = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
+        else:
+            offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+            rows_h = start + offs_m
+            ok_h = offs_m < n
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
+        mask = gl.expand_dims(ok_h, 1)
+        if HEAD_DIM // 2 < HALF:
+            mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+        gl.store(_ptrs(ptr, rows_h, cols_a, stride_t), buf.slice(0, HALF, 1).load(layout), mask=mask)
+        gl.store(_ptrs(ptr, rows_h, cols_b, stride_t), buf.slice(HALF, HALF, 1).load(layout), mask=mask)
+
+
+@gluon.jit
+def _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M: gl.constexpr,
+                  HALF: gl.constexpr, ROT_HALF: gl.constexpr, HAS_POS: gl.constexpr, SLOT: gl.constexpr,
+                  LAYOUT: gl.constexpr):
+    """The rotary ``(sin, cos)`` of a tile's rows in ``LAYOUT``: a block's (``sin_cos``), or with
+    ``SLOT`` a tile of blocks' (``sin_cos_at``)."""
+    if SLOT > 0:
+        return sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF, ROT_HALF, HAS_POS, LAYOUT)
+    else:
+        return sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, ROT_HALF, HAS_POS, LAYOUT)
 
 
 @gluon.jit
 def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
-                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr, WARPS: gl.constexpr):
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                    HAS_POS: gl.constexpr, WARPS: gl.constexpr):
     """Store the gradient whose rotary halves are the float32 accumulators ``a``, ``b``, rotated
     back and scaled: ``((a cos + b sin) scale, (b cos - a sin) scale)``, to rows ``start .. start + n``.
     ``a`` and ``b`` go to the dead shared tiles ``a_buf``, ``b_buf`` (16 KB each) and come back 32
@@ -322,8 +339,8 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
     a_s.store(a)
     b_s.store(b)
     gl.thread_barrier()
-    _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M, HALF, HAS_POS,
-                     WARPS)
+    _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M, HALF, HEAD_DIM,
+                     ROT_DIM, HAS_POS, WARPS)
 
 
 @gluon.jit
@@ -334,8 +351,9 @@ def _f32_view(buf, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
-                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HAS_POS: gl.constexpr, WARPS: gl.constexpr):
+def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M: gl.constexpr,
+                     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr,
+                     WARPS: gl.constexpr):
     """``_unrotate_store`` of halves already parked in the float32 tiles ``a_s``, ``b_s``."""
     ROWS: gl.constexpr = 32
     layout: gl.constexpr = _row_layout(HALF, WARPS)
@@ -345,23 +363,28 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
     for c in gl.static_range(BLOCK_M // ROWS):
         x = a_s.slice(c * ROWS, ROWS, 0).load(layout)
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
-        sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, HAS_POS, layout)
-        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, layout)
+        sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, ROT_DIM // 2, HAS_POS,
+                                layout)
+        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, HEAD_DIM,
+                                 ROT_DIM, layout)
 
 
 @gluon.jit
 def _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, first, scale, stride_t, ROWS: gl.constexpr,
-                             HALF: gl.constexpr, layout: gl.constexpr):
-    """Store rows ``first .. first + ROWS`` of a gradient whose rotary halves are ``x``, ``y`` (float32,
-    in ``layout``), rotated back by their angles ``sin``, ``cos`` and scaled:
-    ``((x cos + y sin) scale, (y cos - x sin) scale)``, masked to the block's ``n`` rows."""
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+                             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, layout: gl.constexpr):
+    """Store rows ``first .. first + ROWS`` of a gradient whose rotary half tiles are ``x``, ``y``
+    (float32, in ``layout``; ``rotary.half_channels``), rotated back by their angles ``sin``, ``cos``
+    and scaled: ``((x cos + y sin) scale, (y cos - x sin) scale)``, masked to the block's ``n`` rows."""
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
     offs_m = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     mask = gl.expand_dims(offs_m < n, 1)
-    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
+    if HEAD_DIM // 2 < HALF:
+        mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+    gl.store(_ptrs(ptr, start + offs_m, cols_a, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
              mask=mask)
-    gl.store(_ptrs(ptr + HALF, start + offs_m, cols, stride_t),
-             ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty), mask=mask)
+    gl.store(_ptrs(ptr, start + offs_m, cols_b, stride_t), ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty),
+             mask=mask)
 
 
 @gluon.jit
@@ -388,7 +411,7 @@ def _rotary_group_fwd_d128(groups, rotary, block_d, slot):
 
 @gluon.jit
 def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride_t, BLOCK_M: gl.constexpr,
-                            HALF: gl.constexpr, WARPS: gl.constexpr):
+                            HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, WARPS: gl.constexpr):
     """``_unrotate_parked`` with the angles read from the shared 16-bit copies ``sin_s``, ``cos_s``
     (float16: within 2.5e-4 of the float32 angles, a quarter of a bf16 rounding step)."""
     ROWS: gl.constexpr = 32
@@ -398,7 +421,8 @@ def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride
         y = b_s.slice(c * ROWS, ROWS, 0).load(layout)
         sin = sin_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
         cos = cos_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
-        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, layout)
+        _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, HEAD_DIM,
+                                 ROT_DIM, layout)
 
 
 @gluon.jit
@@ -421,21 +445,23 @@ def _store_cols(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.c
 
 
 @gluon.jit
-def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, mask,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HALF: gl.constexpr):
-    """Issue the copies of kv head ``h``'s rotary q and k halves and v tile (one group)."""
+def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, mask, mask_d,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: gl.constexpr,
+               ROT_DIM: gl.constexpr, HALF: gl.constexpr):
+    """Issue the copies of kv head ``h``'s rotary q and k half tiles and v tile (one group)."""
     q_ptr = Q + h * stride_qh
     k_ptr = K + h * stride_kh
-    _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HALF)
-    _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
-    _copy_rows(v_s, V + h * stride_vh, rows, offs_d, mask, stride_vt)
+    _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HEAD_DIM, ROT_DIM, HALF)
+    _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
+    _copy_rows(v_s, V + h * stride_vh, rows, offs_d, mask_d, stride_vt)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+                      HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Rotary forward of one block for every head (one query head per kv head): the angles once,
     and two stages of shared tiles, so each head's copies are in flight during the previous
     head's math."""
@@ -454,14 +480,16 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
     rows = start + offs_m
     mask = gl.expand_dims(offs_m < n, 1)
+    mask_d = _channel_mask(mask, offs_d, HEAD_DIM, BLOCK_D)
     qa_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
     qb_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
     ka_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
     kb_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_h)
     v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], smem_d)
     _copy_head(qa_s.index(0), qb_s.index(0), ka_s.index(0), kb_s.index(0), v_s.index(0), Q, K, V, 0, rows, offs_h,
-               offs_d, mask, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HALF)
-    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, HAS_POS, rot_l)
+               offs_d, mask, mask_d, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
+               ROT_DIM, HALF)
+    sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, ROT_DIM // 2, HAS_POS, rot_l)
     zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
     zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
     for h in range(kv_heads):
@@ -470,8 +498,8 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
         if h + 1 < kv_heads:
             nxt = 1 - stage
             _copy_head(qa_s.index(nxt), qb_s.index(nxt), ka_s.index(nxt), kb_s.index(nxt), v_s.index(nxt), Q, K, V,
-                       h + 1, rows, offs_h, offs_d, mask, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                       stride_vh, HALF)
+                       h + 1, rows, offs_h, offs_d, mask, mask_d, stride_qt, stride_qh, stride_kt, stride_kh,
+                       stride_vt, stride_vh, HEAD_DIM, ROT_DIM, HALF)
             async_copy.wait_group(1)
         else:
             async_copy.wait_group(0)
@@ -486,7 +514,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
         p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
         o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(stage), zero_d)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
-        _store_cols_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D, BLOCK_D, WARPS)
+        _store_cols_via(v_s.index(stage), O + h * stride_oh, o, start, n, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, WARPS)
 
 
 @gluon.jit
@@ -504,6 +532,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
     gl.static_assert(not (STORE_LSE and SLOT > 0), "the logsumexp of a block, not of a tile of blocks")
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     HALF: gl.constexpr = BLOCK_D // 2
+    ROT_HALF: gl.constexpr = ROT_DIM // 2
     ROTARY: gl.constexpr = ROT_DIM > 0
     dtype: gl.constexpr = Q.dtype.element_ty
     smem_d: gl.constexpr = _smem_layout(BLOCK_D)
@@ -535,7 +564,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
         ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
         if GROUPS > 1 and not O_HALVES:
             o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
     else:
@@ -552,7 +581,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                 q_ptr = Q + (hk * GROUPS + c) * stride_qh
                 if ROTARY:
                     _copy_halves(qa_s.index(c % STAGES), qb_s.index(c % STAGES), q_ptr, rows, offs_h, mask,
-                                 stride_qt, HALF)
+                                 stride_qt, HEAD_DIM, ROT_DIM, HALF)
                 else:
                     _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
                 async_copy.commit_group()
@@ -560,11 +589,11 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
             if g == 0:
                 # Angles while the copies are in flight.
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
-                                         HAS_POS, SLOT, rot_l)
+                                         ROT_HALF, HAS_POS, SLOT, rot_l)
             elif O_HALVES:
                 row0, theta = _opaque_angles_args(first_row, log2_theta)
-                sin, cos = _tile_sin_cos(Pos, start, n, row0, rows, row_ok, prow, theta, BLOCK_M, HALF, HAS_POS, SLOT,
-                                         rot_l)
+                sin, cos = _tile_sin_cos(Pos, start, n, row0, rows, row_ok, prow, theta, BLOCK_M, HALF, ROT_HALF,
+                                         HAS_POS, SLOT, rot_l)
         async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
         if ROTARY:
             qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
@@ -595,7 +624,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
             o_lo = warpgroup_mma(p_h, v_s.slice(0, HALF, 1), zero_h) * inv_h
             _store_cols_via(qa, o_ptr, o_lo, start, n, stride_ot, BLOCK_M, HALF, HALF, WARPS)
             o_hi = warpgroup_mma(p_h, v_s.slice(HALF, HALF, 1), zero_h) * inv_h
-            _store_cols_via(qb, o_ptr + HALF, o_hi, start, n, stride_ot, BLOCK_M, HALF, HALF, WARPS)
+            _store_cols_via(qb, o_ptr + HALF, o_hi, start, n, stride_ot, BLOCK_M, HALF, HEAD_DIM - HALF, WARPS)
         else:
             o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
@@ -692,7 +721,7 @@ def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_sc
             if n > 0:
                 _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                                  stride_oh, BLOCK_M, BLOCK_D, HAS_POS, IS_CAUSAL)
+                                  stride_oh, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL)
         elif n > 0:
             _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale,
                       log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
@@ -793,6 +822,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
     (else 0)."""
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     HALF: gl.constexpr = BLOCK_D // 2
+    ROT_HALF: gl.constexpr = ROT_DIM // 2
     ROTARY: gl.constexpr = ROT_DIM > 0
     # dQ and dK rotated back through the dead v and dO tiles (``_unrotate_store``): at D128 with
     # one query head per kv head (v's tile is live across the heads of a group; at D64 the
@@ -848,7 +878,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
         qb_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
         ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HALF)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
         if PARK_DQ:
             park_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         if SHARED_ANGLES:
@@ -872,7 +902,8 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
             if c < GROUPS and (c == g and (g == 0 or STAGES == 1) or c > g and STAGES == 2):
                 q_ptr = Q + (hk * GROUPS + c) * stride_qh
                 if ROTARY:
-                    _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask, stride_qt, HALF)
+                    _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask,
+                                 stride_qt, HEAD_DIM, ROT_DIM, HALF)
                 else:
                     _copy_rows(q_st.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
                 async_copy.commit_group()
@@ -889,7 +920,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
         if ROTARY:
             if g == 0:
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
-                                         HAS_POS, SLOT, rot_l)
+                                         ROT_HALF, HAS_POS, SLOT, rot_l)
                 if SHARED_ANGLES:
                     angles_s.index(0).store(sin.to(gl.float16))
                     angles_s.index(1).store(cos.to(gl.float16))
@@ -954,11 +985,11 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                 _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                BLOCK_M, HALF, HAS_POS, WARPS)
+                                BLOCK_M, HALF, HEAD_DIM, ROT_DIM, HAS_POS, WARPS)
                 dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                 dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
                 _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
-                                scale, stride_dkt, BLOCK_M, HALF, HAS_POS, WARPS)
+                                scale, stride_dkt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, HAS_POS, WARPS)
             elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 if PARK_DQ:
@@ -969,16 +1000,16 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                     dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
                     gl.thread_barrier()
                     _unrotate_parked_shared(dqa_s, dqb_s, angles_s.index(0), angles_s.index(1), dq_ptr, start, n,
-                                            scale, stride_dqt, BLOCK_M, HALF, WARPS)
+                                            scale, stride_dqt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, WARPS)
                 else:
                     # (Angles again in the accumulators' layout: cheaper than keeping them live.)
                     sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M,
-                                                 HALF, HAS_POS, SLOT, acc_h)
+                                                 HALF, ROT_HALF, HAS_POS, SLOT, acc_h)
                     dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                     dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                     _store_halves_tile_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
                                            (dqb * cos_h - dqa * sin_h) * scale, start, n, rows, row_ok, stride_dqt,
-                                           BLOCK_M, BLOCK_D, WARPS, SLOT)
+                                           BLOCK_M, BLOCK_D, HEAD_DIM, ROT_DIM, WARPS, SLOT)
                 if g == 0:
                     dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
@@ -1015,12 +1046,12 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
             cos_h = angles_s.index(1).load(acc_h).to(gl.float32)
         else:
             sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
-                                         HAS_POS, SLOT, acc_h)
+                                         ROT_HALF, HAS_POS, SLOT, acc_h)
         if SLOT > 0:
             bad = bad + gl.sum(_nonfinite_rows(dka), 0) + gl.sum(_nonfinite_rows(dkb), 0)
         _store_halves_tile_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale,
                                (dkb * cos_h - dka * sin_h) * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M,
-                               BLOCK_D, WARPS, SLOT)
+                               BLOCK_D, HEAD_DIM, ROT_DIM, WARPS, SLOT)
     elif not ROTARY:
         if SLOT > 0:
             bad = bad + gl.sum(_nonfinite_rows(dk), 0)

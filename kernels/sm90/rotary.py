@@ -2,9 +2,17 @@
 
 The same math as the Triton helpers of ``common.rotary`` (angles ``position * theta ** (-2 i /
 rotary_dim)`` in float32, reduced into [-pi, pi] for ``sin.approx`` / ``cos.approx``), written
-again because Gluon cannot call Triton JIT functions (its tensors carry layouts). Split halves
-over all channels only (what the sm_90 kernels admit); the tests compare these with the Triton
-and PyTorch versions on the CPU.
+again because Gluon cannot call Triton JIT functions (its tensors carry layouts); the tests
+compare these with the Triton and PyTorch versions on the CPU.
+
+The sm_90 kernels hold q and k (and their gradients) as two half tiles of ``HALF`` columns:
+``half_channels`` says which channel of the head each column holds. Half tile a holds the first
+channel of each rotary pair (split halves: ``x[j]``, ``j < rotary_dim / 2``), then the first half
+of the pass-through channels past ``rotary_dim``; half tile b the pairs' second channels
+(``x[j + rotary_dim / 2]``), then the pass-through channels' second half. Pass-through columns
+rotate by the angle 0 (``inv_freq`` 0: sine 0, cosine 1), and columns past ``head_dim / 2`` (a
+head dim padded to a power-of-two tile, e.g. 96 -> 128) are masked on every copy and store.
+Scores are the sum of the two half tiles' products whatever the channels' order.
 """
 from __future__ import annotations
 
@@ -22,21 +30,45 @@ def _reduced(angle):
 
 
 @gluon.jit
+def half_channels(offs_h, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+    """``(channels_a, channels_b)``: the head's channels held by columns ``offs_h`` of the half tiles
+    a and b (module docstring), for rotary over the first ``ROT_DIM`` of ``HEAD_DIM`` channels in
+    split halves. Runs of ``ROT_DIM / 2`` and ``(HEAD_DIM - ROT_DIM) / 2`` contiguous channels."""
+    ROT_HALF: gl.constexpr = ROT_DIM // 2
+    PASS_HALF: gl.constexpr = (HEAD_DIM - ROT_DIM) // 2
+    if PASS_HALF == 0:
+        return offs_h, offs_h + ROT_HALF
+    else:
+        past = (offs_h >= ROT_HALF).to(offs_h.dtype)
+        return offs_h + past * ROT_HALF, offs_h + ROT_HALF + past * PASS_HALF
+
+
+@gluon.jit
+def _inv_freq(HALF: gl.constexpr, ROT_HALF: gl.constexpr, log2_theta, LAYOUT: gl.constexpr):
+    """The inverse frequencies ``theta ** (-j / ROT_HALF)`` of the half tiles' columns ``j`` in the
+    column layout of ``LAYOUT``; 0 past the rotary pairs (pass-through and padding columns)."""
+    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT))
+    inv_freq = gl.exp2(offs_r.to(gl.float32) * (log2_theta * (-1.0 / ROT_HALF)))
+    if ROT_HALF < HALF:
+        inv_freq = gl.where(offs_r < ROT_HALF, inv_freq, 0.0)
+    return inv_freq
+
+
+@gluon.jit
 def sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M: gl.constexpr, HALF: gl.constexpr,
-            HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
-    """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT``: at the given
-    positions, or at ``first_row + m`` with the angles reduced once per column (the Gluon form of
-    ``common.rotary.block_sin_cos`` with ``PER_COLUMN``)."""
-    return sin_cos_rows(Pos, start, n, first_row, log2_theta, 0, BLOCK_M, HALF, HAS_POS, LAYOUT)
+            ROT_HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rotary sines and cosines ``[BLOCK_M, HALF]`` of the block's rows in ``LAYOUT`` (``ROT_HALF``
+    rotary pairs, then angle 0): at the given positions, or at ``first_row + m`` with the angles
+    reduced once per column (the Gluon form of ``common.rotary.block_sin_cos`` with ``PER_COLUMN``)."""
+    return sin_cos_rows(Pos, start, n, first_row, log2_theta, 0, BLOCK_M, HALF, ROT_HALF, HAS_POS, LAYOUT)
 
 
 @gluon.jit
 def sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                 HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+                 HALF: gl.constexpr, ROT_HALF: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
     """``sin_cos`` of the block's rows ``ROW0 .. ROW0 + ROWS`` (the same values)."""
     offs_m = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
-    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
-    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
+    inv_freq = _inv_freq(HALF, ROT_HALF, log2_theta, LAYOUT)
     if HAS_POS:
         pos = gl.load(Pos + start + offs_m, mask=offs_m < n, other=0).to(gl.float32)
         angle = _reduced(gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0))
@@ -47,15 +79,14 @@ def sin_cos_rows(Pos, start, n, first_row, log2_theta, ROW0: gl.constexpr, ROWS:
 
 
 @gluon.jit
-def sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF: gl.constexpr, HAS_POS: gl.constexpr,
-               LAYOUT: gl.constexpr):
+def sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF: gl.constexpr, ROT_HALF: gl.constexpr,
+               HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
     """Rotary sines and cosines ``[len(rows), HALF]`` in ``LAYOUT`` of a tile whose rows are the
     tokens ``rows`` (where ``row_ok``) at the positions ``Pos[rows]``, or ``prow`` (each row's index
     in its sequence) without ``Pos``: for tiles of several blocks, whose rows are not one run.
     The angles are ``position * inv_freq`` reduced, as ``sin_cos`` computes them at given positions."""
     row_l: gl.constexpr = gl.SliceLayout(1, LAYOUT)
-    offs_r = gl.arange(0, HALF, layout=gl.SliceLayout(0, LAYOUT)).to(gl.float32)
-    inv_freq = gl.exp2(offs_r * (log2_theta * (-1.0 / HALF)))
+    inv_freq = _inv_freq(HALF, ROT_HALF, log2_theta, LAYOUT)
     if HAS_POS:
         pos = gl.load(Pos + gl.convert_layout(rows, row_l), mask=gl.convert_layout(row_ok, row_l), other=0)
     else:
