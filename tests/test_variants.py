@@ -64,6 +64,9 @@ def test_hopper_call_reasons():
         assert (reasons == []) == taken, (dim, reasons)
     assert "padded to 128 channels" in variants.HOPPER.auto_reasons(
         _facts(groups=2, block_size=100, head_dim=96, backward=True))[0]
+    # ... but with rotary (simple's rotary backward there is slower still), hopper.
+    assert variants.HOPPER.auto_reasons(_facts(groups=4, block_size=128, head_dim=96, rot=96, backward=True)) == []
+    assert variants.HOPPER.auto_reasons(_facts(groups=4, block_size=128, head_dim=96, rot=48, backward=True))
     assert variants.HOPPER.auto_reasons(_facts(groups=2)) == [] and variants.HOPPER.auto_reasons(_facts(block_size=128)) == []
 
 

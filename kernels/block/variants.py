@@ -234,14 +234,17 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80), at D32 1.02-1.13x (8x2 2.643 vs
     2.961, causal 2.709 vs 3.058, rotary 3.014 vs 3.302; 4x1 1.395 vs 1.464); at D96, on tiles padded
     to 128 channels, simple is faster (8x2 8.403 vs 10.745, causal 7.962 vs 12.356; 4x1 4.043 vs
-    5.365): the other padded head dims are left to simple as D96 (session 24)."""
+    5.365): the other padded head dims are left to simple as D96 (session 24); with rotary over all
+    channels (admitted there since session 26) hopper is faster (D96 split 8x2 13.21 vs 18.37 ms,
+    whose simple backward was the grid's worst point, 11.8x floor); partial rotary there is not
+    timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it."""
     if facts.groups > 1 and facts.block_size > 64:
         tile = tile_extent(facts.head_dim)
         if not facts.backward:
             if tile == 256:
                 return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                         "simple is faster on the H200"]
-        elif facts.head_dim not in (32, 64, 128):
+        elif facts.head_dim not in (32, 64, 128) and facts.rot != facts.head_dim:
             return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim} "
                     f"(tiles padded to {tile} channels): simple is faster on the H200"]
     return []
