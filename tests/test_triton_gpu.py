@@ -226,6 +226,8 @@ def test_nan_poisoned_memory_beyond_valid_rows():
     (4, 2, 192, 128, False), (2, 2, 256, 128, True),
     # Blocks of 16 and 32 tokens, which share 64-row tiles in the packed variant.
     (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True), (4, 2, 64, 16, True),
+    # Rotary at a padded head dim, and over part of the channels (an int: rotary_dim).
+    (4, 2, 96, 128, True), (2, 2, 128, 64, 64), (4, 2, 48, 16, 16),
 ])
 def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
@@ -233,7 +235,8 @@ def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
     q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
     token = 3 + block_size + 2  # inside the second block of the second sequence
-    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rotary else None)
+    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rotary else None,
+              rotary_dim=None if isinstance(rotary, bool) else rotary)
 
     def run(poison):
         xs = [x.clone() for x in (q, k, v)]
