@@ -199,18 +199,18 @@ def _packed_builds(capability: int) -> Iterator[Build]:
 
 
 def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool, causal: bool, groups: int,
-                  int64: bool, variant=HOPPER, rot_dim: Optional[int] = None) -> Build:
+                  int64: bool, variant=HOPPER, rot_dim: Optional[int] = None, interleaved: bool = False) -> Build:
     """A build of ``variant``'s Gluon kernels (hopper or hopper_packed; the caller sets the latter's
     ``SLOT``) with the launch plan's ``HEAD_LOOP``, register cap and ``SPLIT_GROUPS``; ``kind``:
     fwd, fwd_lse (the forward that also stores the logsumexp) or bwd. Rotary over ``rot_dim``
-    channels (default all)."""
+    channels (default all), in split halves or ``interleaved`` pairs."""
     from .sm90.block import _hopper_bwd_kernel, _hopper_fwd_kernel, _hopper_fwd_lse_kernel
 
     kernel = {"fwd": _hopper_fwd_kernel, "fwd_lse": _hopper_fwd_lse_kernel, "bwd": _hopper_bwd_kernel}[kind]
     forward = kind != "bwd"
     rot = (rot_dim or head_dim) if rotary else 0
     constexprs = _block_constexprs(head_dim, groups, block, rot, rotary and causal, causal, 512 if groups == 2 else 0)
-    constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64)
+    constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64, INTERLEAVED=interleaved)
     constexprs["HEAD_LOOP"] = forward and head_loop(constexprs, variant.name)
     options = dict(num_warps=block // 16, num_stages=1)
     regs = max_registers(constexprs, variant, kind == "bwd", 9, 2)
@@ -223,6 +223,7 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
     if kind == "bwd":
         constexprs["OVERLAP"] = overlap_products(constexprs, variant, True)
     rope = "" if not rotary else "_rope" if rot == head_dim else f"_rope{rot}"
+    rope += "i" if interleaved else ""
     name = (f"{kind}_{dtype}_b{block}_d{head_dim}{rope}{'_causal' if causal else ''}"
             f"{'_gqa' if groups > 1 else ''}{'_int64' if int64 else ''}_hopper")
     return Build(name, kernel, dtype, _kernel_constexprs(kernel, constexprs), options)
@@ -255,6 +256,9 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
                           backward=kind == "bwd")
         if not HOPPER.call_reasons(facts):
             yield _hopper_build(kind, "bf16", block, dim, True, block == 128, groups, False, rot_dim=dim // 2)
+    # Interleaved rotary pairs.
+    for kind, (block, dim, rot, groups) in itertools.product(("fwd", "bwd"), ((64, 64, 64, 1), (128, 96, 64, 2))):
+        yield _hopper_build(kind, "bf16", block, dim, True, False, groups, False, rot_dim=rot, interleaved=True)
 
 
 # Name ending of the hopper_packed builds (not ``_hopper``: ``--only _hopper`` selects the hopper variant's).

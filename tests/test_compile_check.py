@@ -46,19 +46,22 @@ def test_hopper_kernels_compile(tmp_path):
     out (through shared memory, not from the accumulators' 4-byte pieces), within the register,
     spill and shared-memory budgets. Other generations have no hopper variant."""
     ptx = _compile_check("sm_90", "_hopper", tmp_path / "sm_90")
-    assert len(ptx) == 147
+    assert len(ptx) == 151
     assert {"fwd_bf16_b128_d128_causal_hopper", "bwd_bf16_b128_d128_rope_causal_hopper", "bwd_bf16_b64_d96_gqa_hopper",
             "bwd_bf16_b64_d256_hopper", "fwd_bf16_b64_d256_gqa_hopper", "bwd_bf16_b64_d32_rope_hopper",
             "bwd_bf16_b64_d128_rope_int64_hopper", "fwd_bf16_b128_d128_causal_gqa_hopper",
             "bwd_bf16_b128_d128_causal_gqa_hopper", "fwd_lse_fp16_b128_d192_causal_gqa_hopper",
             "fwd_lse_bf16_b128_d256_hopper", "fwd_bf16_b128_d64_causal_gqa_hopper",
             "bwd_bf16_b128_d64_rope_causal_hopper", "bwd_bf16_b128_d96_rope_causal_gqa_hopper",
-            "bwd_bf16_b64_d96_rope48_hopper", "fwd_bf16_b128_d128_rope64_causal_gqa_hopper"} <= set(ptx)
+            "bwd_bf16_b64_d96_rope48_hopper", "fwd_bf16_b128_d128_rope64_causal_gqa_hopper",
+            "bwd_bf16_b128_d96_rope64i_gqa_hopper"} <= set(ptx)
     # Not admitted, so not built: the backward of 128-row tiles at D256.
     assert "bwd_bf16_b128_d256_causal_hopper" not in ptx and "bwd_bf16_b128_d256_causal_gqa_hopper" not in ptx
     for name, text in ptx.items():
         assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text, name
         assert "st.global.v4" in text and "st.global.v2" not in text, name
+        # 2-byte loads and stores: the interleaved rotary pairs' channels only (every other one).
+        assert bool(re.search(r"(ld|st)\.global(\.\w+)*\.b16", text)) == bool(re.search(r"_rope\d*i_", name)), name
         # 4-byte stores: the logsumexp's float32 values only.
         assert ("st.global.b32" in text) == name.startswith("fwd_lse"), name
     for arch in ("sm_80", "sm_100"):

@@ -358,10 +358,11 @@ def test_rotate_in_place(half, dtype):
     torch.testing.assert_close(torch.cat([a, b], 1), want, **tol)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("has_pos", [False, True])
 @pytest.mark.parametrize("head_dim,rot_dim,half", [(128, 64, 64), (96, 96, 64), (80, 48, 64), (48, 16, 32),
                                                    (64, 64, 32)])
-def test_half_tiles_rotate_as_reference(head_dim, rot_dim, half, has_pos):
+def test_half_tiles_rotate_as_reference(head_dim, rot_dim, half, has_pos, interleaved):
     """A row tile split into the half tiles a and b by ``half_channels`` (columns past ``head_dim /
     2`` masked, as the kernels' copies do), rotated in place at ``sin_cos``'s angles of
     ``rot_dim / 2`` pairs, and put back by the same map, is ``reference.apply_rotary`` of the row
@@ -369,7 +370,7 @@ def test_half_tiles_rotate_as_reference(head_dim, rot_dim, half, has_pos):
     held once, the pairs meet in one column and the pass-through columns rotate by 0."""
     g = torch.Generator().manual_seed(head_dim + rot_dim)
     x = torch.randn(BLOCK_M, head_dim, generator=g)
-    cols_a, cols_b = (c.long() for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim))
+    cols_a, cols_b = (c.long() for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim, interleaved))
     held = head_dim // 2
     assert sorted(torch.cat([cols_a[:held], cols_b[:held]]).tolist()) == list(range(head_dim))
     a, b = torch.zeros(BLOCK_M, half), torch.zeros(BLOCK_M, half)
@@ -382,7 +383,7 @@ def test_half_tiles_rotate_as_reference(head_dim, rot_dim, half, has_pos):
     got[:, cols_a[:held]], got[:, cols_b[:held]] = a[:, :held], b[:, :held]
     at = pos.double() if has_pos else torch.arange(17, 17 + BLOCK_M, dtype=torch.float64)
     angles = reference.rotary_angles(at, 10000.0, rot_dim, torch.float64)
-    want = reference.apply_rotary(x.double()[:, None, :], angles, rot_dim, False)[:, 0]
+    want = reference.apply_rotary(x.double()[:, None, :], angles, rot_dim, interleaved)[:, 0]
     # (float32 angles: a few ulps of the largest, times the largest channel.)
     atol = (2e-6 + 8 * float(at.max()) * 2**-24) * float(x.abs().max())
     torch.testing.assert_close(got.double(), want, rtol=0, atol=atol)
@@ -453,16 +454,17 @@ def test_store_via(start, n):
         buf = gs.shared(_sentinel((BLOCK_M, 128)))
         if halves:
             store_halves_tile_via(buf, ptr, x[:, :64], x[:, 64:], start, n, 0, 0, out.stride(0), BLOCK_M, 128, 128,
-                                  128, 4, 0)
+                                  128, False, 4, 0)
         else:
             store_via(buf, ptr, x, start, n, out.stride(0), BLOCK_M, 128)
         _assert_only_rows(out, memory.writes_as_tensor(), 2, start, n, x[:n])
 
 
-@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (128, 64), (96, 96), (80, 48)])
+@pytest.mark.parametrize("head_dim,rot_dim,interleaved", [(128, 128, False), (128, 64, False), (96, 96, False),
+                                                          (80, 48, False), (128, 128, True), (96, 64, True)])
 @pytest.mark.parametrize("has_pos", [False, True])
 @pytest.mark.parametrize("start,n,first_row", [(0, 64, 0), (70, 1, 4096), (5, 37, 64)])
-def test_unrotate_store(start, n, first_row, has_pos, head_dim, rot_dim):
+def test_unrotate_store(start, n, first_row, has_pos, head_dim, rot_dim, interleaved):
     """``_unrotate_store`` (the rotary backward of 128-wide tiles, one query head per kv head): rows
     ``start .. start + n`` of the head get ``reference.apply_rotary(inverse=True)`` of the float32
     half tiles (their channels as ``half_channels`` maps them) times ``scale`` (at the block's
@@ -476,14 +478,15 @@ def test_unrotate_store(start, n, first_row, has_pos, head_dim, rot_dim):
     ptr = gs.Pointer(memory) + out.stride(1)
     bufs = [gs.shared(_sentinel((BLOCK_M, 2 * half))) for _ in range(2)]
     unrotate_store(*bufs, a, b, ptr, gs.pointer(pos), start, n, first_row, math.log2(10000.0), scale, out.stride(0),
-                   BLOCK_M, half, head_dim, rot_dim, has_pos, 4)
+                   BLOCK_M, half, head_dim, rot_dim, interleaved, has_pos, 4)
     at = pos[start:start + n] if has_pos else torch.arange(first_row, first_row + n)
     angles = reference.rotary_angles(at, 10000.0, rot_dim, torch.float64)
     held = head_dim // 2
-    cols_a, cols_b = (c.long()[:held] for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim))
+    cols_a, cols_b = (c.long()[:held] for c in half_channels(torch.arange(half, dtype=torch.int32), head_dim, rot_dim, interleaved))
     grad = torch.empty(BLOCK_M, head_dim)
     grad[:, cols_a], grad[:, cols_b] = a[:, :held], b[:, :held]
-    want = reference.apply_rotary(grad[:n].double()[:, None, :], angles, rot_dim, False, inverse=True)[:, 0] * scale
+    want = reference.apply_rotary(grad[:n].double()[:, None, :], angles, rot_dim, interleaved, inverse=True)[:, 0]
+    want = want * scale
     _assert_only_rows(out, memory.writes_as_tensor(), 1, start, n, want)
 
 
@@ -497,7 +500,7 @@ class _Case:
     reference's arguments."""
 
     def __init__(self, lengths, heads, kv_heads, dim, rotary, has_pos, causal, block_size=64, dtype=torch.float16,
-                 offsets_dtype=torch.int32, seed=0, int64=False, rot_dim=None):
+                 offsets_dtype=torch.int32, seed=0, int64=False, rot_dim=None, interleaved=False):
         g = torch.Generator().manual_seed(seed)
         total = sum(lengths)
         self.offsets = _offsets(lengths, offsets_dtype)
@@ -513,10 +516,10 @@ class _Case:
             Pos=pos if has_pos else self.sched.table, slots=self.sched.programs, num_seqs=self.sched.num_seqs,
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
-            BLOCK_D=tile_extent(dim), ROT_DIM=rot, HAS_POS=has_pos, IS_CAUSAL=causal,
+            BLOCK_D=tile_extent(dim), ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=has_pos, IS_CAUSAL=causal,
             INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False,
         )
-        self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, rot, False)
+        self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, rot, interleaved)
 
     def pack(self, block_size: int) -> int:
         """Launch as tiles of blocks (the ``hopper_packed`` variant): 64-row tiles of ``SLOT``-row
@@ -610,6 +613,12 @@ KERNEL_CASES = {
     "d48_rope_pos": ((EDGE_LENGTHS, 2, 2, 48, True, True, False), {}),
     "d80_partial48_rope_block128": (([3, 128, 0, 200, 1], 2, 2, 80, True, False, True),
                                     dict(block_size=128, rot_dim=48)),
+    # Interleaved pairs (x[2i], x[2i+1]): gathered into the half tiles through registers.
+    "d128_interleaved_rope": ((EDGE_LENGTHS, 2, 2, 128, True, False, True), dict(interleaved=True)),
+    "d64_interleaved_rope_gqa_pos": ((EDGE_LENGTHS, 4, 2, 64, True, True, False), dict(interleaved=True)),
+    "d96_interleaved64_rope_gqa_block128": (([0, 1, 127, 128, 129, 300, 5], 4, 2, 96, True, False, True),
+                                            dict(block_size=128, rot_dim=64, interleaved=True)),
+    "d128_interleaved_rope_gqa": ((EDGE_LENGTHS, 4, 2, 128, True, True, False), dict(interleaved=True)),
 }
 
 
@@ -673,6 +682,8 @@ PACKED_KERNEL_CASES = {
     "d48_partial16_rope_block16_causal": ((PACKED_LENGTHS, 2, 2, 48, True, False, True),
                                           dict(block_size=16, rot_dim=16)),
     "d96_rope_pos_gqa_block32_forward": ((PACKED_LENGTHS, 4, 2, 96, True, True, False), dict(block_size=32)),
+    "d64_interleaved32_rope_block16_causal": ((PACKED_LENGTHS, 2, 2, 64, True, False, True),
+                                              dict(block_size=16, rot_dim=32, interleaved=True)),
 }
 
 

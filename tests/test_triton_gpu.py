@@ -478,6 +478,10 @@ HOPPER_CASES = [
     dict(heads=4, kv_heads=1, dim=64, block_size=128, rope_theta=1e4, rotary_dim=32, causal=True),
     dict(heads=4, kv_heads=2, dim=80, block_size=64, rope_theta=1e4, rotary_dim=48),
     dict(heads=2, kv_heads=2, dim=48, block_size=100, rope_theta=1e4, rotary_dim=16, positions="float"),
+    # Interleaved pairs, gathered into the half tiles through registers.
+    dict(heads=2, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True, causal=True),
+    dict(heads=8, kv_heads=2, dim=96, block_size=128, rope_theta=1e4, rotary_interleaved=True, rotary_dim=64),
+    dict(heads=4, kv_heads=1, dim=64, block_size=64, rope_theta=1e4, rotary_interleaved=True, positions="int"),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 
@@ -530,7 +534,7 @@ def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
                 case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
                                      else torch.rand(total, device=DEV) * 4000)
             rot = case.get("rotary_dim") or dim if case.get("rope_theta") else 0
-            assert _variant(q, k, (q, k, v), case["block_size"], rot) == variant
+            assert _variant(q, k, (q, k, v), case["block_size"], rot, case.get("rotary_interleaved", False)) == variant
             check_against_oracle(q, k, v, offsets, **dict(case))
 
 
@@ -566,6 +570,7 @@ HOPPER_PACKED_CASES = [
     dict(heads=4, kv_heads=4, dim=64, block_size=24, rope_theta=1e4, positions="int"),
     dict(heads=2, kv_heads=2, dim=48, block_size=16, rope_theta=1e4, rotary_dim=32, causal=True),
     dict(heads=8, kv_heads=2, dim=64, block_size=32, rope_theta=1e4, rotary_dim=32, positions="int"),
+    dict(heads=2, kv_heads=2, dim=32, block_size=16, rope_theta=1e4, rotary_interleaved=True),
 ]
 
 
@@ -639,7 +644,7 @@ def test_hopper_falls_back_to_simple():
         assert _variant(q, k, (q, k, v), 32, 64) == "hopper_packed"
         for q_, tensors, block, rot, interleaved, int64 in [
                 (q.float(), (q.float(),), 64, 0, False, False), (q, (q, k, v), 129, 0, False, False),
-                (q, (q, k, v), 64, 24, False, False), (q, (q, k, v), 64, 64, True, False),
+                (q, (q, k, v), 64, 24, False, False), (q, (q, k, v), 64, 24, True, False),
                 (q, (odd, k, v), 64, 0, False, False)]:
             assert _variant(q_, k.to(q_.dtype), tensors, block, rot, interleaved, int64) == "simple"
         check_against_oracle(odd, k, v, offsets, block_size=64, causal=True)

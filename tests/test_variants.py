@@ -37,7 +37,8 @@ def test_hopper_call_reasons():
                      dict(groups=2, block_size=100), dict(groups=2, block_size=100, backward=True),
                      # Rotary in half tiles: partial rotary_dim, padded head dims.
                      dict(rot=64), dict(rot=16, backward=True), dict(head_dim=96, rot=96),
-                     dict(head_dim=80, rot=48, groups=2, backward=True), dict(head_dim=48, rot=32)):
+                     dict(head_dim=80, rot=48, groups=2, backward=True), dict(head_dim=48, rot=32),
+                     dict(rot=128, interleaved=True), dict(head_dim=96, rot=64, interleaved=True, backward=True)):
         assert variants.HOPPER.call_reasons(_facts(**admitted)) == [], admitted
     for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
                        (dict(dtype=torch.float32), "dtype"), (dict(head_dim=72), "head_dim 72"), (dict(head_dim=16), "head_dim 16"),
@@ -45,7 +46,6 @@ def test_hopper_call_reasons():
                        (dict(block_size=32), "block_size 32 < 33"),
                        (dict(block_size=128, head_dim=256, backward=True), "backward of blocks over 64"),
                        (dict(rot=120), "rotary_dim 120 (needs a multiple of 16)"),
-                       (dict(rot=128, interleaved=True), "interleaved rotary"),
                        (dict(head_dim=256, rot=256), "rotary at head_dim 256"),
                        (dict(head_dim=256, rot=64), "rotary at head_dim 256"),
                        (dict(groups=2, head_dim=256, backward=True), "backward of grouped-query")]:
@@ -76,6 +76,8 @@ def test_sm100_and_hopper_ws_keep_their_head_dims_and_32_bit_addressing():
         assert any("head_dim 96 (needs 64, 128)" in r for r in variant.call_reasons(_facts(major=major, head_dim=96)))
         assert any("64-bit" in r for r in variant.call_reasons(_facts(major=major, int64=True)))
         assert any("rotary_dim 64 of head_dim 128" in r for r in variant.call_reasons(_facts(major=major, rot=64)))
+        assert any("interleaved rotary" in r
+                   for r in variant.call_reasons(_facts(major=major, rot=128, interleaved=True)))
     assert any("block_size 128 > 64" in r for r in variants.HOPPER_WS.call_reasons(_facts(block_size=128)))
 
 
@@ -195,7 +197,7 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     and with grouped query heads at D <= 128, backward with one query head per kv head at D <= 128,
     split-half rotary at D <= 64 both ways; simple elsewhere (D256, the forward of one query head per
     kv head at D 96-128, the backward of grouped query heads without rotary at D other than 33-64,
-    rotary at D128, interleaved rotary), and never packed (slower than both). explain() says why; forcing
+    rotary at D128), and never packed (slower than both). explain() says why; forcing
     is not bound by where auto takes a variant."""
     q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
 
@@ -213,7 +215,7 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
             assert auto(block_size=block, head_dim=dim, rot=dim) == rotary
             assert auto(block_size=block, head_dim=dim, rot=dim, groups=4, backward=True) == rotary
             assert auto(block_size=block, head_dim=dim, rot=dim // 2) == rotary  # partial rotary
-            assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True) == "simple"
+            assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True) == rotary
         assert auto(block_size=block, head_dim=256) == auto(block_size=block, head_dim=256, backward=True) == "simple"
     assert auto(block_size=33, head_dim=72) == "simple"
     assert auto(block_size=16, dtype=torch.float32) == "simple"
@@ -317,7 +319,7 @@ def test_the_dispatcher_shows_the_variants_beside_the_backends():
     partial = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True, rotary_dim=32)
     assert explain_variants(partial)["triton"]["hopper"] == []
     interleaved = dataclasses.replace(partial, rotary_interleaved=True)
-    assert any("interleaved rotary" in r for r in explain_variants(interleaved)["triton"]["hopper"])
+    assert explain_variants(interleaved)["triton"]["hopper"] == []
     cpu = AttentionRequest("cpu", None, torch.float32, 64, 4, 2, 64, False, True)
     assert bl.dispatch.describe(cpu) == "reference"
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:

@@ -159,8 +159,6 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
         reasons.append(f"block_size {facts.block_size} > {high}")
     elif facts.block_size < low:
         reasons.append(f"block_size {facts.block_size} < {low}")
-    if facts.rot and facts.interleaved:
-        reasons.append("interleaved rotary (needs split halves)")
     if facts.int64 and not addresses_64bit:
         reasons.append("64-bit addressing")
     if not reasons and import_error() is not None:
@@ -169,17 +167,21 @@ def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], h
 
 
 def _whole_rotary_reasons(facts: CallFacts) -> List[str]:
-    """Rotary only over all channels (the sm_100 and hopper_ws kernels' rotary halves are the head's
-    two column halves)."""
+    """Rotary only over all channels in split halves (the sm_100 and hopper_ws kernels' rotary
+    halves are the head's two column halves)."""
+    reasons = []
     if facts.rot and facts.rot != facts.head_dim:
-        return [f"rotary_dim {facts.rot} of head_dim {facts.head_dim} (needs rotary over all channels)"]
-    return []
+        reasons.append(f"rotary_dim {facts.rot} of head_dim {facts.head_dim} (needs rotary over all channels)")
+    if facts.rot and facts.interleaved:
+        reasons.append("interleaved rotary (needs split halves)")
+    return reasons
 
 
 def _half_tile_rotary_reasons(facts: CallFacts) -> List[str]:
     """Rotary in the sm_90 kernels' half tiles (``sm90.rotary.half_channels``): over ``rot``
     channels of a head dim of at most 128 (D256 rotary spills), both runs of each half tile (the
-    rotary pairs, the pass-through channels) whole 16-byte chunks: ``rot`` a multiple of 16."""
+    rotary pairs, the pass-through channels) whole 16-byte chunks: ``rot`` a multiple of 16. Split
+    halves or interleaved pairs (gathered through registers: every other channel)."""
     reasons = []
     if facts.rot and facts.head_dim > 128:
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs at most 128)")

@@ -65,7 +65,8 @@ def _store_tile(buf, out_map, ptr, lo, hi, start, n, col, stride_t, BLOCK_M: gl.
         tma.async_copy_shared_to_global(out_map, [start.to(gl.int32), col], buf)
         tma.store_wait(0)
     elif HALVES:
-        _store_halves_tile_via(buf, ptr, lo, hi, start, n, 0, 0, stride_t, BLOCK_M, WIDTH, WIDTH, WIDTH, 4, 0)
+        _store_halves_tile_via(buf, ptr, lo, hi, start, n, 0, 0, stride_t, BLOCK_M, WIDTH, WIDTH, WIDTH, False, 4,
+                               0)
     else:
         _store_via(buf, ptr, lo, start, n, stride_t, BLOCK_M, WIDTH)
 
@@ -113,8 +114,8 @@ def _tile_scores(qa, qb, ka, kb, vt, dot, Q, K, V, DO, h, start, n, sin, cos, of
         rows = start + offs_m
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
-            _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, BLOCK_D, BLOCK_D, HALF)
-            _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, BLOCK_D, BLOCK_D, HALF)
+            _copy_halves(qa, qb, Q + h * stride_qh, rows, offs_h, mask, stride_qt, BLOCK_D, BLOCK_D, False, HALF)
+            _copy_halves(ka, kb, K + h * stride_kh, rows, offs_h, mask, stride_kt, BLOCK_D, BLOCK_D, False, HALF)
         else:
             _copy_rows(qa, Q + h * stride_qh, rows, offs_d, mask, stride_qt)
             _copy_rows(ka, K + h * stride_kh, rows, offs_d, mask, stride_kt)

@@ -170,7 +170,7 @@ def _prepare_kv(ka, kb, vt, K, V, hk, start, n, sin, cos, stride_kt, stride_kh, 
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
             _copy_halves(ka, kb, K + hk * stride_kh, rows, gl.arange(0, HALF, layout=gl.SliceLayout(0, ld)), mask,
-                         stride_kt, BLOCK_D, BLOCK_D, HALF)
+                         stride_kt, BLOCK_D, BLOCK_D, False, HALF)
         else:
             _copy_rows(ka, K + hk * stride_kh, rows, gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld)), mask,
                        stride_kt)
@@ -194,7 +194,7 @@ def _prepare_q(qa, qb, dot, Q, DO, h, start, n, sin, cos, stride_qt, stride_qh, 
         mask = gl.expand_dims(offs_m < n, 1)
         if ROTARY:
             _copy_halves(qa, qb, Q + h * stride_qh, rows, gl.arange(0, HALF, layout=gl.SliceLayout(0, ld)), mask,
-                         stride_qt, BLOCK_D, BLOCK_D, HALF)
+                         stride_qt, BLOCK_D, BLOCK_D, False, HALF)
         else:
             _copy_rows(qa, Q + h * stride_qh, rows, gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld)), mask,
                        stride_qt)

@@ -125,14 +125,19 @@ def _copy_rows(dst, src, rows, cols, mask, stride_t):
 
 @gluon.jit
 def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
-                 HALF: gl.constexpr):
+                 INTERLEAVED: gl.constexpr, HALF: gl.constexpr):
     """``_copy_rows`` of a row tile's rotary half tiles a and b (``rotary.half_channels``; columns
-    past ``HEAD_DIM / 2`` read as zeros)."""
-    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
+    past ``HEAD_DIM / 2`` read as zeros). Interleaved pairs are every other channel, under the 4
+    bytes ``cp.async`` moves at least: loaded into registers and stored, done when this returns."""
+    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
     if HEAD_DIM // 2 < HALF:
         mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
-    _copy_rows(a_s, src, rows, cols_a, mask, stride_t)
-    _copy_rows(b_s, src, rows, cols_b, mask, stride_t)
+    if INTERLEAVED:
+        a_s.store(gl.load(_ptrs(src, rows, cols_a, stride_t), mask=mask, other=0.0))
+        b_s.store(gl.load(_ptrs(src, rows, cols_b, stride_t), mask=mask, other=0.0))
+    else:
+        _copy_rows(a_s, src, rows, cols_a, mask, stride_t)
+        _copy_rows(b_s, src, rows, cols_b, mask, stride_t)
 
 
 @gluon.jit
@@ -277,7 +282,7 @@ def _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH: gl.constexpr, COLS: gl.
 
 @gluon.jit
 def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, BLOCK_M: gl.constexpr,
-                           WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, WARPS: gl.constexpr,
+                           WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, WARPS: gl.constexpr,
                            SLOT: gl.constexpr):
     """Store the row tile whose rotary half tiles are ``lo`` and ``hi`` (``rotary.half_channels``)
     through the dead shared tile ``buf`` (``[BLOCK_M, WIDTH]``), by ``WARPS`` warps, to a tile's rows
@@ -288,7 +293,7 @@ def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, B
     buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
     buf.slice(HALF, HALF, 1).store(hi.to(buf.dtype))
     gl.thread_barrier()
-    if HEAD_DIM == WIDTH and ROT_DIM == WIDTH:
+    if HEAD_DIM == WIDTH and ROT_DIM == WIDTH and not INTERLEAVED:
         if SLOT > 0:
             _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH, WIDTH, WARPS)
         else:
@@ -303,7 +308,7 @@ def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, B
             rows_h = start + offs_m
             ok_h = offs_m < n
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
+        cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
         mask = gl.expand_dims(ok_h, 1)
         if HEAD_DIM // 2 < HALF:
             mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
@@ -325,7 +330,7 @@ def _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOC
 
 @gluon.jit
 def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t,
-                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
                     HAS_POS: gl.constexpr, WARPS: gl.constexpr):
     """Store the gradient whose rotary halves are the float32 accumulators ``a``, ``b``, rotated
     back and scaled: ``((a cos + b sin) scale, (b cos - a sin) scale)``, to rows ``start .. start + n``.
@@ -340,7 +345,7 @@ def _unrotate_store(a_buf, b_buf, a, b, ptr, Pos, start, n, first_row, log2_thet
     b_s.store(b)
     gl.thread_barrier()
     _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M, HALF, HEAD_DIM,
-                     ROT_DIM, HAS_POS, WARPS)
+                     ROT_DIM, INTERLEAVED, HAS_POS, WARPS)
 
 
 @gluon.jit
@@ -352,7 +357,7 @@ def _f32_view(buf, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
 
 @gluon.jit
 def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale, stride_t, BLOCK_M: gl.constexpr,
-                     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr,
+                     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr,
                      WARPS: gl.constexpr):
     """``_unrotate_store`` of halves already parked in the float32 tiles ``a_s``, ``b_s``."""
     ROWS: gl.constexpr = 32
@@ -366,17 +371,17 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
         sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, ROT_DIM // 2, HAS_POS,
                                 layout)
         _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, HEAD_DIM,
-                                 ROT_DIM, layout)
+                                 ROT_DIM, INTERLEAVED, layout)
 
 
 @gluon.jit
 def _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, first, scale, stride_t, ROWS: gl.constexpr,
-                             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, layout: gl.constexpr):
+                             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, layout: gl.constexpr):
     """Store rows ``first .. first + ROWS`` of a gradient whose rotary half tiles are ``x``, ``y``
     (float32, in ``layout``; ``rotary.half_channels``), rotated back by their angles ``sin``, ``cos``
     and scaled: ``((x cos + y sin) scale, (y cos - x sin) scale)``, masked to the block's ``n`` rows."""
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM)
+    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
     offs_m = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     mask = gl.expand_dims(offs_m < n, 1)
     if HEAD_DIM // 2 < HALF:
@@ -411,7 +416,7 @@ def _rotary_group_fwd_d128(groups, rotary, block_d, slot):
 
 @gluon.jit
 def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride_t, BLOCK_M: gl.constexpr,
-                            HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, WARPS: gl.constexpr):
+                            HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, WARPS: gl.constexpr):
     """``_unrotate_parked`` with the angles read from the shared 16-bit copies ``sin_s``, ``cos_s``
     (float16: within 2.5e-4 of the float32 angles, a quarter of a bf16 rounding step)."""
     ROWS: gl.constexpr = 32
@@ -422,7 +427,7 @@ def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride
         sin = sin_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
         cos = cos_s.slice(c * ROWS, ROWS, 0).load(layout).to(gl.float32)
         _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, c * ROWS, scale, stride_t, ROWS, HALF, HEAD_DIM,
-                                 ROT_DIM, layout)
+                                 ROT_DIM, INTERLEAVED, layout)
 
 
 @gluon.jit
@@ -447,12 +452,12 @@ def _store_cols(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.c
 @gluon.jit
 def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, mask, mask_d,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: gl.constexpr,
-               ROT_DIM: gl.constexpr, HALF: gl.constexpr):
+               ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HALF: gl.constexpr):
     """Issue the copies of kv head ``h``'s rotary q and k half tiles and v tile (one group)."""
     q_ptr = Q + h * stride_qh
     k_ptr = K + h * stride_kh
-    _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HEAD_DIM, ROT_DIM, HALF)
-    _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
+    _copy_halves(qa_s, qb_s, q_ptr, rows, offs_h, mask, stride_qt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
+    _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
     _copy_rows(v_s, V + h * stride_vh, rows, offs_d, mask_d, stride_vt)
     async_copy.commit_group()
 
@@ -460,7 +465,7 @@ def _copy_head(qa_s, qb_s, ka_s, kb_s, v_s, Q, K, V, h, rows, offs_h, offs_d, ma
 @gluon.jit
 def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr,
                       HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Rotary forward of one block for every head (one query head per kv head): the angles once,
     and two stages of shared tiles, so each head's copies are in flight during the previous
@@ -488,7 +493,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
     v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], smem_d)
     _copy_head(qa_s.index(0), qb_s.index(0), ka_s.index(0), kb_s.index(0), v_s.index(0), Q, K, V, 0, rows, offs_h,
                offs_d, mask, mask_d, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
-               ROT_DIM, HALF)
+               ROT_DIM, INTERLEAVED, HALF)
     sin, cos = sin_cos(Pos, start, n, first_row, log2_theta, BLOCK_M, HALF, ROT_DIM // 2, HAS_POS, rot_l)
     zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
     zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
@@ -499,7 +504,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
             nxt = 1 - stage
             _copy_head(qa_s.index(nxt), qb_s.index(nxt), ka_s.index(nxt), kb_s.index(nxt), v_s.index(nxt), Q, K, V,
                        h + 1, rows, offs_h, offs_d, mask, mask_d, stride_qt, stride_qh, stride_kt, stride_kh,
-                       stride_vt, stride_vh, HEAD_DIM, ROT_DIM, HALF)
+                       stride_vt, stride_vh, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
             async_copy.wait_group(1)
         else:
             async_copy.wait_group(0)
@@ -521,7 +526,7 @@ def _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta
 def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk, qk_scale, log2_theta,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
+              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
               STORE_LSE: gl.constexpr):
     """Kv head ``hk`` of one tile and its ``GROUPS`` query heads: the tile's tokens ``rows`` where
     ``row_ok`` (in the row layout of ``BLOCK_D``), a block (rows ``start .. start + n``, its first
@@ -564,7 +569,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         qb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
         ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
         if GROUPS > 1 and not O_HALVES:
             o_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)  # heads before the last
     else:
@@ -581,7 +586,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                 q_ptr = Q + (hk * GROUPS + c) * stride_qh
                 if ROTARY:
                     _copy_halves(qa_s.index(c % STAGES), qb_s.index(c % STAGES), q_ptr, rows, offs_h, mask,
-                                 stride_qt, HEAD_DIM, ROT_DIM, HALF)
+                                 stride_qt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
                 else:
                     _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
                 async_copy.commit_group()
@@ -651,7 +656,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
 def _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, block, hk, qk_scale, log2_theta,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                      ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                      ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
                       INT64: gl.constexpr, SLOT: gl.constexpr):
     """``_fwd_tile`` of the block ``block`` of tile ``pid`` alone (the other blocks' rows masked: read
     as zeros, not stored). Not inlined, one block a call: a second copy of the tile's code in the
@@ -662,14 +667,14 @@ def _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, b
         rows = rows.to(gl.int64)
     _fwd_tile(Q, K, V, O, O, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, qk_scale,
               log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, 0,
-              GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, False)
+              GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT, False)
 
 
 @gluon.jit
 def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                  GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                 ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                 ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
                  HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr,
                  STORE_LSE: gl.constexpr):
     """One program of the forward (``STORE_LSE``: and each query row's logsumexp, ``Lse [H, T]``,
@@ -704,14 +709,14 @@ def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_sc
         if n > 0:
             bad = _fwd_tile(Q, K, V, O, Lse, Pos, 0, n, 0, rows, row_ok, prow, hk, qk_scale, log2_theta, stride_qt,
                             stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                            GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, STORE_LSE)
+                            GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT, STORE_LSE)
             if bad > 0:
                 # A NaN or infinity in v reached the other blocks' rows (0 x NaN in P V): each block
                 # again alone.
                 for b in range(64 // SLOT):
                     _fwd_block_alone(Q, K, V, O, Sched, Pos, slots, num_seqs, block_size, pid, b, hk,
                                      qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                                     stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM,
+                                     stride_vh, stride_ot, stride_oh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED,
                                      HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT)
     else:
         start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS, WARPS)
@@ -721,11 +726,11 @@ def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_sc
             if n > 0:
                 _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                                  stride_oh, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL)
+                                  stride_oh, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL)
         elif n > 0:
             _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale,
                       log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                      stride_oh, stride_lh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT,
+                      stride_oh, stride_lh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT,
                       STORE_LSE)
 
 
@@ -738,10 +743,11 @@ def _hopper_fwd_kernel(
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
+    INTERLEAVED: gl.constexpr = False,
 ):
     _fwd_program(Q, K, V, O, O, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, 0,
-                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
+                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
                  SLOT, SPLIT_GROUPS, False)
 
 
@@ -754,12 +760,13 @@ def _hopper_fwd_lse_kernel(
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
+    INTERLEAVED: gl.constexpr = False,
 ):
     """``_hopper_fwd_kernel`` that also stores each query row's logsumexp, ``Lse [H, T]`` (blocks
     one per program: no ``SLOT``, no ``HEAD_LOOP``)."""
     _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
+                 GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
                  SLOT, SPLIT_GROUPS, True)
 
 
@@ -815,7 +822,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
               GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-              ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
+              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, SLOT: gl.constexpr,
               OVERLAP: gl.constexpr):
     """Gradients of kv head ``hk`` of one tile and its ``GROUPS`` query heads (the tile's rows as in
     ``_fwd_tile``). Returns, for a tile of blocks, how many elements of dK and dV are not finite
@@ -878,7 +885,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
         qb_st = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF], smem_h)
         ka_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
         kb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], smem_h)
-        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, HALF)
+        _copy_halves(ka_s, kb_s, k_ptr, rows, offs_h, mask, stride_kt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
         if PARK_DQ:
             park_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         if SHARED_ANGLES:
@@ -903,7 +910,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                 q_ptr = Q + (hk * GROUPS + c) * stride_qh
                 if ROTARY:
                     _copy_halves(qa_st.index(c % STAGES), qb_st.index(c % STAGES), q_ptr, rows, offs_h, mask,
-                                 stride_qt, HEAD_DIM, ROT_DIM, HALF)
+                                 stride_qt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
                 else:
                     _copy_rows(q_st.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
                 async_copy.commit_group()
@@ -985,11 +992,11 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                 dqa = warpgroup_mma(pds_s, ka_s, zero_h)
                 dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                 _unrotate_store(v_s, do_s, dqa, dqb, dq_ptr, Pos, start, n, first_row, log2_theta, scale, stride_dqt,
-                                BLOCK_M, HALF, HEAD_DIM, ROT_DIM, HAS_POS, WARPS)
+                                BLOCK_M, HALF, HEAD_DIM, ROT_DIM, INTERLEAVED, HAS_POS, WARPS)
                 dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                 dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
                 _unrotate_store(v_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta,
-                                scale, stride_dkt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, HAS_POS, WARPS)
+                                scale, stride_dkt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, INTERLEAVED, HAS_POS, WARPS)
             elif ROTARY:
                 zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
                 if PARK_DQ:
@@ -1000,7 +1007,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                     dqb_s.store(warpgroup_mma(pds_s, kb_s, zero_h))
                     gl.thread_barrier()
                     _unrotate_parked_shared(dqa_s, dqb_s, angles_s.index(0), angles_s.index(1), dq_ptr, start, n,
-                                            scale, stride_dqt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, WARPS)
+                                            scale, stride_dqt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, INTERLEAVED, WARPS)
                 else:
                     # (Angles again in the accumulators' layout: cheaper than keeping them live.)
                     sin_h, cos_h = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M,
@@ -1009,7 +1016,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
                     dqb = warpgroup_mma(pds_s, kb_s, zero_h)
                     _store_halves_tile_via(do_s, dq_ptr, (dqa * cos_h + dqb * sin_h) * scale,
                                            (dqb * cos_h - dqa * sin_h) * scale, start, n, rows, row_ok, stride_dqt,
-                                           BLOCK_M, BLOCK_D, HEAD_DIM, ROT_DIM, WARPS, SLOT)
+                                           BLOCK_M, BLOCK_D, HEAD_DIM, ROT_DIM, INTERLEAVED, WARPS, SLOT)
                 if g == 0:
                     dka = warpgroup_mma(pds_s.permute((1, 0)), qa_s, zero_h)
                     dkb = warpgroup_mma(pds_s.permute((1, 0)), qb_s, zero_h)
@@ -1051,7 +1058,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
             bad = bad + gl.sum(_nonfinite_rows(dka), 0) + gl.sum(_nonfinite_rows(dkb), 0)
         _store_halves_tile_via(do_s, dk_ptr, (dka * cos_h + dkb * sin_h) * scale,
                                (dkb * cos_h - dka * sin_h) * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M,
-                               BLOCK_D, HEAD_DIM, ROT_DIM, WARPS, SLOT)
+                               BLOCK_D, HEAD_DIM, ROT_DIM, INTERLEAVED, WARPS, SLOT)
     elif not ROTARY:
         if SLOT > 0:
             bad = bad + gl.sum(_nonfinite_rows(dk), 0)
@@ -1070,7 +1077,7 @@ def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block
                      qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                      GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
-                     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                     ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
                      INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr):
     """``_bwd_tile`` of the block ``block`` of tile ``pid`` alone (as ``_fwd_block_alone``)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _row_layout(BLOCK_D, 4)))
@@ -1080,7 +1087,7 @@ def _bwd_block_alone(Q, K, V, DO, DQ, DK, DV, Sched, Pos, slots, num_seqs, block
     _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok & (offs_m // SLOT == block), prow, hk, scale,
               qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
               stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
-              BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
+              BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -1093,7 +1100,7 @@ def _hopper_bwd_kernel(
     stride_dvt, stride_dvh, stride_dvd,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr = False,
+    INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr = False, INTERLEAVED: gl.constexpr = False,
 ):
     hk = gl.program_id(1)
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
@@ -1110,7 +1117,7 @@ def _hopper_bwd_kernel(
             bad = _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, 0, n, 0, rows, row_ok, prow, hk, scale, qk_scale,
                             log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
-                            stride_dvh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
+                            stride_dvh, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
             if bad > 0:
                 # A NaN or infinity in the tile's q, k, v or dO reached the other blocks' gradients
                 # (0 x NaN in the products): each block again alone.
@@ -1119,7 +1126,7 @@ def _hopper_bwd_kernel(
                                      gl.program_id(0), b, hk, scale, qk_scale, log2_theta, stride_qt, stride_qh,
                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt,
                                      stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
-                                     BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT, OVERLAP)
+                                     BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT, OVERLAP)
     else:
         start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
         if INT64:
@@ -1128,7 +1135,7 @@ def _hopper_bwd_kernel(
             _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk,
                       scale, qk_scale, log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
+                      GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, SLOT, OVERLAP)
 
 
 launch_fwd = Launcher(_hopper_fwd_kernel)

@@ -9,7 +9,8 @@ The sm_90 kernels hold q and k (and their gradients) as two half tiles of ``HALF
 ``half_channels`` says which channel of the head each column holds. Half tile a holds the first
 channel of each rotary pair (split halves: ``x[j]``, ``j < rotary_dim / 2``), then the first half
 of the pass-through channels past ``rotary_dim``; half tile b the pairs' second channels
-(``x[j + rotary_dim / 2]``), then the pass-through channels' second half. Pass-through columns
+(``x[j + rotary_dim / 2]``), then the pass-through channels' second half. Interleaved pairs
+(``x[2j], x[2j+1]``): column ``j`` of a and b holds channels ``2j`` and ``2j + 1``. Pass-through columns
 rotate by the angle 0 (``inv_freq`` 0: sine 0, cosine 1), and columns past ``head_dim / 2`` (a
 head dim padded to a power-of-two tile, e.g. 96 -> 128) are masked on every copy and store.
 Scores are the sum of the two half tiles' products whatever the channels' order.
@@ -30,13 +31,17 @@ def _reduced(angle):
 
 
 @gluon.jit
-def half_channels(offs_h, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+def half_channels(offs_h, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr):
     """``(channels_a, channels_b)``: the head's channels held by columns ``offs_h`` of the half tiles
     a and b (module docstring), for rotary over the first ``ROT_DIM`` of ``HEAD_DIM`` channels in
-    split halves. Runs of ``ROT_DIM / 2`` and ``(HEAD_DIM - ROT_DIM) / 2`` contiguous channels."""
+    split halves (runs of ``ROT_DIM / 2`` and ``(HEAD_DIM - ROT_DIM) / 2`` contiguous channels), or
+    ``INTERLEAVED``: column ``j`` holds channels ``2 j`` and ``2 j + 1``, a rotary pair below
+    ``ROT_DIM / 2``, two pass-through channels past it."""
     ROT_HALF: gl.constexpr = ROT_DIM // 2
     PASS_HALF: gl.constexpr = (HEAD_DIM - ROT_DIM) // 2
-    if PASS_HALF == 0:
+    if INTERLEAVED:
+        return 2 * offs_h, 2 * offs_h + 1
+    elif PASS_HALF == 0:
         return offs_h, offs_h + ROT_HALF
     else:
         past = (offs_h >= ROT_HALF).to(offs_h.dtype)
