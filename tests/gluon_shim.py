@@ -111,10 +111,12 @@ def _torch_dtype(dtype):
 class GTensor(torch.Tensor):
     """A torch tensor whose ``.to`` also takes the shim's :class:`DType`s (``x.to(gl.float32)``)."""
 
-    def to(self, *args, **kwargs):
+    def to(self, *args, bitcast: bool = False, **kwargs):
         args = tuple(_torch_dtype(a) for a in args)
         if "dtype" in kwargs:
             kwargs["dtype"] = _torch_dtype(kwargs["dtype"])
+        if bitcast:  # the same bits as another dtype of the same width
+            return self.view(*args, **kwargs)
         return super().to(*args, **kwargs)
 
 
@@ -195,20 +197,37 @@ class PointerType:
 
 
 class Pointer:
-    """A (block of) pointer(s): a :class:`Memory` and int64 element offsets (any shape)."""
+    """A (block of) pointer(s): a :class:`Memory` and int64 element offsets (any shape), in units of
+    ``view`` (the memory's own dtype, or a wider one after a pointer cast: ``ptr.to(pointer_type(t))``)."""
 
-    def __init__(self, memory: Memory, offsets=None):
+    def __init__(self, memory: Memory, offsets=None, view: Optional[torch.dtype] = None):
         self.memory = memory
         self.offsets = tensor(torch.zeros((), dtype=torch.int64) if offsets is None else offsets)
+        self.view = memory.flat.dtype if view is None else view
 
     def __add__(self, other) -> "Pointer":
-        return Pointer(self.memory, self.offsets + other)
+        return Pointer(self.memory, self.offsets + other, self.view)
 
     __radd__ = __add__
 
     @property
     def dtype(self) -> PointerType:
-        return PointerType(DType(self.memory.flat.dtype))
+        return PointerType(DType(self.view))
+
+    @property
+    def ratio(self) -> int:
+        """Memory elements per element of the view."""
+        return self.view.itemsize // self.memory.flat.dtype.itemsize
+
+    def to(self, ty: PointerType, bitcast: bool = False) -> "Pointer":
+        """The same addresses seen as ``ty.element_ty`` (at least as wide as the memory's dtype,
+        the addresses aligned to it)."""
+        view = _torch_dtype(ty.element_ty)
+        ratio = view.itemsize // self.memory.flat.dtype.itemsize
+        offsets = _plain(self.offsets) * self.ratio
+        if ratio < 1 or bool((offsets % ratio).ne(0).any()):
+            raise ValueError(f"pointer cast of {self.memory.name} to {view}: not aligned to it")
+        return Pointer(self.memory, offsets // ratio, view)
 
     @property
     def shape(self) -> list:
@@ -231,9 +250,17 @@ def _mask_like(offsets, mask) -> Tuple[torch.Tensor, torch.Tensor]:
     return offsets, mask
 
 
+def _elements(pointer: Pointer, offsets: torch.Tensor) -> torch.Tensor:
+    """The memory elements of each view element at ``offsets``: ``[..., ratio]``."""
+    return offsets.unsqueeze(-1) * pointer.ratio + torch.arange(pointer.ratio)
+
+
 def _load(pointer: Pointer, mask=None, other=None, **_ignored) -> GTensor:
     offsets, mask = _mask_like(pointer.offsets, mask)
-    values = pointer.memory.flat[pointer.memory.active(offsets, mask, "load")]
+    memory = pointer.memory
+    parts = _elements(pointer, offsets)
+    values = memory.flat[memory.active(parts, mask.unsqueeze(-1).expand(parts.shape), "load")]
+    values = values.contiguous().view(pointer.view).squeeze(-1)
     fill = _undefined((), values.dtype) if other is None else _plain(other)
     return torch.where(mask, values, fill).to(values.dtype).as_subclass(GTensor)
 
@@ -241,8 +268,11 @@ def _load(pointer: Pointer, mask=None, other=None, **_ignored) -> GTensor:
 def _store(pointer: Pointer, value, mask=None, **_ignored) -> None:
     offsets, mask = _mask_like(pointer.offsets, mask)
     memory = pointer.memory
-    value = _plain(value).to(memory.flat.dtype).expand(offsets.shape)
-    on = memory.active(offsets, mask, "store")[mask]
+    parts = _elements(pointer, offsets)
+    value = _plain(value).to(pointer.view).expand(offsets.shape).unsqueeze(-1).contiguous()
+    value = value.view(memory.flat.dtype)
+    mask = mask.unsqueeze(-1).expand(parts.shape)
+    on = memory.active(parts, mask, "store")[mask]
     memory.flat[on] = value[mask]
     memory.writes.index_put_((on,), torch.ones_like(on, dtype=torch.int32), accumulate=True)
 
@@ -709,6 +739,7 @@ language = _namespace(
     constexpr=lambda value: value, static_range=range,
     program_id=_program_id, num_programs=_num_programs, thread_barrier=_nothing, static_assert=_static_assert,
     arange=_arange, full=_full, zeros=_zeros, load=_load, store=_store,
+    pointer_type=lambda dtype: PointerType(DType(_torch_dtype(dtype))),
     expand_dims=lambda x, axis: tensor(x).unsqueeze(int(axis)), where=_where, minimum=_minimum, maximum=_maximum,
     exp2=lambda x: tensor(torch.exp2(x)), exp=lambda x: tensor(torch.exp(x)), log2=lambda x: tensor(torch.log2(x)),
     floor=lambda x: tensor(torch.floor(x)), sqrt=lambda x: tensor(torch.sqrt(x)), abs=lambda x: tensor(torch.abs(x)),

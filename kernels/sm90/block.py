@@ -127,17 +127,44 @@ def _copy_rows(dst, src, rows, cols, mask, stride_t):
 def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
                  INTERLEAVED: gl.constexpr, HALF: gl.constexpr):
     """``_copy_rows`` of a row tile's rotary half tiles a and b (``rotary.half_channels``; columns
-    past ``HEAD_DIM / 2`` read as zeros). Interleaved pairs are every other channel, under the 4
-    bytes ``cp.async`` moves at least: loaded into registers and stored, done when this returns."""
+    past ``HEAD_DIM / 2`` read as zeros). Interleaved, each column's two channels are one 32-bit
+    word, loaded into registers (16-byte loads of 4 words) and split into the two tiles: done when
+    this returns."""
     cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
     if HEAD_DIM // 2 < HALF:
         mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
     if INTERLEAVED:
-        a_s.store(gl.load(_ptrs(src, rows, cols_a, stride_t), mask=mask, other=0.0))
-        b_s.store(gl.load(_ptrs(src, rows, cols_b, stride_t), mask=mask, other=0.0))
+        words = gl.load(_ptrs(_words(src), rows, offs_h, stride_t // 2), mask=mask, other=0)
+        a_s.store(_low_half(words, a_s.dtype))
+        b_s.store(_high_half(words, b_s.dtype))
     else:
         _copy_rows(a_s, src, rows, cols_a, mask, stride_t)
         _copy_rows(b_s, src, rows, cols_b, mask, stride_t)
+
+
+@gluon.jit
+def _words(ptr):
+    """``ptr`` (16-bit elements) as a pointer to 32-bit words: two channels each."""
+    return ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+
+
+@gluon.jit
+def _low_half(words, dtype: gl.constexpr):
+    """The 16-bit values in the low halves of 32-bit ``words`` (the lower-addressed channel)."""
+    return words.to(gl.int16).to(dtype, bitcast=True)
+
+
+@gluon.jit
+def _high_half(words, dtype: gl.constexpr):
+    """The 16-bit values in the high halves of 32-bit ``words``."""
+    return (words >> 16).to(gl.int16).to(dtype, bitcast=True)
+
+
+@gluon.jit
+def _word_of(lo, hi, dtype: gl.constexpr):
+    """32-bit words of the 16-bit values ``lo`` (low half) and ``hi`` (``lo``, ``hi`` rounded to ``dtype``)."""
+    low = lo.to(dtype).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return low | (hi.to(dtype).to(gl.int16, bitcast=True).to(gl.int32) << 16)
 
 
 @gluon.jit
@@ -282,12 +309,12 @@ def _store_rows(buf, ptr, rows, row_ok, stride_t, WIDTH: gl.constexpr, COLS: gl.
 
 @gluon.jit
 def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, BLOCK_M: gl.constexpr,
-                           WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, WARPS: gl.constexpr,
-                           SLOT: gl.constexpr):
+                           WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                           INTERLEAVED: gl.constexpr, WARPS: gl.constexpr, SLOT: gl.constexpr):
     """Store the row tile whose rotary half tiles are ``lo`` and ``hi`` (``rotary.half_channels``)
     through the dead shared tile ``buf`` (``[BLOCK_M, WIDTH]``), by ``WARPS`` warps, to a tile's rows
     (as ``_store_tile_via``). Where the half tiles are the head's two column halves, in 16-byte
-    chunks of whole rows; else each half tile to its channels."""
+    chunks of whole rows; else each half tile to its channels (``_store_halves``)."""
     HALF: gl.constexpr = WIDTH // 2
     gl.thread_barrier()
     buf.slice(0, HALF, 1).store(lo.to(buf.dtype))
@@ -308,12 +335,11 @@ def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, B
             rows_h = start + offs_m
             ok_h = offs_m < n
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
         mask = gl.expand_dims(ok_h, 1)
         if HEAD_DIM // 2 < HALF:
             mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
-        gl.store(_ptrs(ptr, rows_h, cols_a, stride_t), buf.slice(0, HALF, 1).load(layout), mask=mask)
-        gl.store(_ptrs(ptr, rows_h, cols_b, stride_t), buf.slice(HALF, HALF, 1).load(layout), mask=mask)
+        _store_halves(ptr, rows_h, offs_h, mask, stride_t, buf.slice(0, HALF, 1).load(layout),
+                      buf.slice(HALF, HALF, 1).load(layout), HEAD_DIM, ROT_DIM, INTERLEAVED)
 
 
 @gluon.jit
@@ -376,20 +402,33 @@ def _unrotate_parked(a_s, b_s, ptr, Pos, start, n, first_row, log2_theta, scale,
 
 @gluon.jit
 def _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, first, scale, stride_t, ROWS: gl.constexpr,
-                             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, layout: gl.constexpr):
+                             HALF: gl.constexpr, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                             INTERLEAVED: gl.constexpr, layout: gl.constexpr):
     """Store rows ``first .. first + ROWS`` of a gradient whose rotary half tiles are ``x``, ``y``
     (float32, in ``layout``; ``rotary.half_channels``), rotated back by their angles ``sin``, ``cos``
     and scaled: ``((x cos + y sin) scale, (y cos - x sin) scale)``, masked to the block's ``n`` rows."""
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
     offs_m = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     mask = gl.expand_dims(offs_m < n, 1)
     if HEAD_DIM // 2 < HALF:
         mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
-    gl.store(_ptrs(ptr, start + offs_m, cols_a, stride_t), ((x * cos + y * sin) * scale).to(ptr.dtype.element_ty),
-             mask=mask)
-    gl.store(_ptrs(ptr, start + offs_m, cols_b, stride_t), ((y * cos - x * sin) * scale).to(ptr.dtype.element_ty),
-             mask=mask)
+    a = (x * cos + y * sin) * scale
+    b = (y * cos - x * sin) * scale
+    _store_halves(ptr, start + offs_m, offs_h, mask, stride_t, a, b, HEAD_DIM, ROT_DIM, INTERLEAVED)
+
+
+@gluon.jit
+def _store_halves(ptr, rows, offs_h, mask, stride_t, a, b, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                  INTERLEAVED: gl.constexpr):
+    """Store the half tiles ``a``, ``b`` (columns ``offs_h``) to their channels of ``rows``
+    (``rotary.half_channels``); interleaved, each column's two channels as one 32-bit word."""
+    dtype: gl.constexpr = ptr.dtype.element_ty
+    if INTERLEAVED:
+        gl.store(_ptrs(_words(ptr), rows, offs_h, stride_t // 2), _word_of(a, b, dtype), mask=mask)
+    else:
+        cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
+        gl.store(_ptrs(ptr, rows, cols_a, stride_t), a.to(dtype), mask=mask)
+        gl.store(_ptrs(ptr, rows, cols_b, stride_t), b.to(dtype), mask=mask)
 
 
 @gluon.jit
