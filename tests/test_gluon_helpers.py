@@ -684,6 +684,9 @@ PACKED_KERNEL_CASES = {
     "d96_rope_pos_gqa_block32_forward": ((PACKED_LENGTHS, 4, 2, 96, True, True, False), dict(block_size=32)),
     "d64_interleaved32_rope_block16_causal": ((PACKED_LENGTHS, 2, 2, 64, True, False, True),
                                               dict(block_size=16, rot_dim=32, interleaved=True)),
+    "d128_rope_block16_causal": ((PACKED_LENGTHS, 2, 2, 128, True, False, True), dict(block_size=16)),
+    "d96_partial64_rope_pos_gqa_block32": ((PACKED_LENGTHS, 4, 1, 96, True, True, False),
+                                           dict(block_size=32, rot_dim=64)),
 }
 
 
@@ -693,8 +696,8 @@ def test_hopper_packed_kernels(name):
     each block's rows attend to their own block only (``reference.attention_forward`` /
     ``attention_backward``), empty slots past the last block and empty sequences write nothing, and
     every element of O, dQ, dK, dV is stored exactly once (no tile is done again block by block:
-    its inputs are finite). Rotary rows at their own positions (``sin_cos_at``); the rotary D128
-    backward is not admitted (``variants.HOPPER_PACKED``), its forward is."""
+    its inputs are finite). Rotary rows at their own positions (``sin_cos_at``), their gradients
+    rotated back in registers at every width."""
     args, keywords = PACKED_KERNEL_CASES[name]
     case = _Case(*args, **keywords)
     tiles = case.pack(keywords["block_size"])

@@ -208,14 +208,11 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
 def _hopper_packed_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper kernels on 64-row tiles of several blocks (``SLOT`` rows each, 4 of up to 16
     tokens or 2 of up to 32), masked block-diagonally: what ``_gluon_call_reasons`` admits at blocks
-    of up to ``PACKED_MAX_BLOCK`` tokens; rotary as ``hopper``, and in the backward only on tiles of
-    up to 64 channels (128-wide ones rotate their gradients back through shared memory, 32 rows of
-    one block at a time: not written for tiles of blocks); in the backward no grouped query heads
-    over D128 (as ``hopper``)."""
+    of up to ``PACKED_MAX_BLOCK`` tokens; rotary as ``hopper`` (its gradients rotated back in
+    registers, where hopper's 128-wide tiles go through shared memory 32 rows of one block at a
+    time); in the backward no grouped query heads over D128 (as ``hopper``)."""
     reasons = _gluon_call_reasons(facts, 9, (1, PACKED_MAX_BLOCK), HOPPER_HEAD_DIMS, gluon_import_error, True)
     reasons += _half_tile_rotary_reasons(facts)
-    if facts.rot and facts.backward and tile_extent(facts.head_dim) > 64:
-        reasons.append(f"rotary backward at head_dim {facts.head_dim} (needs at most 64)")
     if facts.backward and facts.groups > 1 and facts.head_dim > 128:
         reasons.append("backward of grouped-query heads with head_dim over 128")
     return reasons

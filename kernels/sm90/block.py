@@ -872,11 +872,12 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
     ROTARY: gl.constexpr = ROT_DIM > 0
     # dQ and dK rotated back through the dead v and dO tiles (``_unrotate_store``): at D128 with
     # one query head per kv head (v's tile is live across the heads of a group; at D64 the
-    # register path needs fewer registers).
-    UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64
+    # register path needs fewer registers). Tiles of blocks (rows not one run, each at its own
+    # position) rotate back in registers at every width (D128: 168 registers, 76 bytes spilled).
+    UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64 and SLOT == 0
     # With grouped query heads at D128 (v live across the heads) dQ's halves are parked one at
     # a time in dO's dead tile and a scratch tile, then rotated back the same way.
-    PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64
+    PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64 and SLOT == 0
     # There the angles are computed once, for k and the first head's q, and kept in a 16-bit shared
     # copy (16 KB) that the later heads' rotations and the rotations back read: held in registers
     # across the heads they took 64 of them and spilled, and dQ's rotation back computed them again
@@ -1146,8 +1147,7 @@ def _hopper_bwd_kernel(
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     if SLOT > 0:
-        gl.static_assert(BLOCK_M == 64 and (ROT_DIM == 0 or BLOCK_D <= 64),
-                         "tiles of blocks: 64 rows; rotary gradients rotated back in registers (D <= 64)")
+        gl.static_assert(BLOCK_M == 64, "tiles of blocks: 64 rows")
         rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
                                        INLINE_SEQS, WARPS)
         if INT64:
