@@ -131,8 +131,7 @@ def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HEAD_DIM: gl.const
     word, loaded into registers (16-byte loads of 4 words) and split into the two tiles: done when
     this returns."""
     cols_a, cols_b = half_channels(offs_h, HEAD_DIM, ROT_DIM, INTERLEAVED)
-    if HEAD_DIM // 2 < HALF:
-        mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+    mask = _channel_mask(mask, offs_h, HEAD_DIM // 2, HALF)
     if INTERLEAVED:
         words = gl.load(_ptrs(_words(src), rows, offs_h, stride_t // 2), mask=mask, other=0)
         a_s.store(_low_half(words, a_s.dtype))
@@ -170,7 +169,8 @@ def _word_of(lo, hi, dtype: gl.constexpr):
 @gluon.jit
 def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
     """The copy mask of a full-width tile: ``row_mask``, and the head's channels where the tile is
-    padded past them (``HEAD_DIM < BLOCK_D``: the padding reads as zeros)."""
+    padded past them (``HEAD_DIM < BLOCK_D``: the padding reads as zeros). Of a rotary half tile
+    with ``HEAD_DIM // 2`` and ``HALF`` (``rotary.half_channels``)."""
     if HEAD_DIM < BLOCK_D:
         return row_mask & gl.expand_dims(offs_d < HEAD_DIM, 0)
     else:
@@ -336,8 +336,7 @@ def _store_halves_tile_via(buf, ptr, lo, hi, start, n, rows, row_ok, stride_t, B
             ok_h = offs_m < n
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
         mask = gl.expand_dims(ok_h, 1)
-        if HEAD_DIM // 2 < HALF:
-            mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+        mask = _channel_mask(mask, offs_h, HEAD_DIM // 2, HALF)
         _store_halves(ptr, rows_h, offs_h, mask, stride_t, buf.slice(0, HALF, 1).load(layout),
                       buf.slice(HALF, HALF, 1).load(layout), HEAD_DIM, ROT_DIM, INTERLEAVED)
 
@@ -410,8 +409,7 @@ def _store_rotated_back_rows(x, y, sin, cos, ptr, start, n, first, scale, stride
     offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     offs_m = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     mask = gl.expand_dims(offs_m < n, 1)
-    if HEAD_DIM // 2 < HALF:
-        mask = mask & gl.expand_dims(offs_h < HEAD_DIM // 2, 0)
+    mask = _channel_mask(mask, offs_h, HEAD_DIM // 2, HALF)
     a = (x * cos + y * sin) * scale
     b = (y * cos - x * sin) * scale
     _store_halves(ptr, start + offs_m, offs_h, mask, stride_t, a, b, HEAD_DIM, ROT_DIM, INTERLEAVED)
