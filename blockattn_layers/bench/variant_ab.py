@@ -126,13 +126,28 @@ def time_ms(point: Point, device: str, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def variant_run(point: Point, device: str) -> str:
+    """The block-kernel variant that computes the point here (the forced one where it admits the
+    call, else ``auto``'s: a forced variant that cannot take a point is not what gets timed)."""
+    from blockattn_layers.kernels.block import variants
+
+    if device != "cuda":
+        return "reference"
+    q, k, v = _inputs(point, 64, device, False)
+    facts = variants.call_facts(q, k, point.block, point.rotary_dim, point.interleaved, False,
+                                backward=point.kind == "bwd")
+    return variants.choose(facts, q, (q, k, v)).name
+
+
 def run_points(points: Sequence[Point], device: str, calls: int, rounds: int) -> List[dict]:
-    """This process's rows: per point its errors and, unless ``calls`` is 0, its time."""
+    """This process's rows: per point the variant that ran, its errors and, unless ``calls`` is 0,
+    its time."""
     rows = []
     for point in points:
         errors = max_errors(point, device)
         ms = time_ms(point, device, calls, rounds) if calls else None
-        rows.append(dict(point=":".join(map(str, _text(point))), errors=errors, ms=ms))
+        rows.append(dict(point=":".join(map(str, _text(point))), ran=variant_run(point, device), errors=errors,
+                         ms=ms))
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -170,7 +185,7 @@ def compare(args: argparse.Namespace) -> Dict[str, List[dict]]:
 
 def table(results: Dict[str, List[dict]], tolerance: float) -> str:
     """One line per point: each variant's ms (and the first one's time over each other's), its
-    largest error, ``!`` past ``tolerance``."""
+    largest error, ``!`` past ``tolerance``; ``(name)`` after the ms where another variant ran."""
     variants = list(results)
     lines = ["point".ljust(24) + "".join(f"{v + ' ms':>14}{'max err':>10}" for v in variants)
              + "".join(f"{variants[0] + '/' + v:>16}" for v in variants[1:])]
@@ -179,7 +194,8 @@ def table(results: Dict[str, List[dict]], tolerance: float) -> str:
         for v in variants:
             r = results[v][i]
             err = max(r["errors"].values())
-            line += f"{r['ms'] or 0.0:>14.3f}{err:>9.4f}{'!' if err > tolerance else ' '}"
+            ms = f"{r['ms'] or 0.0:.3f}" + ("" if r["ran"] in (v, "reference") else f" ({r['ran']})")
+            line += f"{ms:>14}{err:>9.4f}{'!' if err > tolerance else ' '}"
         first = row["ms"]
         for v in variants[1:]:
             other = results[v][i]["ms"]
