@@ -27,6 +27,8 @@ from typing import Dict, List, NamedTuple, Sequence
 
 import torch
 
+from blockattn_layers.jagged import lengths_to_offsets
+
 SMALL_LENGTHS = (0, 1, 63, 64, 65, 127, 128, 129, 200, 7, 300, 1)
 
 
@@ -58,12 +60,6 @@ class Point(NamedTuple):
                     rotary_dim=self.rotary_dim if rotary else None, rotary_interleaved=self.interleaved)
 
 
-def _offsets(lengths: Sequence[int], device: str) -> torch.Tensor:
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64), 0)
-    return offsets.to(torch.int32).to(device)
-
-
 def _inputs(point: Point, total: int, device: str, grad: bool, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(total, h, point.dim, device=device, generator=g).to(torch.bfloat16).requires_grad_(grad)
@@ -75,7 +71,7 @@ def max_errors(point: Point, device: str) -> Dict[str, float]:
     reference on a small jagged batch (bf16 inputs)."""
     from blockattn_layers.functional import block_attention
 
-    offsets = _offsets(SMALL_LENGTHS, device)
+    offsets = lengths_to_offsets(torch.tensor(SMALL_LENGTHS), torch.int32).to(device)
     backward = point.kind == "bwd"
     q, k, v = _inputs(point, sum(SMALL_LENGTHS), device, backward)
     exact = [x.detach().double().requires_grad_(backward) for x in (q, k, v)]
@@ -98,7 +94,7 @@ def time_ms(point: Point, device: str, calls: int, rounds: int) -> float:
     if device != "cuda":
         return 0.0
     lengths = grid_lengths()
-    offsets = _offsets(lengths.tolist(), device)
+    offsets = lengths_to_offsets(lengths, torch.int32).to(device)
     backward = point.kind == "bwd"
     q, k, v = _inputs(point, int(lengths.sum()), device, backward)
     kw = point.keywords()
@@ -133,7 +129,8 @@ def variant_run(point: Point, device: str) -> str:
 
     if device != "cuda":
         return "reference"
-    q, k, v = _inputs(point, 64, device, False)
+    q, k, v = (torch.empty(64, h, point.dim, device=device, dtype=torch.bfloat16)
+               for h in (point.heads, point.kv_heads, point.kv_heads))
     facts = variants.call_facts(q, k, point.block, point.rotary_dim, point.interleaved, False,
                                 backward=point.kind == "bwd")
     return variants.choose(facts, q, (q, k, v)).name
