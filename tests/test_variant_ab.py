@@ -29,5 +29,13 @@ def test_two_variants_on_the_cpu(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert list(results) == ["simple", "packed"]
     for rows in results.values():
+        assert [r["ran"] for r in rows] == ["reference", "reference"]  # the CPU runs the reference backend
         assert set(rows[0]["errors"]) == {"o"} and set(rows[1]["errors"]) == {"dq", "dk", "dv"}
         assert all(0 <= e < 0.05 for r in rows for e in r["errors"].values())
+
+
+def test_the_table_names_a_variant_that_ran_instead():
+    rows = {"hopper": [dict(point="fwd:16:64:2:2:0:0", ran="hopper_packed", errors={"o": 0.01}, ms=0.5)],
+            "simple": [dict(point="fwd:16:64:2:2:0:0", ran="simple", errors={"o": 0.2}, ms=1.0)]}
+    line = variant_ab.table(rows, 0.05).splitlines()[1]
+    assert "0.500 (hopper_packed)" in line and "0.2000!" in line and line.endswith("0.500")

@@ -27,6 +27,8 @@ from typing import Dict, List, NamedTuple, Sequence
 
 import torch
 
+from blockattn_layers.jagged import lengths_to_offsets
+
 SMALL_LENGTHS = (0, 1, 63, 64, 65, 127, 128, 129, 200, 7, 300, 1)
 
 
@@ -58,12 +60,6 @@ class Point(NamedTuple):
                     rotary_dim=self.rotary_dim if rotary else None, rotary_interleaved=self.interleaved)
 
 
-def _offsets(lengths: Sequence[int], device: str) -> torch.Tensor:
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64), 0)
-    return offsets.to(torch.int32).to(device)
-
-
 def _inputs(point: Point, total: int, device: str, grad: bool, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(total, h, point.dim, device=device, generator=g).to(torch.bfloat16).requires_grad_(grad)
@@ -75,7 +71,7 @@ def max_errors(point: Point, device: str) -> Dict[str, float]:
     reference on a small jagged batch (bf16 inputs)."""
     from blockattn_layers.functional import block_attention
 
-    offsets = _offsets(SMALL_LENGTHS, device)
+    offsets = lengths_to_offsets(torch.tensor(SMALL_LENGTHS), torch.int32).to(device)
     backward = point.kind == "bwd"
     q, k, v = _inputs(point, sum(SMALL_LENGTHS), device, backward)
     exact = [x.detach().double().requires_grad_(backward) for x in (q, k, v)]
@@ -98,7 +94,7 @@ def time_ms(point: Point, device: str, calls: int, rounds: int) -> float:
     if device != "cuda":
         return 0.0
     lengths = grid_lengths()
-    offsets = _offsets(lengths.tolist(), device)
+    offsets = lengths_to_offsets(lengths, torch.int32).to(device)
     backward = point.kind == "bwd"
     q, k, v = _inputs(point, int(lengths.sum()), device, backward)
     kw = point.keywords()
@@ -126,13 +122,29 @@ def time_ms(point: Point, device: str, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def variant_run(point: Point, device: str) -> str:
+    """The block-kernel variant that computes the point here (the forced one where it admits the
+    call, else ``auto``'s: a forced variant that cannot take a point is not what gets timed)."""
+    from blockattn_layers.kernels.block import variants
+
+    if device != "cuda":
+        return "reference"
+    q, k, v = (torch.empty(64, h, point.dim, device=device, dtype=torch.bfloat16)
+               for h in (point.heads, point.kv_heads, point.kv_heads))
+    facts = variants.call_facts(q, k, point.block, point.rotary_dim, point.interleaved, False,
+                                backward=point.kind == "bwd")
+    return variants.choose(facts, q, (q, k, v)).name
+
+
 def run_points(points: Sequence[Point], device: str, calls: int, rounds: int) -> List[dict]:
-    """This process's rows: per point its errors and, unless ``calls`` is 0, its time."""
+    """This process's rows: per point the variant that ran, its errors and, unless ``calls`` is 0,
+    its time."""
     rows = []
     for point in points:
         errors = max_errors(point, device)
         ms = time_ms(point, device, calls, rounds) if calls else None
-        rows.append(dict(point=":".join(map(str, _text(point))), errors=errors, ms=ms))
+        rows.append(dict(point=":".join(map(str, _text(point))), ran=variant_run(point, device), errors=errors,
+                         ms=ms))
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -170,7 +182,7 @@ def compare(args: argparse.Namespace) -> Dict[str, List[dict]]:
 
 def table(results: Dict[str, List[dict]], tolerance: float) -> str:
     """One line per point: each variant's ms (and the first one's time over each other's), its
-    largest error, ``!`` past ``tolerance``."""
+    largest error, ``!`` past ``tolerance``; ``(name)`` after the ms where another variant ran."""
     variants = list(results)
     lines = ["point".ljust(24) + "".join(f"{v + ' ms':>14}{'max err':>10}" for v in variants)
              + "".join(f"{variants[0] + '/' + v:>16}" for v in variants[1:])]
@@ -179,7 +191,8 @@ def table(results: Dict[str, List[dict]], tolerance: float) -> str:
         for v in variants:
             r = results[v][i]
             err = max(r["errors"].values())
-            line += f"{r['ms'] or 0.0:>14.3f}{err:>9.4f}{'!' if err > tolerance else ' '}"
+            ms = f"{r['ms'] or 0.0:.3f}" + ("" if r["ran"] in (v, "reference") else f" ({r['ran']})")
+            line += f"{ms:>14}{err:>9.4f}{'!' if err > tolerance else ' '}"
         first = row["ms"]
         for v in variants[1:]:
             other = results[v][i]["ms"]
