@@ -356,9 +356,13 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     8 points; block 32 causal 8x2 2.002 vs 2.442 ms), 0.8-1.1x at D32 (simple kept); D 96-128
     spill 0.3 KB at 255 registers, not timed (simple kept). Split-half rotary
     (bf16, causal no): at D 32-64 forward 0.98-1.35x and backward 1.05-1.37x, grouped query heads
-    included, so auto takes it there; at D128 forward 0.87-1.13x (simple), its backward not admitted."""
-    if facts.rot and facts.head_dim > 64:
-        return [f"rotary at head_dim {facts.head_dim}: not faster than simple on the H200"]
+    included, so auto takes it there; at D128 forward 0.87-1.13x (simple). Its split-half rotary
+    backward at D 96-128 (session 27, bf16, causal no, A/B): 0.95-0.97x at 2x2, 0.38x at 4x1 (simple
+    kept); rotary_dim 64 at D128 2x2 forward 0.97x, backward 1.09x (one point; simple kept). Interleaved rotary
+    at D128 (session 27): forward 1.9-3.4x and backward 1.9-6.3x faster than simple (whose
+    interleaved pairs are strided loads), 2x2 and 8x2, so auto takes it at every head dim."""
+    if facts.rot and facts.head_dim > 64 and not facts.interleaved:
+        return [f"split-half rotary at head_dim {facts.head_dim}: not faster than simple on the H200"]
     if facts.rot:
         return []
     if facts.head_dim > 128:
