@@ -181,7 +181,7 @@ def _half_tile_rotary_reasons(facts: CallFacts) -> List[str]:
     """Rotary in the sm_90 kernels' half tiles (``sm90.rotary.half_channels``): over ``rot``
     channels of a head dim of at most 128 (D256 rotary spills), both runs of each half tile (the
     rotary pairs, the pass-through channels) whole 16-byte chunks: ``rot`` a multiple of 16. Split
-    halves or interleaved pairs (gathered through registers: every other channel)."""
+    halves or interleaved pairs (each pair one 32-bit word, split into the half tiles in registers)."""
     reasons = []
     if facts.rot and facts.head_dim > 128:
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs at most 128)")
@@ -358,9 +358,10 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     (bf16, causal no): at D 32-64 forward 0.98-1.35x and backward 1.05-1.37x, grouped query heads
     included, so auto takes it there; at D128 forward 0.87-1.13x (simple). Its split-half rotary
     backward at D 96-128 (session 27, bf16, causal no, A/B): 0.95-0.97x at 2x2, 0.38x at 4x1 (simple
-    kept); rotary_dim 64 at D128 2x2 forward 0.97x, backward 1.09x (one point; simple kept). Interleaved rotary
-    at D128 (session 27): forward 1.9-3.4x and backward 1.9-6.3x faster than simple (whose
-    interleaved pairs are strided loads), 2x2 and 8x2, so auto takes it at every head dim."""
+    kept); rotary_dim 64 at D128 2x2 forward 0.97x, backward 1.09x (one point; simple kept).
+    Interleaved rotary at D128 (session 27): forward 1.9-3.4x and backward 1.9-6.3x faster than
+    simple (whose interleaved pairs are strided loads), 2x2 and 8x2, so auto takes it at every head
+    dim."""
     if facts.rot and facts.head_dim > 64 and not facts.interleaved:
         return [f"split-half rotary at head_dim {facts.head_dim}: not faster than simple on the H200"]
     if facts.rot:
