@@ -258,6 +258,8 @@ def validate_attention_args(
             raise ValueError("positions is only used with rotary embeddings: pass rope_theta too")
         if rotary_dim is not None:
             raise ValueError("rotary_dim is only used with rotary embeddings: pass rope_theta too")
+        if rotary_interleaved:
+            raise ValueError("rotary_interleaved is only used with rotary embeddings: pass rope_theta too")
         rotary_dim = 0
     else:
         rope_theta = check_rope_theta(rope_theta)
