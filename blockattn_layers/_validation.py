@@ -161,7 +161,7 @@ def check_rotary_args(
 def check_encoder_layer_args(
     d_model: Any, nhead: Any, dim_feedforward: Any, dropout: Any, activation: Any, *, block_size: Any,
     norm_first: Any, rope_theta: Any, num_kv_heads: Any, causal: Any, layer_norm_eps: Any, bias: Any,
-    backend: Any, allow_callable: bool = True,
+    backend: Any, rotary_dim: Any = None, rotary_interleaved: Any = False, allow_callable: bool = True,
 ) -> None:
     """The arguments of an encoder layer (``JaggedTransformerEncoderLayer``, ``EncoderLayerConfig``)."""
     check_attention_args(d_model, nhead, block_size, num_kv_heads, bias, causal, backend,
@@ -171,6 +171,13 @@ def check_encoder_layer_args(
     check_activation(activation, allow_callable=allow_callable)
     check_bool("norm_first", norm_first)
     check_rope_theta(rope_theta)
+    check_bool("rotary_interleaved", rotary_interleaved)
+    if rope_theta is None:
+        for name, used in (("rotary_dim", rotary_dim is not None), ("rotary_interleaved", rotary_interleaved)):
+            if used:
+                raise ValueError(f"{name} is only used with rotary embeddings: pass rope_theta too")
+    elif rotary_dim is not None:
+        check_rotary_dim(rotary_dim, d_model // nhead)
     check_real("layer_norm_eps", layer_norm_eps, "a finite number >= 0", 0.0)
 
 

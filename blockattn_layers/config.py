@@ -58,13 +58,16 @@ class EncoderLayerConfig:
     layer_norm_eps: float = 1e-5
     bias: bool = True
     backend: str = "auto"
+    rotary_dim: Optional[int] = None
+    rotary_interleaved: bool = False
 
     def __post_init__(self) -> None:
         check_encoder_layer_args(
             self.d_model, self.nhead, self.dim_feedforward, self.dropout, self.activation,
             block_size=self.block_size, norm_first=self.norm_first, rope_theta=self.rope_theta,
             num_kv_heads=self.num_kv_heads, causal=self.causal, layer_norm_eps=self.layer_norm_eps,
-            bias=self.bias, backend=self.backend, allow_callable=False,
+            bias=self.bias, backend=self.backend, rotary_dim=self.rotary_dim,
+            rotary_interleaved=self.rotary_interleaved, allow_callable=False,
         )
 
     def build(self) -> JaggedTransformerEncoderLayer:

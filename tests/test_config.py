@@ -70,6 +70,14 @@ def test_configs_are_frozen_and_round_trip():
     (dict(d_model=32, nhead=4, bias=None), TypeError, r"^bias must be a bool"),
     (dict(d_model=32, nhead=4, backend="nope"), ValueError, r"^backend must be one of auto, .*reference.*; got 'nope'"),
     (dict(d_model=32, nhead=4, backend=None), TypeError, r"^backend must be a string or Backend enum"),
+    (dict(d_model=32, nhead=4, rotary_dim=4), ValueError,
+     r"^rotary_dim is only used with rotary embeddings: pass rope_theta too"),
+    (dict(d_model=32, nhead=4, rotary_interleaved=True), ValueError,
+     r"^rotary_interleaved is only used with rotary embeddings: pass rope_theta too"),
+    (dict(d_model=32, nhead=4, rope_theta=1e4, rotary_dim=10), ValueError,
+     r"^rotary_dim must be even and in \[2, head_dim=8\], got 10"),
+    (dict(d_model=32, nhead=4, rope_theta=1e4, rotary_interleaved="yes"), TypeError,
+     r"^rotary_interleaved must be a bool"),
 ])
 def test_layer_config_validation(bad, exc, match):
     with pytest.raises(exc, match=match):
@@ -80,6 +88,18 @@ def test_config_checks_are_the_layers():
     """A config accepts what the layer accepts (one set of checks), and builds it."""
     config = EncoderLayerConfig(32, 4, dropout=1, layer_norm_eps=0, rope_theta=10, block_size=None)
     assert config.build().self_attn.rope_theta == 10.0
+
+
+def test_config_rotary_forms_reach_the_attention(tmp_path):
+    """Partial and interleaved rotary from a config (and its YAML form) build the rotary attention
+    with those settings."""
+    path = tmp_path / "rotary.yaml"
+    path.write_text("layer:\n  d_model: 32\n  nhead: 4\n  rope_theta: 1e4\n  rotary_dim: 4\n"
+                    "  rotary_interleaved: true\n")
+    config = load_config(path)
+    attn = config.build().layers[0].self_attn
+    assert (attn.rotary_dim, attn.rotary_interleaved, attn.rope_theta) == (4, True, 1e4)
+    assert EncoderConfig.from_dict(config.to_dict()) == config
 
 
 def test_yaml_strings_that_are_not_numbers(tmp_path):

@@ -29,6 +29,8 @@ class JaggedTransformerEncoderLayer(nn.Module):
         block_size: attention block length, ``None`` for full per-sequence attention.
         norm_first: pre-norm (``x + sa(norm1(x))``) instead of post-norm (``norm1(x + sa(x))``).
         rope_theta: rotary base; ``None`` (default) for no rotary embedding.
+        rotary_dim: channels rotated per head (default all), rotary_interleaved: pairs
+        ``(x[2i], x[2i+1])`` instead of split halves; both as in :class:`RotaryBlockAttention`.
         num_kv_heads: key/value heads for grouped-query attention (default ``nhead``).
         causal: causal masking inside each block. layer_norm_eps: LayerNorm epsilon.
         bias: biases in the linear and LayerNorm layers. backend: attention backend.
@@ -54,13 +56,13 @@ class JaggedTransformerEncoderLayer(nn.Module):
         norm_first: bool = False, rope_theta: Optional[float] = None, num_kv_heads: Optional[int] = None,
         causal: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
         backend: Union[str, Backend] = "auto", device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: Optional[torch.dtype] = None, rotary_dim: Optional[int] = None, rotary_interleaved: bool = False,
     ) -> None:
         super().__init__()
         check_encoder_layer_args(
             d_model, nhead, dim_feedforward, dropout, activation, block_size=block_size, norm_first=norm_first,
             rope_theta=rope_theta, num_kv_heads=num_kv_heads, causal=causal, layer_norm_eps=layer_norm_eps,
-            bias=bias, backend=backend,
+            bias=bias, backend=backend, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved,
         )
         factory = {"device": device, "dtype": dtype}
         attn_kwargs = dict(block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
@@ -68,7 +70,8 @@ class JaggedTransformerEncoderLayer(nn.Module):
         if rope_theta is None:
             self.self_attn = BlockSelfAttention(d_model, nhead, **attn_kwargs)
         else:
-            self.self_attn = RotaryBlockAttention(d_model, nhead, rope_theta=rope_theta, **attn_kwargs)
+            self.self_attn = RotaryBlockAttention(d_model, nhead, rope_theta=rope_theta, rotary_dim=rotary_dim,
+                                                  rotary_interleaved=rotary_interleaved, **attn_kwargs)
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
