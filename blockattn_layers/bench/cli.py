@@ -14,7 +14,7 @@ from .common import Method, RunConfig
 from .env import bandwidth_text, device_name, floor_bandwidth, metadata
 from .layer import LAYER_METHODS
 from .precompile import precompile
-from .ours import our_methods
+from .ours import block_kernels, our_methods
 from .report import format_table, plot, write_results
 from .runner import MODES, Timing, case_summary, finalize, run_case
 from .shapes import SHAPES, build_cases, resolve
@@ -170,6 +170,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         t0 = time.perf_counter()
         summaries[case.name] = case_summary(case, dtype, bandwidth)
         on_grid = case.coords is not None
+        if on_grid:
+            summaries[case.name]["kernels"] = block_kernels(case, cfg)
         # Consecutive grid points with one compile key keep their compiled rotary graphs.
         reset = case.compile_key is None or case.compile_key != previous_key
         previous_key = case.compile_key

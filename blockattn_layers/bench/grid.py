@@ -194,8 +194,9 @@ def _ours(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
 
 def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, object]],
            modes: Sequence[str] = GRID_MODES) -> List[Dict[str, object]]:
-    """One dict per grid point: its coordinates, floors, ours (ms, x floor) and, per mode, the best
-    checked peer (name, ms) and ``speedup = peer ms / ours ms`` (< 1: ours is slower)."""
+    """One dict per grid point: its coordinates, floors, ours (ms, x floor) and, per mode, the kernel
+    variant ours ran (the summary's ``kernels``, where recorded), the best checked peer (name, ms)
+    and ``speedup = peer ms / ours ms`` (< 1: ours is slower)."""
     by_case: Dict[str, List[Dict[str, object]]] = {}
     for r in rows:
         by_case.setdefault(str(r["case"]), []).append(r)
@@ -207,6 +208,7 @@ def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, obj
         ours = _ours(case_rows)
         p: Dict[str, object] = dict(case=name, **s["grid"], T=s.get("T"), ours=ours["method"] if ours else None)
         for mode in modes:
+            p[f"{mode}_variant"] = (s.get("kernels") or {}).get(mode)
             floor = s.get(f"{mode}_floor_ms")
             p[f"{mode}_floor_ms"] = floor
             ms = ours.get(f"{mode}_ms") if ours else None

@@ -1,7 +1,7 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -26,6 +26,25 @@ def _request(case: Case, cfg: RunConfig) -> blockattn_layers.AttentionRequest:
         max_seqlen=None, validate=False,
     )
     return blockattn_layers.AttentionRequest.from_call(q, k, params)
+
+
+def block_kernels(case: Case, cfg: RunConfig) -> Dict[str, Optional[str]]:
+    """The kernel variant ``auto`` runs a case with, per mode (``{"fwd": ..., "bwd": ...}``): the
+    first variant without reasons of the backend the dispatcher selects, and the backward's own
+    where it chooses apart (``backward: NAME``, e.g. ``flash``); ``None`` for a backend without
+    variants or a case no backend serves."""
+    req = _request(case, cfg)
+    try:
+        spec = blockattn_layers.dispatch.select_backend("auto", req)
+    except ValueError:
+        return {"fwd": None, "bwd": None}
+    if spec.variant_reasons is None:
+        return {"fwd": None, "bwd": None}
+    reasons = spec.variant_reasons(req)
+    fwd = next((name for name, why in reasons.items() if not why and ": " not in name), None)
+    bwd = next((name.split(": ", 1)[1] for name, why in reasons.items() if not why and name.startswith("backward: ")),
+               fwd)
+    return {"fwd": fwd, "bwd": bwd}
 
 
 def _skip(spec: blockattn_layers.BackendSpec):
