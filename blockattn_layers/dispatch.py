@@ -169,6 +169,19 @@ def explain_variants(req: AttentionRequest) -> Dict[str, Dict[str, List[str]]]:
     return {spec.name: spec.variant_reasons(req) for spec in registered_backends() if spec.variant_reasons is not None}
 
 
+def running_variants(reasons: Dict[str, List[str]]) -> Tuple[Optional[str], Dict[str, str]]:
+    """From a backend's variant reasons (``explain_variants``): the variant that runs (the first
+    without reasons; ``None`` where the tensors' layout decides), and for each phase that chooses
+    apart (``backward: NAME`` keys) the first variant it runs, e.g. ``{"backward": "flash"}``."""
+    running = next((name for name, why in reasons.items() if not why and ": " not in name), None)
+    phases: Dict[str, str] = {}
+    for name, why in reasons.items():
+        if not why and ": " in name:
+            phase, variant = name.split(": ", 1)
+            phases.setdefault(phase, variant)
+    return running, phases
+
+
 def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> str:
     """One line: the backend (and kernel variant) that serves ``req``, or why none does."""
     try:
@@ -177,15 +190,10 @@ def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> 
         return str(err)
     line = f"{spec.name}"
     if spec.variant_reasons is not None:
-        variants = spec.variant_reasons(req)
-        running = [name for name, why in variants.items() if not why and ": " not in name]
-        line += f", {running[0]} kernels" if running else ", kernel variant chosen per call from the tensors' layout"
-        phases = {}  # phase -> the first variant that runs it ("backward: flash")
-        for name, why in variants.items():
-            if not why and ": " in name:
-                phases.setdefault(name.split(": ", 1)[0], name)
+        running, phases = running_variants(spec.variant_reasons(req))
+        line += f", {running} kernels" if running else ", kernel variant chosen per call from the tensors' layout"
         if phases:
-            line += " (" + "; ".join(f"{name} kernels" for name in phases.values()) + ")"
+            line += " (" + "; ".join(f"{phase}: {name} kernels" for phase, name in phases.items()) + ")"
     return line
 
 

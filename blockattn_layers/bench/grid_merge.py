@@ -23,7 +23,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import grid
 
-BOUNDS = {"fwd": 1.10, "bwd": 1.25}
 _INT_COLUMNS = ("block", "dim")
 
 
@@ -73,7 +72,7 @@ def as_points(rows: Sequence[Dict[str, str]]) -> List[Dict[str, object]]:
 def summary(pts: Sequence[Dict[str, object]]) -> str:
     """Points recorded, within the bounds (and 1.5x) per mode, and where a peer is faster."""
     lines = [f"{len(pts)} points"]
-    for mode, bound in BOUNDS.items():
+    for mode, bound in grid.TARGET_X.items():
         xs = [p[f"{mode}_x_floor"] for p in pts if p.get(f"{mode}_x_floor") is not None]
         faster = [str(p["case"]) for p in pts if grid.slower(p, mode)]
         lines.append(f"{mode}: timed {len(xs)}, <= {bound:.2f}x floor at {sum(x <= bound for x in xs)}, "

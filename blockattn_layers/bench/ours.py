@@ -40,11 +40,8 @@ def block_kernels(case: Case, cfg: RunConfig) -> Dict[str, Optional[str]]:
         return {"fwd": None, "bwd": None}
     if spec.variant_reasons is None:
         return {"fwd": None, "bwd": None}
-    reasons = spec.variant_reasons(req)
-    fwd = next((name for name, why in reasons.items() if not why and ": " not in name), None)
-    bwd = next((name.split(": ", 1)[1] for name, why in reasons.items() if not why and name.startswith("backward: ")),
-               fwd)
-    return {"fwd": fwd, "bwd": bwd}
+    fwd, phases = blockattn_layers.dispatch.running_variants(spec.variant_reasons(req))
+    return {"fwd": fwd, "bwd": phases.get("backward", fwd)}
 
 
 def _skip(spec: blockattn_layers.BackendSpec):

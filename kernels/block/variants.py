@@ -142,9 +142,8 @@ def gluon_import_error() -> Optional[str]:
 def _gluon_call_reasons(facts: CallFacts, major: int, blocks: Tuple[int, int], head_dims: Tuple[int, ...],
                         import_error, addresses_64bit: bool) -> List[str]:
     """What the Gluon block kernels of generation ``major`` share: 16-bit dtypes, head dims in
-    ``head_dims``, blocks in ``blocks`` (inclusive), split-half rotary or none (which rotary dims:
-    ``_whole_rotary_reasons``, ``_half_tile_rotary_reasons``), and 32-bit offsets unless
-    ``addresses_64bit``."""
+    ``head_dims``, blocks in ``blocks`` (inclusive), and 32-bit offsets unless ``addresses_64bit``
+    (which rotary forms each admits: ``_whole_rotary_reasons``, ``_half_tile_rotary_reasons``)."""
     reasons = []
     if facts.device_type != "cuda" or facts.major != major:
         reasons.append(f"needs an sm_{major}0 GPU")
