@@ -172,14 +172,15 @@ def explain_variants(req: AttentionRequest) -> Dict[str, Dict[str, List[str]]]:
 def running_variants(reasons: Dict[str, List[str]]) -> Tuple[Optional[str], Dict[str, str]]:
     """From a backend's variant reasons (``explain_variants``): the variant that runs (the first
     without reasons; ``None`` where the tensors' layout decides), and for each phase that chooses
-    apart (``backward: NAME`` keys) the first variant it runs, e.g. ``{"backward": "flash"}``."""
+    apart (``backward: NAME`` keys) the first variant it runs where that is another, e.g.
+    ``{"backward": "flash"}``."""
     running = next((name for name, why in reasons.items() if not why and ": " not in name), None)
     phases: Dict[str, str] = {}
     for name, why in reasons.items():
         if not why and ": " in name:
             phase, variant = name.split(": ", 1)
             phases.setdefault(phase, variant)
-    return running, phases
+    return running, {phase: variant for phase, variant in phases.items() if variant != running}
 
 
 def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> str:

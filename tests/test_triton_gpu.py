@@ -543,6 +543,57 @@ def _variant(q, k, tensors, block_size, rot, interleaved=False, int64=False) -> 
     return variants.choose(variants.call_facts(q, k, block_size, rot, interleaved, int64), q, tensors).name
 
 
+KEYS_CASES = [
+    # Grouped query heads at 128-row key tiles (the region it is for), causal, padded head dims.
+    dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True),
+    dict(heads=4, kv_heads=1, dim=64, block_size=100),
+    dict(heads=8, kv_heads=2, dim=96, block_size=128),
+    dict(heads=4, kv_heads=2, dim=32, block_size=64, causal=True),
+    dict(heads=2, kv_heads=2, dim=128, block_size=65),
+    # Every rotary form: split halves at given positions, interleaved pairs, partial rotary_dim.
+    dict(heads=8, kv_heads=2, dim=128, block_size=128, rope_theta=1e4, positions="int", causal=True),
+    dict(heads=4, kv_heads=1, dim=96, block_size=128, rope_theta=1e4, rotary_interleaved=True, rotary_dim=64),
+    dict(heads=4, kv_heads=2, dim=128, block_size=100, rope_theta=1e4, rotary_dim=64, positions="float"),
+    dict(heads=2, kv_heads=1, dim=64, block_size=64, rope_theta=500.0, rotary_interleaved=True, causal=True),
+]
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", KEYS_CASES, ids=_case_id)
+def test_keys_backward_forced(monkeypatch, case, table):
+    """The backward over key rows (``keys``: 64-row query tiles against the block's keys, scores
+    transposed; its forward is simple's), forced, matches the float64 oracle, bf16 and fp16, on
+    lengths around the block size (empty, 1-token and ragged blocks)."""
+    _forced_variant_matches_oracle(monkeypatch, "keys", case, table, EDGE_LENGTHS * 2 + LENGTHS_AROUND_128)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [(8, 2, 128, 128, False), (4, 1, 64, 100, True)])
+def test_keys_backward_keeps_a_nan_in_its_block(heads, kv_heads, dim, block_size, rotary):
+    """With ``keys`` forced, a NaN in one token's q, k, v reaches only its own block's gradients."""
+    lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
+    q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
+    token = 3 + block_size + 2
+
+    def run(poison):
+        xs = [x.clone() for x in (q, k, v)]
+        if poison:
+            for x in xs:
+                x[token] = float("nan")
+        xs = [x.requires_grad_() for x in xs]
+        out = bl.block_attention(*xs, offsets, block_size, causal=True, rope_theta=1e4 if rotary else None,
+                                 backend="triton")
+        return (out, *torch.autograd.grad(out, xs, torch.ones_like(out)))
+
+    with variants.forced_variant("keys"):
+        assert _variant(q, k, (q, k, v), block_size, dim if rotary else 0) == "keys"
+        clean, poisoned = run(False), run(True)
+    block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
+    block[3 + block_size: 3 + 2 * block_size] = True
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a[~block], b[~block])
+        assert torch.isnan(b[block]).any()
+
+
 PACKED_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=16),
     dict(heads=8, kv_heads=2, dim=64, block_size=32, causal=True, rope_theta=1e4),

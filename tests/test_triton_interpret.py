@@ -303,6 +303,36 @@ def test_packed_variant_matches_the_oracle(monkeypatch, case, table):
         _check(EDGE_LENGTHS, heads, kv_heads, dim, torch.float16, **case)
 
 
+KEYS_CASES = [
+    dict(heads=4, kv_heads=2, dim=32, block_size=100, causal=True),
+    dict(heads=3, kv_heads=1, dim=48, block_size=128, rope_theta=1e4),
+    dict(heads=4, kv_heads=2, dim=32, block_size=65, causal=True, rope_theta=500.0, rotary_dim=16,
+         rotary_interleaved=True),
+    dict(heads=2, kv_heads=1, dim=32, block_size=40, rope_theta=1e4, rotary_dim=16, positions="float"),
+]
+
+
+@pytest.mark.parametrize("case", KEYS_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_keys_variant_matches_the_oracle(case):
+    """The ``keys`` backward (dK, dV over the block's key rows, 64-row query tiles, the scores
+    transposed and each column's softmax over the keys) forced: forward and gradients against the
+    float64 oracle on edge lengths (empty and 1-token blocks, ragged last blocks, two query tiles
+    of which the second is partial), GQA, causal, every rotary form, fp32 and fp16."""
+    from blockattn_layers.kernels.block import variants
+
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    if case.get("positions") == "float":
+        case["positions"] = torch.rand(sum(EDGE_LENGTHS), generator=torch.Generator().manual_seed(1)) * 3000
+    q = torch.empty(1, heads, dim, dtype=torch.float16)
+    k = torch.empty(1, kv_heads, dim, dtype=torch.float16)
+    facts = variants.call_facts(q, k, case["block_size"], 0, False, False, backward=True)
+    with variants.forced_variant("keys"):
+        assert variants.choose(facts, q, (q,)) is variants.KEYS
+        for dtype in (torch.float32, torch.float16):
+            _check(EDGE_LENGTHS, heads, kv_heads, dim, dtype, **case)
+
+
 def _nan_confined(variant: str, block_size: int, heads: int, kv_heads: int, dim: int, rotary: bool) -> bool:
     """Whether a NaN in one token's q, k, v (and its output gradient) leaves every row outside its
     block bitwise as in the clean call, with ``variant`` forced (forward and the three gradients);
@@ -345,3 +375,9 @@ def test_simple_kernels_confine_a_nan_to_its_block(block_size, heads, kv_heads, 
 def test_packed_kernels_confine_a_nan_to_its_block(block_size, heads, kv_heads, dim, rotary):
     """A tile with a non-finite input is computed again block by block (``tiles.finite_flag``)."""
     assert _nan_confined("packed", block_size, heads, kv_heads, dim, rotary)
+
+
+@NAN_WARNINGS
+@pytest.mark.parametrize("block_size,heads,kv_heads,dim,rotary", [(64, 4, 2, 32, True), (100, 2, 1, 16, False)])
+def test_keys_backward_confines_a_nan_to_its_block(block_size, heads, kv_heads, dim, rotary):
+    assert _nan_confined("keys", block_size, heads, kv_heads, dim, rotary)

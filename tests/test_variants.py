@@ -108,7 +108,8 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert bl.dispatch.describe(wide_mha, "triton") == "triton, hopper kernels (backward: flash kernels)"
     # A variant without one leaves the forward with gradients to the next that has one.
     no_lse = variants.HOPPER._replace(lse_forward=None)
-    monkeypatch.setattr(variants, "AUTO_ORDER", (no_lse,) + variants.AUTO_ORDER[1:])
+    monkeypatch.setattr(variants, "AUTO_ORDER",
+                        tuple(no_lse if v is variants.HOPPER else v for v in variants.AUTO_ORDER))
     monkeypatch.setitem(variants.VARIANTS, "hopper", no_lse)
     reasons = explain_variants(wide_mha)["triton"]
     assert reasons["hopper"] == [] and reasons["forward with gradients: simple"] == []
@@ -276,7 +277,7 @@ def test_unknown_variant_names_raise(monkeypatch):
     with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed"):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, got 'fast'"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, got 'fast'"):
         variants.forced()
 
 
@@ -302,7 +303,8 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["hopper", "hopper_packed", "sm100", "packed", "simple", "hopper_ws"]
+    assert list(reasons) == ["keys", "hopper", "hopper_packed", "sm100", "packed", "simple", "hopper_ws"]
+    assert reasons["keys"] == ["auto takes another variant here: forward: the simple kernels' (auto names it simple)"]
     assert reasons["hopper_packed"] == ["block_size 64 > 32"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
     assert any("grouped-query" in r for r in reasons["hopper_ws"])
@@ -310,7 +312,7 @@ def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_a
     assert reasons["packed"] == ["block_size 64 > 32"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "hopper", "hopper_packed", "sm100", "packed", "simple"]
+    assert list(forced) == ["hopper_ws", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple"]
     assert forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 

@@ -143,6 +143,14 @@ def simple_backward_warps(meta: dict) -> int:
     return meta["num_warps"]
 
 
+def keys_backward_options(meta: dict, dtype: torch.dtype) -> dict:
+    """Launch options of the ``keys`` backward (``block.bwd_keys``): one warpgroup per 64 key rows
+    (its products but dQ's have the keys as their M side), and the loop over (query head, query
+    tile) pipelined two deep on 16-bit tiles (the next tile's q and dO copies in flight)."""
+    stages = 2 if dtype.itemsize == 2 and meta["FAST_TRIG"] else 1
+    return dict(num_warps=meta["BLOCK_M"] // 16, num_stages=stages)
+
+
 # float32 tiles of at most this many elements (``BLOCK_M x BLOCK_D``) fit a program's shared memory,
 # forward and backward. Larger ones did not on the H200 with IEEE products either, whose layout
 # conversions stage there (Triton 3.6; backward 64 x 256 272 KB with grouped-query heads, 128 x 128
@@ -242,6 +250,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
         meta["num_warps"] = variant.num_warps
     elif backward and variant.name == "simple":
         meta["num_warps"] = simple_backward_warps(meta)
+    elif backward and variant.name == "keys":
+        meta.update(keys_backward_options(meta, dtype))
     regs = max_registers(meta, variant, backward, major, dtype.itemsize)
     if regs:
         meta["maxnreg"] = regs

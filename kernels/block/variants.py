@@ -377,6 +377,41 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     return []
 
 
+def _keys_kernels() -> Tuple[Launcher, Launcher]:
+    from . import bwd_keys, fwd
+
+    return fwd.launch_fwd, bwd_keys.launch_bwd
+
+
+# Blocks the ``keys`` backward takes: 64- and 128-row key tiles (64-row query tiles), head dims up
+# to 128 (its dK and dV accumulators, 128 x 256 in float32 at D256, would not fit the registers).
+KEYS_BLOCKS = (33, 128)
+KEYS_MAX_HEAD_DIM = 128
+
+
+def _keys_call_reasons(facts: CallFacts) -> List[str]:
+    """The ``keys`` backward's admission: blocks of ``KEYS_BLOCKS`` tokens, head dims up to
+    ``KEYS_MAX_HEAD_DIM``, every rotary form, dtype and offset width of the Triton kernels. Its
+    forward is ``simple``'s."""
+    reasons = []
+    low, high = KEYS_BLOCKS
+    if facts.block_size > high:
+        reasons.append(f"block_size {facts.block_size} > {high}")
+    elif facts.block_size < low:
+        reasons.append(f"block_size {facts.block_size} < {low}")
+    if facts.head_dim > KEYS_MAX_HEAD_DIM:
+        reasons.append(f"head_dim {facts.head_dim} > {KEYS_MAX_HEAD_DIM}")
+    return reasons
+
+
+def _keys_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``auto`` leaves a call ``keys`` admits to the variants after it: its forward (simple's,
+    which auto names simple), and, until timed on a GPU, every backward."""
+    if not facts.backward:
+        return ["forward: the simple kernels' (auto names it simple)"]
+    return ["backward not yet timed against the other variants on a GPU"]
+
+
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
     from ..experimental import sm90_ws
 
@@ -408,6 +443,11 @@ HOPPER_WS = Variant(
     programs_per_sm={(False, False): 2, (False, True): 2, (True, False): 2, (True, True): 1},
     block_m=64, maxnreg=128, verified_on=frozenset({9}))
 
+KEYS = Variant(
+    "keys", "Triton backward over key rows: one program per (block, kv head) holds dK and dV of the block's keys "
+    "and walks the query heads in 64-row query tiles, scores transposed (the forward: simple's)", None, False,
+    _keys_call_reasons, _no_reasons, _keys_kernels, auto_reasons=_keys_auto_reasons, lse_forward=_simple_lse_forward)
+
 PACKED = Variant(
     "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block); slower than simple or hopper_packed on the "
@@ -423,9 +463,9 @@ SM100 = Variant(
     programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
     verified_on=frozenset(), num_warps=4)
 
-VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED)}
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED, KEYS)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"
