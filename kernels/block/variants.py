@@ -405,11 +405,28 @@ def _keys_call_reasons(facts: CallFacts) -> List[str]:
 
 
 def _keys_auto_reasons(facts: CallFacts) -> List[str]:
-    """Where ``auto`` leaves a call ``keys`` admits to the variants after it: its forward (simple's,
-    which auto names simple), and, until timed on a GPU, every backward."""
+    """Where ``auto`` leaves a call ``keys`` admits to the variants after it. Its forward is
+    simple's (auto names that simple). Backward, A/B against hopper and simple (``bench.variant_ab``,
+    H200, bf16, grid lengths, causal no; ms keys / hopper / simple): faster only for split-half
+    rotary of grouped query heads on 128-token blocks at D 96-128, where the query-row kernels hold
+    128 x 128 scores beside the group's dK and dV (8x2 D128 10.22 / 12.98 / 18.16, D96 10.25 /
+    13.22 / 18.12, D128 rotary_dim 64 9.75 / 13.18 / 12.92). Slower everywhere else measured: its
+    column softmax and delta are reductions across the warps of the key rows, per 64-row query tile
+    (block 128 8x2 D128 6.94 / 5.76 / 7.87, D64 5.61 / 3.07 / 3.22, D32 4.97 / 2.39 / 2.54; 2x2
+    D128 2.34 / 1.32 / 1.79; D64 rotary 8x2 6.08 / 3.92 / 4.32; interleaved pairs, loaded by
+    strided gathers, 30.2 / 12.6 / 37.8; block 64 8x2 D128 4.27 / 3.19 / 5.59, rotary 14.0 / 3.90 /
+    6.17). Taken on every generation (Triton), though timed on the H200 only: simple's 128-row
+    backward there spills 1.6 KB at sm_90 where keys spills 0.5 KB."""
     if not facts.backward:
         return ["forward: the simple kernels' (auto names it simple)"]
-    return ["backward not yet timed against the other variants on a GPU"]
+    if (facts.block_size > 64 and facts.groups > 1 and facts.rot and not facts.interleaved
+            and tile_extent(facts.head_dim) == 128):
+        return []
+    return [KEYS_SLOWER_REASON]
+
+
+KEYS_SLOWER_REASON = ("backward slower than hopper or simple on the H200 outside split-half rotary of grouped query "
+                      "heads on blocks over 64 at head dims 65-128")
 
 
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
