@@ -27,7 +27,7 @@ import triton.language as tl
 from ..common.launch import Launcher
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import block_of_program
-from ..common.tiles import load_cols, pair_cols, pass_cols, store_cols
+from ..common.tiles import load_cols, pair_cols, pass_cols, store_cols, store_pairs
 
 # Rows of a query tile: the N side of the transposed scores.
 QUERY_TILE = tl.constexpr(64)
@@ -75,7 +75,7 @@ def _bwd_keys_block(
         k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, rows_n, offs_n, n_ok, offs_r, log2_theta,
                                     ROT_DIM, HAS_POS, FAST_TRIG, True, 0)
         ka, kb = load_rotated_pair(k_ptr, rows_n, n_ok, cols_a, cols_b, r_ok, k_sin, k_cos, stride_kt, stride_kd,
-                                   INT64)
+                                   BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
         dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if ROT_DIM < HEAD_DIM:
@@ -97,7 +97,7 @@ def _bwd_keys_block(
             q_sin, q_cos = tile_sin_cos(Pos, start, first_row, offs_m, rows_m, offs_m, m_ok, offs_r, log2_theta,
                                         ROT_DIM, HAS_POS, FAST_TRIG, True, 0)
             qa, qb = load_rotated_pair(q_ptr, rows_m, m_ok, cols_a, cols_b, r_ok, q_sin, q_cos, stride_qt,
-                                       stride_qd, INT64)
+                                       stride_qd, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
             st = tl.dot(ka, tl.trans(qa), st, input_precision=PRECISION)
             st = tl.dot(kb, tl.trans(qb), st, input_precision=PRECISION)
         if ROT_DIM < HEAD_DIM:
@@ -112,8 +112,8 @@ def _bwd_keys_block(
             dqa = tl.dot(ds, ka, input_precision=PRECISION) * scale
             dqb = tl.dot(ds, kb, input_precision=PRECISION) * scale
             dqa, dqb = rotate_pair(dqa, dqb, q_sin, q_cos, True)
-            store_cols(dq_ptr, dqa, rows_m, m_ok, cols_a, r_ok, stride_dqt, stride_dqd, INT64)
-            store_cols(dq_ptr, dqb, rows_m, m_ok, cols_b, r_ok, stride_dqt, stride_dqd, INT64)
+            store_pairs(dq_ptr, dqa, dqb, rows_m, m_ok, cols_a, cols_b, r_ok, stride_dqt, stride_dqd, BLOCK_R,
+                        ROT_DIM, INTERLEAVED, INT64)
             dka = tl.dot(dst, qa, dka, input_precision=PRECISION)
             dkb = tl.dot(dst, qb, dkb, input_precision=PRECISION)
         if ROT_DIM < HEAD_DIM:
@@ -123,8 +123,8 @@ def _bwd_keys_block(
     dk_ptr = DK + hk * stride_dkh
     if ROT_DIM > 0:
         dka, dkb = rotate_pair(dka * scale, dkb * scale, k_sin, k_cos, True)
-        store_cols(dk_ptr, dka, rows_n, n_ok, cols_a, r_ok, stride_dkt, stride_dkd, INT64)
-        store_cols(dk_ptr, dkb, rows_n, n_ok, cols_b, r_ok, stride_dkt, stride_dkd, INT64)
+        store_pairs(dk_ptr, dka, dkb, rows_n, n_ok, cols_a, cols_b, r_ok, stride_dkt, stride_dkd, BLOCK_R, ROT_DIM,
+                    INTERLEAVED, INT64)
     if ROT_DIM < HEAD_DIM:
         store_cols(dk_ptr, dkp * scale, rows_n, n_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
     store_cols(DV + hk * stride_dvh, dv, rows_n, n_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)

@@ -25,8 +25,8 @@ from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, input_precision, needs_int64
 from ..common.rotary import block_sin_cos, load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
-from ..common.tiles import (block_positions, block_probs, block_probs_lse, finite_flag, head_rows, load_cols, pair_cols,
-                            pass_cols, row_ptrs, same_slot, store_cols)
+from ..common.tiles import (block_positions, block_probs, block_probs_lse, finite_flag, head_rows, load_cols, load_pairs,
+                            pair_cols, pass_cols, row_ptrs, same_slot, store_cols)
 from . import self_check
 from .bwd import PreparedBackward, prepare_backward
 from .plan import block_grid, block_plan, blocks_per_program, grid_heads
@@ -67,7 +67,8 @@ def _fwd_head(
             sin, cos = tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM,
                                     HAS_POS, FAST_TRIG, False, SLOT)
         k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
-        ka, kb = load_rotated_pair(k_ptr, k_rows, row_ok, cols_a, cols_b, r_ok, sin, cos, k_stride, stride_kd, INT64)
+        ka, kb = load_rotated_pair(k_ptr, k_rows, row_ok, cols_a, cols_b, r_ok, sin, cos, k_stride, stride_kd, BLOCK_R,
+                                   ROT_DIM, INTERLEAVED, INT64)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
         k_ptr, k_rows, k_stride = head_rows(K, rows, stride_kt, stride_kh, hk, INT64, HEAD_LOOP)
@@ -77,8 +78,8 @@ def _fwd_head(
         s = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
         if ROT_DIM > 0:
             # (Not load_rotated_pair: casting before the dots changes the sm_90 code, untimed.)
-            qa = load_cols(q_ptr, q_rows, row_ok, cols_a, r_ok, q_stride, stride_qd, INT64)
-            qb = load_cols(q_ptr, q_rows, row_ok, cols_b, r_ok, q_stride, stride_qd, INT64)
+            qa, qb = load_pairs(q_ptr, q_rows, row_ok, cols_a, cols_b, r_ok, q_stride, stride_qd, BLOCK_R, ROT_DIM,
+                                INTERLEAVED, INT64)
             qa, qb = rotate_pair(qa.to(tl.float32), qb.to(tl.float32), sin, cos, False)
             s = tl.dot(qa.to(dtype), tl.trans(ka), s, input_precision=PRECISION)
             s = tl.dot(qb.to(dtype), tl.trans(kb), s, input_precision=PRECISION)

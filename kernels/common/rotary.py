@@ -10,7 +10,7 @@ per tile. Angles are computed in float32 from the positions and ``log2(rope_thet
 import triton
 import triton.language as tl
 
-from .tiles import block_positions, load_cols
+from .tiles import block_positions, load_pairs
 
 _TWO_PI = tl.constexpr(6.283185307179586)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
@@ -47,11 +47,12 @@ def rotate_pair(a, b, sin, cos, INVERSE: tl.constexpr):
 
 
 @triton.jit
-def load_rotated_pair(ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_t, stride_d, INT64: tl.constexpr):
+def load_rotated_pair(ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_t, stride_d, BLOCK_R: tl.constexpr,
+                      ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr):
     """The rotary pair tiles ``a``, ``b`` of a q or k row tile (columns ``cols_a``, ``cols_b`` of the
-    head at ``ptr``), rotated in float32 and returned in the input dtype."""
-    a = load_cols(ptr, rows, row_ok, cols_a, r_ok, stride_t, stride_d, INT64)
-    b = load_cols(ptr, rows, row_ok, cols_b, r_ok, stride_t, stride_d, INT64)
+    head at ``ptr``: ``tiles.load_pairs``), rotated in float32 and returned in the input dtype."""
+    a, b = load_pairs(ptr, rows, row_ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R, ROT_DIM, INTERLEAVED,
+                      INT64)
     dtype = a.dtype
     a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
     return a.to(dtype), b.to(dtype)

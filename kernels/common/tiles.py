@@ -47,6 +47,36 @@ def pair_cols(BLOCK_R: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.cons
 
 
 @triton.jit
+def load_pairs(ptr, rows, row_ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R: tl.constexpr,
+               ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr):
+    """The rotary pair tiles ``(a, b)`` (columns ``cols_a``, ``cols_b`` from ``pair_cols``) of a row
+    tile. Interleaved pairs are read as one contiguous tile of the first ``ROT_DIM`` channels and
+    split in registers: read apart, each pair's channels are strided 2-byte loads (sm_90 PTX of
+    the simple D128 kernels: 128 of them, against 16-byte loads contiguous)."""
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_R)
+        x = load_cols(ptr, rows, row_ok, cols, cols < ROT_DIM, stride_t, stride_d, INT64)
+        return tl.split(tl.reshape(x, (x.shape[0], BLOCK_R, 2)))
+    a = load_cols(ptr, rows, row_ok, cols_a, r_ok, stride_t, stride_d, INT64)
+    b = load_cols(ptr, rows, row_ok, cols_b, r_ok, stride_t, stride_d, INT64)
+    return a, b
+
+
+@triton.jit
+def store_pairs(ptr, a, b, rows, row_ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R: tl.constexpr,
+                ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr):
+    """Store the rotary pair tiles ``a``, ``b`` at their columns; interleaved pairs joined in
+    registers into one contiguous tile (as :func:`load_pairs` reads them)."""
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_R)
+        x = tl.reshape(tl.join(a, b), (a.shape[0], 2 * BLOCK_R))
+        store_cols(ptr, x, rows, row_ok, cols, cols < ROT_DIM, stride_t, stride_d, INT64)
+    else:
+        store_cols(ptr, a, rows, row_ok, cols_a, r_ok, stride_t, stride_d, INT64)
+        store_cols(ptr, b, rows, row_ok, cols_b, r_ok, stride_t, stride_d, INT64)
+
+
+@triton.jit
 def pass_cols(BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Columns past the rotary channels (all columns without rotary), and their mask."""
     cols = ROT_DIM + tl.arange(0, BLOCK_P)

@@ -32,7 +32,8 @@ from ..common.meta import major_of
 from ..common.launch import Launcher
 from ..common.rotary import rotary_sin_cos, rotate_pair
 from ..common.schedule import search_prefix
-from ..common.tiles import add_cols, block_positions, load_cols, pair_cols, pass_cols, store_cols
+from ..common.tiles import (add_cols, block_positions, load_cols, load_pairs, pair_cols, pass_cols, store_cols,
+                            store_pairs)
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
@@ -303,8 +304,7 @@ def load_split(
     dtype = ptr.dtype.element_ty
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
-        a = load_cols(ptr, rows, ok, cols_a, r_ok, stride_t, stride_d, INT64)
-        b = load_cols(ptr, rows, ok, cols_b, r_ok, stride_t, stride_d, INT64)
+        a, b = load_pairs(ptr, rows, ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
         a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
         a = a.to(dtype)
         b = b.to(dtype)
@@ -387,8 +387,7 @@ def store_split(
     if ROT_DIM > 0:
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         a, b = rotate_pair(a * scale, b * scale, sin, cos, True)
-        store_cols(ptr, a, rows, ok, cols_a, r_ok, stride_t, stride_d, INT64)
-        store_cols(ptr, b, rows, ok, cols_b, r_ok, stride_t, stride_d, INT64)
+        store_pairs(ptr, a, b, rows, ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
         store_cols(ptr, p * scale, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
