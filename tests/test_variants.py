@@ -377,10 +377,10 @@ def test_sm100_admission_plan_and_opt_in(monkeypatch):
 
 
 def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
-    """``keys`` (the backward over key rows) runs split-half rotary backwards of grouped query heads on
-    blocks over 64 at head dims 65-128 (where it was timed faster than hopper and simple), on any
-    GPU generation; never a forward, and not interleaved pairs, one query head per kv head, blocks
-    of up to 64 or narrower heads."""
+    """``keys`` (the backward over key rows) runs rotary backwards of grouped query heads on blocks
+    over 64 at head dims 65-128 (where it was timed faster than hopper and simple), on any GPU
+    generation; never a forward, one query head per kv head, blocks of up to 64 or narrower heads.
+    Interleaved grouped-query backwards at blocks of up to 64 and D 65-128 run simple."""
     def auto(**kw):
         facts = _facts(**kw)
         return variants._auto(facts, torch.empty(0), ()).name
@@ -389,7 +389,9 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
         assert auto(major=major, head_dim=128, groups=4, block_size=128, rot=128, backward=True) == "keys"
     assert auto(head_dim=96, groups=4, block_size=100, rot=64, backward=True) == "keys"
     assert auto(head_dim=128, groups=4, block_size=128, rot=128) != "keys"
-    assert auto(head_dim=128, groups=4, block_size=128, rot=128, interleaved=True, backward=True) != "keys"
+    assert auto(head_dim=128, groups=4, block_size=128, rot=128, interleaved=True, backward=True) == "keys"
+    assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True, backward=True) == "simple"
+    assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True) == "hopper"
     assert auto(head_dim=128, groups=1, block_size=128, rot=128, backward=True) != "keys"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, backward=True) != "keys"
     assert auto(head_dim=64, groups=4, block_size=128, rot=64, backward=True) != "keys"

@@ -235,7 +235,14 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     5.365): the other padded head dims are left to simple as D96 (session 24); with rotary over all
     channels (admitted there since session 26) hopper is faster (D96 split 8x2 13.21 vs 18.37 ms,
     whose simple backward was the grid's worst point, 11.8x floor); partial rotary there is not
-    timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it."""
+    timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it.
+    Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128: since
+    simple loads the pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128
+    6.39 vs 8.06 ms; its strided loads before took 25.6)."""
+    if (facts.backward and facts.groups > 1 and facts.interleaved and facts.rot and facts.block_size <= 64
+            and tile_extent(facts.head_dim) == 128):
+        return [f"backward of interleaved rotary with grouped-query heads at head_dim {facts.head_dim}: simple is "
+                "faster on the H200"]
     if facts.groups > 1 and facts.block_size > 64:
         tile = tile_extent(facts.head_dim)
         if not facts.backward:
@@ -414,19 +421,21 @@ def _keys_auto_reasons(facts: CallFacts) -> List[str]:
     column softmax and delta are reductions across the warps of the key rows, per 64-row query tile
     (block 128 8x2 D128 6.94 / 5.76 / 7.87, D64 5.61 / 3.07 / 3.22, D32 4.97 / 2.39 / 2.54; 2x2
     D128 2.34 / 1.32 / 1.79; D64 rotary 8x2 6.08 / 3.92 / 4.32; interleaved pairs, loaded by
-    strided gathers, 30.2 / 12.6 / 37.8; block 64 8x2 D128 4.27 / 3.19 / 5.59, rotary 14.0 / 3.90 /
-    6.17). Taken on every generation (Triton), though timed on the H200 only: simple's 128-row
-    backward there spills 1.6 KB at sm_90 where keys spills 0.5 KB."""
+    strided gathers then, 30.2 / 12.6 / 37.8; block 64 8x2 D128 4.27 / 3.19 / 5.59, rotary 14.0 / 3.90 /
+    6.17). Interleaved pairs since the Triton kernels load them as contiguous tiles
+    (``tiles.load_pairs``): block 128 8x2 D128 10.46 / 12.64 / 15.24, D96 rotary_dim 64 9.10 / 13.61 /
+    11.08 (taken); 2x2 3.64 / 1.97 / 1.98 and block 64 8x2 D128 14.26 / 8.06 / 6.39 (not). Taken on
+    every generation (Triton), though timed on the H200 only: simple's 128-row backward there
+    spills 1.6 KB at sm_90 where keys spills 0.3-0.5 KB."""
     if not facts.backward:
         return ["forward: the simple kernels' (auto names it simple)"]
-    if (facts.block_size > 64 and facts.groups > 1 and facts.rot and not facts.interleaved
-            and tile_extent(facts.head_dim) == 128):
+    if facts.block_size > 64 and facts.groups > 1 and facts.rot and tile_extent(facts.head_dim) == 128:
         return []
     return [KEYS_SLOWER_REASON]
 
 
-KEYS_SLOWER_REASON = ("backward slower than hopper or simple on the H200 outside split-half rotary of grouped query "
-                      "heads on blocks over 64 at head dims 65-128")
+KEYS_SLOWER_REASON = ("backward slower than hopper or simple on the H200 outside rotary of grouped query heads on "
+                      "blocks over 64 at head dims 65-128")
 
 
 def _hopper_ws_kernels() -> Tuple[Launcher, Launcher]:
