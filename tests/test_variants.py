@@ -392,6 +392,9 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
     assert auto(head_dim=128, groups=4, block_size=128, rot=128, interleaved=True, backward=True) == "keys"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True, backward=True) == "simple"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True) == "hopper"
+    for block in (16, 32):
+        assert auto(head_dim=96, groups=4, block_size=block, rot=96, interleaved=True, backward=True) == "simple"
+        assert auto(head_dim=64, groups=4, block_size=block, rot=64, interleaved=True, backward=True) == "hopper_packed"
     assert auto(head_dim=128, groups=1, block_size=128, rot=128, backward=True) != "keys"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, backward=True) != "keys"
     assert auto(head_dim=64, groups=4, block_size=128, rot=64, backward=True) != "keys"
