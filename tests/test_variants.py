@@ -196,10 +196,10 @@ def test_auto_takes_hopper_on_sm90_where_admitted_and_never_the_experimental():
 def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     """Blocks of up to 32 tokens on sm_90 (H200 grid, session 20): hopper_packed forward at D <= 64
     and with grouped query heads at D <= 128, backward with one query head per kv head at D <= 128,
-    split-half rotary at D <= 64 both ways, interleaved rotary at every D (session 27); simple
-    elsewhere (D256, the forward of one query head per kv head at D 96-128, the backward of grouped
-    query heads without rotary at D other than 33-64, split-half rotary at D 96-128), and never packed (slower than both). explain() says why; forcing
-    is not bound by where auto takes a variant."""
+    split-half and interleaved rotary at D <= 64 both ways; simple elsewhere (D256, the forward of
+    one query head per kv head at D 96-128, the backward of grouped query heads without rotary at D
+    other than 33-64, rotary at D 96-128), and never packed (slower than both). explain() says why;
+    forcing is not bound by where auto takes a variant."""
     q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
 
     def auto(**kw):
@@ -216,10 +216,13 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
             assert auto(block_size=block, head_dim=dim, rot=dim) == rotary
             assert auto(block_size=block, head_dim=dim, rot=dim, groups=4, backward=True) == rotary
             assert auto(block_size=block, head_dim=dim, rot=dim // 2) == rotary  # partial rotary
-            # Interleaved rotary (session 27): hopper_packed at every head dim, both ways.
-            assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True) == "hopper_packed"
+            # Interleaved rotary: hopper_packed at D <= 64 (session 27), simple at D 65-128 since its
+            # pair loads are contiguous (session 28), both ways.
+            interleaved = "hopper_packed" if dim <= 64 else "simple"
+            assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True) == interleaved
+            assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True, backward=True) == interleaved
             assert auto(block_size=block, head_dim=dim, rot=dim, interleaved=True, groups=4,
-                        backward=True) == "hopper_packed"
+                        backward=True) == interleaved
         assert auto(block_size=block, head_dim=256) == auto(block_size=block, head_dim=256, backward=True) == "simple"
     assert auto(block_size=33, head_dim=72) == "simple"
     assert auto(block_size=16, dtype=torch.float32) == "simple"

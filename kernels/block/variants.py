@@ -366,15 +366,16 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     backward at D 96-128 (session 27, bf16, causal no, A/B): 0.95-0.97x at 2x2, 0.38x at 4x1 (simple
     kept); rotary_dim 64 at D128 2x2 forward 0.97x, backward 1.09x (one point; simple kept).
     Interleaved rotary at D128 (session 27): forward 1.9-3.4x and backward 1.9-6.3x faster than
-    simple (whose interleaved pairs were strided loads then), 2x2 and 8x2, so auto takes it at every
-    head dim but for the backward of grouped query heads at D 65-128: since simple loads the pairs
-    as contiguous tiles (session 28, A/B, 8x2) simple is 2.9-3.1x faster there (block 32 D128 4.00
-    vs 12.28 ms, block 16 D128 4.01 vs 12.35, block 32 D96 4.04 vs 11.61)."""
+    simple (whose interleaved pairs were strided loads then), 2x2 and 8x2. Since simple loads the
+    pairs as contiguous tiles (session 28, A/B) it is faster at D 65-128 in every mode measured:
+    backward of grouped query heads 2.9-3.1x (8x2: block 32 D128 4.00 vs 12.28 ms, block 16 D128
+    4.01 vs 12.35, block 32 D96 4.04 vs 11.61), block 32 D128 forward 2.183 vs 2.507 (8x2) and
+    0.752 vs 0.851 (2x2), backward 2x2 1.406 vs 1.499; auto takes hopper_packed for interleaved
+    rotary at D <= 64 only (not re-timed there)."""
     if facts.rot and facts.head_dim > 64 and not facts.interleaved:
         return [f"split-half rotary at head_dim {facts.head_dim}: not faster than simple on the H200"]
-    if facts.rot and facts.backward and facts.groups > 1 and tile_extent(facts.head_dim) == 128:
-        return [f"backward of interleaved rotary with grouped-query heads at head_dim {facts.head_dim}: simple is "
-                "faster on the H200"]
+    if facts.rot and tile_extent(facts.head_dim) == 128:
+        return [f"interleaved rotary at head_dim {facts.head_dim}: simple is faster on the H200"]
     if facts.rot:
         return []
     if facts.head_dim > 128:
