@@ -26,7 +26,9 @@ with one query head per kv head at D <= 128, and with split-half rotary at D <= 
 (``_hopper_packed_auto_reasons``); ``packed`` (the Triton twin) is slower than both since it
 confines a NaN to its block; the persistent Triton variant, slower everywhere, was deleted; the
 warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape, are
-kept beside the ``sm100`` kernels that grew from their design.
+kept beside the ``sm100`` kernels that grew from their design. ``keys`` (Triton, a backward over key
+rows; its forward is simple's) is first in ``AUTO_ORDER`` but taken only for the rotary backward of
+grouped query heads on blocks over 64 at D 65-128, where it was faster (``_keys_auto_reasons``).
 """
 from __future__ import annotations
 
