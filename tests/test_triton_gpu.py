@@ -9,6 +9,8 @@ floor for tiny errors.
 Most of the time goes to JIT-compiling kernel variants on the CPU: run with ``-n 8``
 (pytest-xdist) on a multi-core GPU machine.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -232,11 +234,18 @@ def test_nan_poisoned_memory_beyond_valid_rows():
 def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
     other blocks' rows are bitwise those of the clean call."""
+    _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary)
+
+
+def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, variant=None):
+    """A NaN in one token's q, k and v reaches only its own block's outputs and gradients
+    (``rotary``: a bool, or the rotary_dim), with ``variant`` forced (checked to run the backward),
+    or with None whatever the environment forces."""
     lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
     q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
     token = 3 + block_size + 2  # inside the second block of the second sequence
-    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rotary else None,
-              rotary_dim=None if isinstance(rotary, bool) else rotary)
+    rot = (dim if rotary is True else rotary) or 0
+    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rot else None, rotary_dim=rot or None)
 
     def run(poison):
         xs = [x.clone() for x in (q, k, v)]
@@ -248,7 +257,11 @@ def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
         grad_out = torch.ones_like(out)
         return (out, *torch.autograd.grad(out, xs, grad_out))
 
-    clean, poisoned = run(False), run(True)
+    with contextlib.nullcontext() if variant is None else variants.forced_variant(variant):
+        if variant is not None:
+            facts = variants.call_facts(q, k, block_size, rot, False, False, backward=True)
+            assert variants.choose(facts, q, (q, k, v)).name == variant
+        clean, poisoned = run(False), run(True)
     block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
     block[3 + block_size: 3 + 2 * block_size] = True
     for a, b in zip(clean, poisoned):
@@ -570,28 +583,7 @@ def test_keys_backward_forced(monkeypatch, case, table):
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [(8, 2, 128, 128, False), (4, 1, 64, 100, True)])
 def test_keys_backward_keeps_a_nan_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """With ``keys`` forced, a NaN in one token's q, k, v reaches only its own block's gradients."""
-    lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
-    q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
-    token = 3 + block_size + 2
-
-    def run(poison):
-        xs = [x.clone() for x in (q, k, v)]
-        if poison:
-            for x in xs:
-                x[token] = float("nan")
-        xs = [x.requires_grad_() for x in xs]
-        out = bl.block_attention(*xs, offsets, block_size, causal=True, rope_theta=1e4 if rotary else None,
-                                 backend="triton")
-        return (out, *torch.autograd.grad(out, xs, torch.ones_like(out)))
-
-    with variants.forced_variant("keys"):
-        assert _variant(q, k, (q, k, v), block_size, dim if rotary else 0) == "keys"
-        clean, poisoned = run(False), run(True)
-    block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
-    block[3 + block_size: 3 + 2 * block_size] = True
-    for a, b in zip(clean, poisoned):
-        assert torch.equal(a[~block], b[~block])
-        assert torch.isnan(b[block]).any()
+    _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, "keys")
 
 
 PACKED_CASES = [

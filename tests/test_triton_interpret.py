@@ -286,21 +286,29 @@ def test_packed_variant_matches_the_oracle(monkeypatch, case, table):
     masked block-diagonally) forced: forward and gradients against the float64 oracle on edge
     lengths (empty tiles and slots, 1-token and ragged blocks), GQA, causal, every rotary form,
     with the in-kernel schedule or the block table (its last tile partly past the table)."""
-    from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.common import schedule
 
     if table:
         monkeypatch.setattr(schedule, "INLINE_MAX_SEQS", 0)
+    _forced_variant_matches_the_oracle("packed", case, (torch.float16,))
+
+
+def _forced_variant_matches_the_oracle(name: str, case: dict, dtypes) -> None:
+    """``name`` forced takes the backward of ``case`` (checked) and matches the float64 oracle on
+    ``EDGE_LENGTHS`` in each of ``dtypes``; ``positions="float"`` draws random positions."""
+    from blockattn_layers.kernels.block import variants
+
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     if case.get("positions") == "float":
         case["positions"] = torch.rand(sum(EDGE_LENGTHS), generator=torch.Generator().manual_seed(1)) * 3000
     q = torch.empty(1, heads, dim, dtype=torch.float16)
     k = torch.empty(1, kv_heads, dim, dtype=torch.float16)
-    facts = variants.call_facts(q, k, case["block_size"], 0, False, False)
-    with variants.forced_variant("packed"):
-        assert variants.choose(facts, q, (q,)) is variants.PACKED
-        _check(EDGE_LENGTHS, heads, kv_heads, dim, torch.float16, **case)
+    facts = variants.call_facts(q, k, case["block_size"], 0, False, False, backward=True)
+    with variants.forced_variant(name):
+        assert variants.choose(facts, q, (q,)) is variants.VARIANTS[name]
+        for dtype in dtypes:
+            _check(EDGE_LENGTHS, heads, kv_heads, dim, dtype, **case)
 
 
 KEYS_CASES = [
@@ -318,19 +326,7 @@ def test_keys_variant_matches_the_oracle(case):
     transposed and each column's softmax over the keys) forced: forward and gradients against the
     float64 oracle on edge lengths (empty and 1-token blocks, ragged last blocks, two query tiles
     of which the second is partial), GQA, causal, every rotary form, fp32 and fp16."""
-    from blockattn_layers.kernels.block import variants
-
-    case = dict(case)
-    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
-    if case.get("positions") == "float":
-        case["positions"] = torch.rand(sum(EDGE_LENGTHS), generator=torch.Generator().manual_seed(1)) * 3000
-    q = torch.empty(1, heads, dim, dtype=torch.float16)
-    k = torch.empty(1, kv_heads, dim, dtype=torch.float16)
-    facts = variants.call_facts(q, k, case["block_size"], 0, False, False, backward=True)
-    with variants.forced_variant("keys"):
-        assert variants.choose(facts, q, (q,)) is variants.KEYS
-        for dtype in (torch.float32, torch.float16):
-            _check(EDGE_LENGTHS, heads, kv_heads, dim, dtype, **case)
+    _forced_variant_matches_the_oracle("keys", case, (torch.float32, torch.float16))
 
 
 def _nan_confined(variant: str, block_size: int, heads: int, kv_heads: int, dim: int, rotary: bool) -> bool:

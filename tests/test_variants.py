@@ -388,8 +388,9 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
         facts = _facts(**kw)
         return variants._auto(facts, torch.empty(0), ()).name
 
-    for major in (8, 9, 10):
-        assert auto(major=major, head_dim=128, groups=4, block_size=128, rot=128, backward=True) == "keys"
+    assert auto(head_dim=128, groups=4, block_size=128, rot=128, backward=True) == "keys"
+    for major in (8, 10):  # timed on sm_90 only
+        assert auto(major=major, head_dim=128, groups=4, block_size=128, rot=128, backward=True) != "keys"
     assert auto(head_dim=96, groups=4, block_size=100, rot=64, backward=True) == "keys"
     assert auto(head_dim=128, groups=4, block_size=128, rot=128) != "keys"
     assert auto(head_dim=128, groups=4, block_size=128, rot=128, interleaved=True, backward=True) == "keys"

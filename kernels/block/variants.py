@@ -27,8 +27,9 @@ with one query head per kv head at D <= 128, and with split-half rotary at D <= 
 confines a NaN to its block; the persistent Triton variant, slower everywhere, was deleted; the
 warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape, are
 kept beside the ``sm100`` kernels that grew from their design. ``keys`` (Triton, a backward over key
-rows; its forward is simple's) is first in ``AUTO_ORDER`` but taken only for the rotary backward of
-grouped query heads on blocks over 64 at D 65-128, where it was faster (``_keys_auto_reasons``).
+rows; its forward is simple's) is first in ``AUTO_ORDER`` but taken only on sm_90 for the rotary
+backward of grouped query heads on blocks over 64 at D 65-128, where it was faster
+(``_keys_auto_reasons``).
 """
 from __future__ import annotations
 
@@ -433,10 +434,13 @@ def _keys_auto_reasons(facts: CallFacts) -> List[str]:
     6.17). Interleaved pairs since the Triton kernels load them as contiguous tiles
     (``tiles.load_pairs``): block 128 8x2 D128 10.46 / 12.64 / 15.24, D96 rotary_dim 64 9.10 / 13.61 /
     11.08 (taken); 2x2 3.64 / 1.97 / 1.98 and block 64 8x2 D128 14.26 / 8.06 / 6.39 (not). Taken on
-    every generation (Triton), though timed on the H200 only: simple's 128-row backward there
-    spills 1.6 KB at sm_90 where keys spills 0.3-0.5 KB."""
+    sm_90 only, where it was timed (simple's 128-row backward there spills 1.6 KB, keys 0.3-0.5 KB):
+    on sm_80 the Triton wheel's ptxas (CUDA 12.8) gives its D128 builds 128 registers and 3.7-4.4 KB
+    of spills (simple: 255 and 1.4 KB); sm_100 is untimed."""
     if not facts.backward:
         return ["forward: the simple kernels' (auto names it simple)"]
+    if facts.major != 9:
+        return ["backward timed on sm_90 only (sm_80 builds spill 3.7-4.4 KB at D128)"]
     if facts.block_size > 64 and facts.groups > 1 and facts.rot and tile_extent(facts.head_dim) == 128:
         return []
     return [KEYS_SLOWER_REASON]
