@@ -183,6 +183,42 @@ def test_grid_regions_match_the_oracle(case):
     check_against_oracle(q, k, v, offsets, **case)
 
 
+# The regions auto gave another variant in session 28, with the variant each phase runs there on
+# sm_90 (forward, backward): keys for rotary grouped-query backwards at blocks over 64 and D 65-128;
+# simple for interleaved grouped-query backwards at blocks up to 64, and for interleaved rotary at
+# D 65-128 on blocks up to 32.
+AUTO_28_CASES = [
+    (dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True, rope_theta=1e4, rotary_interleaved=True),
+     ("hopper", "keys")),
+    (dict(heads=4, kv_heads=1, dim=96, block_size=100, rope_theta=1e4, rotary_dim=64), ("hopper", "keys")),
+    (dict(heads=8, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True), ("hopper", "simple")),
+    (dict(heads=4, kv_heads=1, dim=96, block_size=32, causal=True, rope_theta=1e4, rotary_interleaved=True),
+     ("simple", "simple")),
+    (dict(heads=2, kv_heads=2, dim=128, block_size=16, rope_theta=1e4, rotary_interleaved=True), ("simple", "simple")),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="auto's sm_90 choices")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case,running", AUTO_28_CASES, ids=lambda c: _case_id(c) if isinstance(c, dict) else "-".join(c))
+def test_session_28_auto_regions(case, running, dtype):
+    """auto runs the variants named for these calls (forward, backward), and they match the
+    float64 oracle on lengths around the block size (empty and 1-token sequences included)."""
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    block = case["block_size"]
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1], heads,
+                                   kv_heads, dim, dtype, seed=dim)
+    rot = case.get("rotary_dim") or dim
+    with variants.forced_variant("auto"):  # whatever the environment forces
+        for backward, name in enumerate(running):
+            facts = variants.call_facts(q, k, block, rot, case.get("rotary_interleaved", False), False,
+                                        backward=bool(backward))
+            assert variants.choose(facts, q, (q, k, v)).name == name
+        check_against_oracle(q, k, v, offsets, **case)
+
+
 def _prod_lengths(count, seed=0, multiple=1):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 4001, (count,), generator=g)
