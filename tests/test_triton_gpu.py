@@ -201,7 +201,8 @@ AUTO_28_CASES = [
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="auto's sm_90 choices")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case,running", AUTO_28_CASES, ids=lambda c: _case_id(c) if isinstance(c, dict) else "-".join(c))
+@pytest.mark.parametrize("case,running", AUTO_28_CASES,
+                         ids=lambda c: _case_id(c) if isinstance(c, dict) else "-".join(c))
 def test_session_28_auto_regions(case, running, dtype):
     """auto runs the variants named for these calls (forward, backward), and they match the
     float64 oracle on lengths around the block size (empty and 1-token sequences included)."""
