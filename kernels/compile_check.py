@@ -42,6 +42,7 @@ from .block.fwd import _block_fwd_kernel, _block_fwd_lse_kernel
 from .block.plan import float32_tile_fits, head_loop, max_registers, overlap_products, split_groups
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
+    wide_import_error,
 )
 from .flash.bwd import (
     _flash_bwd_delta_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_dq_store_kernel,
@@ -290,6 +291,24 @@ def _hopper_packed_builds(capability: int) -> Iterator[Build]:
             yield Build(name, build.kernel, dtype, constexprs, options)
 
 
+# Name ending of the hopper_wide backward's builds.
+WIDE_HOPPER_SUFFIX = "_hwide"
+
+
+def _hopper_wide_builds(capability: int) -> Iterator[Build]:
+    """The hopper_wide backward (``sm90.wide``, sm_90 only), blocks of 128 rows: D256 (bf16, fp16;
+    causal with 64-bit addressing) and D192 (tiles padded to 256 channels, causal)."""
+    if capability // 10 != 9 or wide_import_error() is not None:
+        return
+    from .sm90.wide import _hopper_wide_bwd_kernel
+
+    for dtype, dim, causal, int64 in (("bf16", 256, False, False), ("fp16", 256, False, False),
+                                      ("bf16", 256, True, True), ("bf16", 192, True, False)):
+        constexprs = dict(HEAD_DIM=dim, BLOCK_M=128, BLOCK_D=256, IS_CAUSAL=causal, INLINE_SEQS=0, INT64=int64)
+        name = f"bwd_{dtype}_b128_d{dim}{'_causal' if causal else ''}{'_int64' if int64 else ''}{WIDE_HOPPER_SUFFIX}"
+        yield Build(name, _hopper_wide_bwd_kernel, dtype, constexprs, dict(num_warps=8, num_stages=1))
+
+
 def _hopper_ws_builds(capability: int) -> Iterator[Build]:
     """The experimental persistent, warp-specialized Gluon kernels (sm_90 only): 16-bit dtypes,
     D 64 / 128, rotary with given or implicit positions, causal, the block table or the in-kernel
@@ -424,7 +443,7 @@ def required_copies(build: Build) -> Tuple[str, ...]:
         return SM100_REQUIRED
     if build.constexprs.get("TMA"):
         return (TMA_COPY,)
-    if build.name.endswith("_hopper"):
+    if build.name.endswith(("_hopper", WIDE_HOPPER_SUFFIX)):
         return (ASYNC_COPY,)
     if build.name.startswith("fp8_"):
         return (FP8_CONVERT,)
@@ -466,6 +485,7 @@ def builds(capability: int) -> Iterator[Build]:
     yield from _packed_builds(capability)
     yield from _hopper_builds(capability)
     yield from _hopper_packed_builds(capability)
+    yield from _hopper_wide_builds(capability)
     yield from _hopper_ws_builds(capability)
     yield from _sm100_builds(capability)
     yield from _flash_builds(capability)
@@ -605,7 +625,7 @@ def main(argv=None) -> int:
                    if not any(alt in ptx for alt in (ins if isinstance(ins, tuple) else (ins,)))]
         if missing:
             failures.append(f"{build.name}: no {', '.join(missing)}")
-        hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX))
+        hopper = build.name.endswith(("_hopper", PACKED_HOPPER_SUFFIX, WIDE_HOPPER_SUFFIX))
         if not (GluonJITFunction is not None and isinstance(build.kernel, GluonJITFunction)):
             # Every Triton build's shared memory (the Gluon builds' is in their usage below).
             over = Usage(None, None, int(getattr(compiled.metadata, "shared", 0) or 0), 0).over_budget()

@@ -321,3 +321,13 @@ def test_packed_kernels_compile(tmp_path):
     a 64-row tile, D 64 / 128, rotary, GQA) build for sm_90 with its products."""
     ptx = _compile_check("sm_90", "packed_fwd_bf16_s16,packed_bwd_bf16_s32", tmp_path)
     assert len(ptx) == 16 and all("wgmma" in text for text in ptx.values())
+
+
+def test_hopper_wide_backward_compiles(tmp_path):
+    """The hopper_wide backward (blocks of 128 rows at D 192 / 256, one query head per kv head): wgmma products, 16-byte asynchronous copies in and stores out, within the register, spill
+    and shared-memory budgets (its four tiles: 224 KB of the 227 a program gets)."""
+    ptx = _compile_check("sm_90", "_hwide", tmp_path)
+    assert set(ptx) == {"bwd_bf16_b128_d256_hwide", "bwd_fp16_b128_d256_hwide", "bwd_bf16_b128_d256_causal_int64_hwide",
+                        "bwd_bf16_b128_d192_causal_hwide"}
+    for name, text in ptx.items():
+        assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text and "st.global.v4" in text, name

@@ -623,6 +623,50 @@ def test_keys_backward_keeps_a_nan_in_its_block(heads, kv_heads, dim, block_size
     _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, "keys")
 
 
+WIDE_CASES = [
+    dict(heads=2, kv_heads=2, dim=256, block_size=128),
+    dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True),
+    # Tiles padded past the head's channels (v's second column half partly masked), blocks of 65-127.
+    dict(heads=1, kv_heads=1, dim=192, block_size=100, causal=True),
+    dict(heads=3, kv_heads=3, dim=144, block_size=65),
+]
+
+
+@SM90
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=_case_id)
+def test_hopper_wide_backward(monkeypatch, case, table):
+    """Blocks of 65-128 tokens at head dims over 128, one query head per kv head: auto takes the
+    hopper_wide backward (the flash kernels are not called) and it matches the float64 oracle, bf16
+    and fp16, on lengths around the block size (empty, 1-token and ragged blocks)."""
+    from blockattn_layers.kernels.block.bwd import wide_backward_runs
+    from blockattn_layers.kernels.common import schedule as _schedule
+    from blockattn_layers.ops.backends import triton_block
+
+    def no_flash(*args, **kwargs):
+        raise AssertionError("the flash backward ran")
+
+    monkeypatch.setattr(triton_block, "flash_attention_bwd", no_flash)
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    with variants.forced_variant("auto"):  # whatever the environment forces
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
+                                           seed=dim)
+            facts = variants.call_facts(q, k, case["block_size"], 0, False, False, backward=True)
+            assert variants.choose(facts, q, (q, k, v)).name == "hopper_wide"
+            assert wide_backward_runs(q, q, k, v, case["block_size"], 0, False, False)
+            check_against_oracle(q, k, v, offsets, **case)
+
+
+@SM90
+def test_hopper_wide_backward_keeps_a_nan_in_its_block():
+    """With hopper_wide's backward, a NaN in one token's q, k, v reaches only its own block's gradients."""
+    _assert_nan_stays_in_its_block(2, 2, 256, 128, False, "hopper_wide")
+
+
 PACKED_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=16),
     dict(heads=8, kv_heads=2, dim=64, block_size=32, causal=True, rope_theta=1e4),

@@ -92,20 +92,26 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     mha = dataclasses.replace(gqa, num_heads=2)
     assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
     assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
-    # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward fits one program.
+    # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward but hopper_wide's fits
+    # one program, and hopper_wide's takes neither grouped query heads nor rotary: the flash kernels'.
     wide = dataclasses.replace(gqa, block_size=128)
     reasons = explain_variants(wide)["triton"]
     assert reasons["backward: flash"] == []
+    assert reasons["backward: hopper_wide"] == ["2 query heads per kv head (needs one)"]
     assert all("flash kernels run it" in why[-1] for name, why in reasons.items()
-               if name.startswith("backward: ") and name != "backward: flash")
+               if name.startswith("backward: ") and name not in ("backward: flash", "backward: hopper_wide"))
     assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
-    # There the forward with gradients stores the logsumexp: hopper has such a kernel, so the forward
-    # with gradients takes the same variant as the one without.
+    # One query head per kv head: hopper_wide's backward (with rotary, the flash kernels'). There the
+    # forward with gradients stores the logsumexp: hopper has such a kernel, so the forward with
+    # gradients takes the same variant as the one without.
     wide_mha = dataclasses.replace(wide, num_heads=2)
     reasons = explain_variants(wide_mha)["triton"]
     assert reasons["hopper"] == [] and not any(name.startswith("forward with gradients") for name in reasons)
-    assert bl.dispatch.describe(wide_mha, "triton") == "triton, hopper kernels (backward: flash kernels)"
+    assert reasons["backward: hopper_wide"] == [] and reasons["backward: flash"] == ["a variant before it runs"]
+    assert bl.dispatch.describe(wide_mha, "triton") == "triton, hopper kernels (backward: hopper_wide kernels)"
+    rotary = explain_variants(dataclasses.replace(wide_mha, rotary=True))["triton"]
+    assert rotary["backward: hopper_wide"] == ["rotary"] and rotary["backward: flash"] == []
     # A variant without one leaves the forward with gradients to the next that has one.
     no_lse = variants.HOPPER._replace(lse_forward=None)
     monkeypatch.setattr(variants, "AUTO_ORDER",
@@ -115,7 +121,7 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert reasons["hopper"] == [] and reasons["forward with gradients: simple"] == []
     assert reasons["forward with gradients: hopper"] == [variants.LSE_REASON]
     assert bl.dispatch.describe(wide_mha, "triton") == (
-        "triton, hopper kernels (forward with gradients: simple kernels; backward: flash kernels)")
+        "triton, hopper kernels (forward with gradients: simple kernels; backward: hopper_wide kernels)")
 
 
 def test_float32_tiles_over_shared_memory_show_the_flash_kernels(monkeypatch):
@@ -246,6 +252,7 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     assert auto(block_size=128, groups=2, head_dim=64) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=64, rot=64) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=256) == "simple"
+    assert auto(block_size=128, head_dim=256, backward=True) == "hopper_wide"
     assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
     assert auto(block_size=128, groups=4, head_dim=32, backward=True) == "hopper"
@@ -280,7 +287,7 @@ def test_unknown_variant_names_raise(monkeypatch):
     with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed"):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, got 'fast'"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, hopper_wide, got 'fast'"):
         variants.forced()
 
 
@@ -306,16 +313,22 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["keys", "hopper", "hopper_packed", "sm100", "packed", "simple", "hopper_ws"]
+    assert list(reasons) == ["hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple",
+                             "hopper_ws"]
     assert reasons["keys"] == ["auto takes another variant here: forward: the simple kernels' (auto names it simple)"]
     assert reasons["hopper_packed"] == ["block_size 64 > 32"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
     assert any("grouped-query" in r for r in reasons["hopper_ws"])
     assert any("runs only when forced" in r for r in reasons["hopper_ws"])
     assert reasons["packed"] == ["block_size 64 > 32"]
+    assert reasons["hopper_wide"] == [
+        "auto takes another variant here: forward: the hopper kernels' (auto names it hopper)"]
+    backward = variants.explain(_facts(groups=2)._replace(backward=True))
+    assert backward["hopper_wide"] == ["head_dim 128 (needs a multiple of 16 in 144-256)", "block_size 64 < 65",
+                                       "2 query heads per kv head (needs one)"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple"]
+    assert list(forced) == ["hopper_ws", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple"]
     assert forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 

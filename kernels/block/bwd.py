@@ -29,6 +29,7 @@ from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols, store_pairs
 from . import self_check
 from .plan import block_grid, block_plan, float32_tile_fits
+from . import variants
 from .variants import SIMPLE, call_facts, choose
 
 
@@ -313,6 +314,18 @@ def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -
     (the H200 has 227 KB per program; Triton's simple kernels ask for more), nor for float32 tiles
     over ``plan.FLOAT32_TILE_MAX`` elements."""
     return (block_size <= 64 or head_dim <= 128) and float32_tile_fits(block_size, head_dim, dtype)
+
+
+def wide_backward_runs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, rot: int,
+                       interleaved: bool, has_pos: bool) -> bool:
+    """Whether a block-kernel variant computes a backward that ``one_tile_backward_fits`` refuses: the
+    variant the choice takes has a backward for those calls (``Variant.wide_backward``). A forced
+    variant without one leaves them to the flash kernels, as before it was forced."""
+    forced = variants.forced()
+    if forced is not None and not forced.wide_backward:
+        return False
+    facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
+    return choose(facts, q, (q, k, v, do)).wide_backward
 
 
 def prepare_backward(

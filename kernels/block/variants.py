@@ -91,7 +91,9 @@ class Variant(NamedTuple):
     where it was run and checked on hardware (None: wherever it compiles, as the Triton kernels);
     elsewhere ``auto`` takes it only with :func:`allow_unverified`, and it is self-checked at first
     use (``block.self_check``); ``auto_reasons``: why ``auto`` leaves a call it admits to the
-    variants after it (where it was measured slower), no bar to forcing it.
+    variants after it (where it was measured slower), no bar to forcing it; ``wide_backward``: its
+    backward takes blocks over 64 tokens at head dims over 128, which no other variant's backward
+    fits in one program (those calls' backward runs on the flash kernels otherwise).
     """
 
     name: str
@@ -111,6 +113,7 @@ class Variant(NamedTuple):
     num_warps: Optional[int] = None
     auto_reasons: Optional[Callable[[CallFacts], List[str]]] = None
     lse_forward: Optional[Callable[[], Launcher]] = None
+    wide_backward: bool = False
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -393,6 +396,44 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     return []
 
 
+@functools.lru_cache(maxsize=1)
+def wide_import_error() -> Optional[str]:
+    """Why the sm_90 Gluon hopper_wide kernels cannot be imported with this Triton, or None."""
+    return _import_error("sm90.wide")
+
+
+def _hopper_wide_kernels() -> Tuple[Launcher, Launcher]:
+    from ..sm90 import block, wide
+
+    return block.launch_fwd, wide.launch_bwd
+
+
+# What the hopper_wide kernels take (``sm90.wide``): blocks of 65-128 tokens (one 128-row key tile)
+# at head dims 144-256 in steps of 16 (tiles 256 channels wide, whose column halves are 128 x 128
+# like the backward's P tile).
+WIDE_BLOCKS = (65, 128)
+WIDE_HEAD_DIMS = tuple(range(144, 257, 16))
+
+
+def _hopper_wide_call_reasons(facts: CallFacts) -> List[str]:
+    """The hopper_wide variant's admission. Forward: hopper's (its kernels run it). Backward: blocks
+    and head dims of ``WIDE_BLOCKS`` / ``WIDE_HEAD_DIMS``, one query head per kv head (``sm90.wide``
+    says why), no rotary, 16-bit dtypes, 32- or 64-bit offsets."""
+    if not facts.backward:
+        return _hopper_call_reasons(facts)
+    reasons = _gluon_call_reasons(facts, 9, WIDE_BLOCKS, WIDE_HEAD_DIMS, wide_import_error, True)
+    if facts.groups > 1:
+        reasons.append(f"{facts.groups} query heads per kv head (needs one)")
+    if facts.rot:
+        reasons.append("rotary")
+    return reasons
+
+
+def _hopper_wide_auto_reasons(facts: CallFacts) -> List[str]:
+    """auto takes hopper_wide for the backward only (its forward is hopper's: auto names hopper)."""
+    return [] if facts.backward else ["forward: the hopper kernels' (auto names it hopper)"]
+
+
 def _keys_kernels() -> Tuple[Launcher, Launcher]:
     from . import bwd_keys, fwd
 
@@ -486,6 +527,13 @@ KEYS = Variant(
     "and walks the query heads in 64-row query tiles, scores transposed (the forward: simple's)", None, False,
     _keys_call_reasons, _no_reasons, _keys_kernels, auto_reasons=_keys_auto_reasons, lse_forward=_simple_lse_forward)
 
+HOPPER_WIDE = Variant(
+    "hopper_wide", "Gluon for sm_90, backward of blocks of 65-128 tokens at head dims 144-256, one query head per "
+    "kv head: the whole block in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's "
+    "dead half tile); its forward: hopper's", frozenset({9}), False, _hopper_wide_call_reasons,
+    _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True, verified_on=frozenset({9}),
+    auto_reasons=_hopper_wide_auto_reasons, lse_forward=_hopper_lse_forward, wide_backward=True)
+
 PACKED = Variant(
     "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block); slower than simple or hopper_packed on the "
@@ -501,9 +549,10 @@ SM100 = Variant(
     programs_per_sm={(False, False): 1, (False, True): 1, (True, False): 1, (True, True): 1},
     verified_on=frozenset(), num_warps=4)
 
-VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED, KEYS)}
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED, KEYS,
+                                                    HOPPER_WIDE)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (HOPPER_WIDE, KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"

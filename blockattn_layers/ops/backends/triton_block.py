@@ -8,7 +8,9 @@ launch runs the one they choose, and ``variant_reasons`` shows the choice to the
 ``explain_variants``. Where no block kernel's backward fits one program (``one_tile_backward_fits``:
 blocks over 64 rows with head dims over 128; the op layer's ``saves_lse``), the forward also stores
 each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``), and the backward
-runs the flash kernels on the saved output and logsumexp. Without gradients (``forward_inference``)
+runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
+backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, one query
+head per kv head, which needs neither). Without gradients (``forward_inference``)
 it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
 compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
 (by name only: ``auto`` never picks it there).
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
-from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits
+from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits, wide_backward_runs
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.block.plan import float32_tile_fits
 from blockattn_layers.kernels.common.meta import MAX_TILE
@@ -87,7 +89,9 @@ def _backward(
     positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    if saves_lse(block_size, q.shape[2], q.dtype):
+    rot = rotary_dim if rope_theta is not None else 0
+    if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(
+            grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None):
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
                                    positions, rotary_dim, rotary_interleaved, cpu_offsets,
                                    deterministic=deterministic_backward())
@@ -119,7 +123,8 @@ _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernel
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """Each block-kernel variant's reasons not to run a call like ``req`` (empty: it runs). Where
     the backward's choice differs from the forward's, its reasons follow under ``backward: NAME``;
-    ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits``), and
+    ``backward: flash`` where the flash kernels run the backward (``one_tile_backward_fits`` refuses
+    it and no ``Variant.wide_backward`` variant takes it), and
     there, where the forward without gradients takes another variant than the forward with them
     (which stores the logsumexp: ``CallFacts.stores_lse``), the latter's reasons under
     ``forward with gradients: NAME``. float32 calls whose tile does not fit (``float32_tile_fits``):
@@ -135,15 +140,17 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
     if not one_tile_backward_fits(block_size, req.head_dim, req.dtype):
-        backward = {name: why + [_NO_ONE_TILE_BACKWARD] for name, why in forward.items()}
-        backward[FLASH] = []
+        explained = variants.explain(facts._replace(backward=True))
+        backward = {name: why if variants.VARIANTS[name].wide_backward else why + [_NO_ONE_TILE_BACKWARD]
+                    for name, why in explained.items()}
+        backward[FLASH] = [] if _running(backward) is None else ["a variant before it runs"]
         training = variants.explain(facts._replace(stores_lse=True))
     else:
         backward = variants.explain(facts._replace(backward=True))
     reasons = dict(forward)
     if _running(training) != _running(forward):
         reasons.update({f"{FORWARD_WITH_GRADIENTS}: {name}": why for name, why in training.items()})
-    if backward != forward:
+    if _running(backward) != _running(forward):
         reasons.update({f"backward: {name}": why for name, why in backward.items()})
     return reasons
 

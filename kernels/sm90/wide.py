@@ -1,0 +1,150 @@
+"""Block-attention backward on sm_90 for blocks of 65-128 tokens at head dims 144-256, one query head
+per kv head (Gluon): the ``hopper_wide`` variant's backward (its forward is ``hopper``'s).
+
+The 128-row hopper plan (q, k, v, dO and a P / dS tile, all whole) needs 288 KB of shared memory
+at D256, over the 227 KB a program gets, so those calls' backward ran on the flash kernels (two
+passes, the scores computed in each). Here one program of two warpgroups per (block, kv head)
+holds the block's q, k and dO tiles (128 x 256 each, 16-bit) in shared memory; v comes in two
+column halves through one 128 x 128 tile, which then holds P and after it dS: 224 KB in all.
+Every product is one ``wgmma`` of the whole block:
+
+- ``S = Q K^T``, its exact softmax (all of the block's keys are in the program: nothing is read
+  but q, k, v and dO, and the forward's logsumexp is not needed);
+- ``dP = dO V^T`` by v's column halves (the second half's copy in flight during the softmax);
+- ``dV = P^T dO``, stored through dO's dead tile; ``dK = dS^T Q`` through q's, ``dQ = dS K``
+  through k's, each as soon as it is summed, so that one 128 x 256 float32 accumulator (128
+  registers a thread) is live at a time.
+
+Grouped query heads are not taken: their dK and dV, summed over the group, would be two more
+128 x 256 float32 accumulators live across the heads (a version summing them in a float32
+buffer in global memory was measured no faster than the flash kernels at 4x1 heads and 1.03-1.23x
+at 8x2, for 2-4 GB of buffer at the grid's lengths: not kept).
+
+Each gradient element is written once by one program: bitwise deterministic. Rows past the block
+are masked on every copy and store (zero-filled), so no other block's data is used; channels past
+``HEAD_DIM`` (tiles padded to 256) read as zeros and are not stored.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from ..common.launch import Launcher
+from .block import (
+    _acc_layout, _block_of, _channel_mask, _copy_rows, _probs, _row_layout, _smem_layout, _store_tile_via, _tile_warps,
+)
+
+
+@gluon.jit
+def _landed(pending: gl.constexpr):
+    """Wait until at most ``pending`` copy groups are in flight, and make what landed visible to
+    every warp's ``wgmma``."""
+    async_copy.wait_group(pending)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _to_shared(buf, x):
+    """Store ``x`` into ``buf`` once every warp is done reading it, visible to the next ``wgmma``."""
+    gl.thread_barrier()
+    buf.store(x.to(buf.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, hk, scale, qk_scale,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Gradients of the block at ``start`` (``n`` tokens) for kv head ``hk`` and its query head."""
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    HALF: gl.constexpr = BLOCK_D // 2
+    gl.static_assert(HALF == BLOCK_M, "v's half tile holds P and dS: BLOCK_D == 2 * BLOCK_M")
+    gl.static_assert(HEAD_DIM > HALF, "head dims past one half tile")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
+    ld_h: gl.constexpr = _row_layout(HALF, WARPS)
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
+    acc_d: gl.constexpr = _acc_layout(BLOCK_D, WARPS)
+
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    rows = start + offs_m
+    row_ok = offs_m < n
+    mask_d = _channel_mask(gl.expand_dims(row_ok, 1), offs_d, HEAD_DIM, BLOCK_D)
+    offs_mh = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_h))
+    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_h))
+    rows_h = start + offs_mh
+    mask_h = gl.expand_dims(offs_mh < n, 1)
+    # v's second column half: the channels HALF .. HEAD_DIM.
+    mask_h2 = _channel_mask(mask_h, offs_h, HEAD_DIM - HALF, HALF)
+
+    q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
+    x_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], _smem_layout(HALF))
+    v_ptr = V + hk * stride_vh
+    _copy_rows(q_s, Q + hk * stride_qh, rows, offs_d, mask_d, stride_qt)
+    _copy_rows(k_s, K + hk * stride_kh, rows, offs_d, mask_d, stride_kt)
+    async_copy.commit_group()
+    _copy_rows(do_s, DO + hk * stride_doh, rows, offs_d, mask_d, stride_dot)
+    _copy_rows(x_s, v_ptr, rows_h, offs_h, mask_h, stride_vt)
+    async_copy.commit_group()
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
+    _landed(1)
+    s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
+    _landed(0)
+    dp = warpgroup_mma(do_s.slice(0, HALF, 1), x_s.permute((1, 0)), zero_s)
+    gl.thread_barrier()  # every warp's product is done reading v's first half
+    _copy_rows(x_s, v_ptr + HALF, rows_h, offs_h, mask_h2, stride_vt)
+    async_copy.commit_group()
+    p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
+    p = p * gl.expand_dims(inv, 1)
+    _landed(0)
+    dp = warpgroup_mma(do_s.slice(HALF, HALF, 1), x_s.permute((1, 0)), dp)
+    ds = (p * (dp - gl.expand_dims(gl.sum(p * dp, 1), 1))).to(dtype)
+
+    zero_d = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_d)
+    _to_shared(x_s, p)
+    dv = warpgroup_mma(x_s.permute((1, 0)), do_s, zero_d)
+    # dO's tile is dead: it carries dV out.
+    _store_tile_via(do_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM,
+                    WARPS, 0)
+    _to_shared(x_s, ds)
+    dk = warpgroup_mma(x_s.permute((1, 0)), q_s, zero_d)
+    _store_tile_via(q_s, DK + hk * stride_dkh, dk * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M, BLOCK_D,
+                    HEAD_DIM, WARPS, 0)
+    dq = warpgroup_mma(x_s, k_s, zero_d)
+    _store_tile_via(k_s, DQ + hk * stride_dqh, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D,
+                    HEAD_DIM, WARPS, 0)
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
+def _hopper_wide_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, Sched, Pos,
+    slots, num_seqs, block_size, scale, qk_scale, log2_theta, kv_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
+    stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
+    stride_dvt, stride_dvh, stride_dvd,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    INLINE_SEQS: gl.constexpr, INT64: gl.constexpr,
+):
+    """Same positional arguments as ``block.bwd``'s kernel (``Pos`` and ``log2_theta`` unused: no
+    rotary); one program per (block, kv head)."""
+    start, n, _ = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, _tile_warps(BLOCK_M))
+    if INT64:
+        start = start.to(gl.int64)
+    if n > 0:
+        _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, gl.program_id(1), scale, qk_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                        stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                        HEAD_DIM, BLOCK_M, BLOCK_D, IS_CAUSAL)
+
+
+launch_bwd = Launcher(_hopper_wide_bwd_kernel)
