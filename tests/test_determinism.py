@@ -59,6 +59,5 @@ def test_backends_pass_the_mode_read_when_the_backward_runs(monkeypatch):
     monkeypatch.setattr(triton_block, "flash_attention_bwd", lambda *a, **kw: seen.append(kw["deterministic"]))
     q = torch.empty(0, 1, 256)
     with bl.fast_backward():
-        triton_block._backward(None, q, None, None, None, None, None, 128, 1.0, False, None, None, 0, False, None,
-                               None)
+        triton_block._backward(q, q, q, q, None, None, None, 128, 1.0, False, None, None, 0, False, None, None)
     assert seen == [True, False, False]
