@@ -49,6 +49,7 @@ from blockattn_layers.kernels.experimental import sm90_ws  # noqa: E402
 from blockattn_layers.kernels.sm90 import persistent  # noqa: E402
 from blockattn_layers.kernels.sm90 import block as sm90_block  # noqa: E402
 from blockattn_layers.kernels.sm90 import rotary as sm90_rotary  # noqa: E402
+from blockattn_layers.kernels.sm90 import wide as sm90_wide  # noqa: E402
 
 Schedule = triton_schedule.Schedule
 INLINE_MAX_SEQS = triton_schedule.INLINE_MAX_SEQS
@@ -73,6 +74,7 @@ tile_range = gs.function(persistent.tile_range)
 HOPPER_FWD, HOPPER_BWD = sm90_block._hopper_fwd_kernel, sm90_block._hopper_bwd_kernel
 HOPPER_FWD_LSE = sm90_block._hopper_fwd_lse_kernel
 WS_FWD, WS_BWD = sm90_ws._hopper_ws_fwd_kernel, sm90_ws._hopper_ws_bwd_kernel
+WIDE_BWD = sm90_wide._hopper_wide_bwd_kernel
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # the rows of every hopper tile (one warpgroup's wgmma)
@@ -637,6 +639,26 @@ def test_hopper_kernels(name):
     if case.values["ROT_DIM"] and case.values["GROUPS"] == 1:
         case.forward(HOPPER_FWD, (programs, 1), HEAD_LOOP=True)
     case.backward(HOPPER_BWD, (programs, kv_heads))
+
+
+WIDE_KERNEL_CASES = {
+    # name: (_Case arguments, keywords): blocks of 65-128 rows at D > 128, one query head per kv head.
+    "d256_block128": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 256, False, False, False), dict(block_size=128)),
+    "d192_block100_causal_bf16": (([0, 1, 99, 100, 101, 250], 1, 1, 192, False, False, True),
+                                  dict(block_size=100, dtype=torch.bfloat16)),
+    "d144_block65_int64": (([3, 65, 0, 66, 130, 1], 1, 1, 144, False, False, True), dict(block_size=65, int64=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_KERNEL_CASES))
+def test_hopper_wide_backward_kernel(name):
+    """The ``hopper_wide`` backward (``sm90.wide``: v by column halves through the tile that then holds P
+    and dS, each gradient stored through a dead tile), whole: ``reference.attention_backward`` within
+    half precision, every element of dQ, dK, dV stored exactly once, channels past the head not read
+    as data (tiles padded to 256)."""
+    args, keywords = WIDE_KERNEL_CASES[name]
+    case = _Case(*args, **keywords)
+    case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads))
 
 
 LSE_KERNEL_CASES = {

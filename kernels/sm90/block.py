@@ -113,6 +113,15 @@ def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.const
 
 
 @gluon.jit
+def _landed(pending: gl.constexpr):
+    """Wait until at most ``pending`` copy groups are in flight, and make what landed visible to
+    every warp's ``wgmma``."""
+    async_copy.wait_group(pending)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _ptrs(ptr, rows, cols, stride_t):
     return ptr + gl.expand_dims(rows, 1) * stride_t + gl.expand_dims(cols, 0)
 
@@ -613,7 +622,11 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], smem_d)
         k_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], smem_d)
         _copy_rows(k_s, k_ptr, rows, offs_d, mask_d, stride_kt)
-    _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
+    # Without rotary and with one query slot, v's copy is a commit group of its own, in flight
+    # while the first head's scores and softmax are computed.
+    V_APART: gl.constexpr = not ROTARY and STAGES == 1
+    if not V_APART:
+        _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
     for g in gl.static_range(GROUPS):
         if g > 0:
             gl.thread_barrier()  # every warp is done with the previous head's tiles
@@ -627,6 +640,9 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                 else:
                     _copy_rows(q_s.index(c % STAGES), q_ptr, rows, offs_d, mask_d, stride_qt)
                 async_copy.commit_group()
+        if V_APART and g == 0:
+            _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
+            async_copy.commit_group()
         if ROTARY:
             if g == 0:
                 # Angles while the copies are in flight.
@@ -636,7 +652,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
                 row0, theta = _opaque_angles_args(first_row, log2_theta)
                 sin, cos = _tile_sin_cos(Pos, start, n, row0, rows, row_ok, prow, theta, BLOCK_M, HALF, ROT_HALF,
                                          HAS_POS, SLOT, rot_l)
-        async_copy.wait_group(1 if STAGES == 2 and g + 1 < GROUPS else 0)
+        async_copy.wait_group(1 if (STAGES == 2 and g + 1 < GROUPS) or (V_APART and g == 0) else 0)
         if ROTARY:
             qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
             gl.thread_barrier()
@@ -668,6 +684,8 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
             o_hi = warpgroup_mma(p_h, v_s.slice(HALF, HALF, 1), zero_h) * inv_h
             _store_cols_via(qb, o_ptr + HALF, o_hi, start, n, stride_ot, BLOCK_M, HALF, HEAD_DIM - HALF, WARPS)
         else:
+            if V_APART and g == 0:
+                _landed(0)
             o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, acc_d)), 1)
             if SLOT > 0 and g == 0:

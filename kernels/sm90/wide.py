@@ -33,17 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..common.launch import Launcher
 from .block import (
-    _acc_layout, _block_of, _channel_mask, _copy_rows, _probs, _row_layout, _smem_layout, _store_tile_via, _tile_warps,
+    _acc_layout, _block_of, _channel_mask, _copy_rows, _landed, _probs, _row_layout, _smem_layout, _store_tile_via,
+    _tile_warps,
 )
-
-
-@gluon.jit
-def _landed(pending: gl.constexpr):
-    """Wait until at most ``pending`` copy groups are in flight, and make what landed visible to
-    every warp's ``wgmma``."""
-    async_copy.wait_group(pending)
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
