@@ -418,3 +418,32 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
     assert auto(head_dim=128, groups=4, block_size=128, backward=True) == "hopper"
     assert variants.explain(_facts(head_dim=256, groups=4, block_size=128, rot=128, backward=True))["keys"][0] == \
         "head_dim 256 > 128"
+
+
+def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):
+    """Blocks over 64 tokens at head dims over 128 (``one_tile_backward_fits`` refuses them): the block
+    kernels compute the backward where the choice takes a variant with a backward for them (hopper_wide
+    on sm_90: one query head per kv head, no rotary), else the flash kernels; a forced variant without
+    one keeps the flash kernels."""
+    from blockattn_layers.kernels.block import bwd
+
+    q, k = torch.empty(300, 2, 256, dtype=torch.bfloat16), torch.empty(300, 2, 256, dtype=torch.bfloat16)
+    assert not bwd.one_tile_backward_fits(128, 256, torch.bfloat16)
+    assert not bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)  # CPU tensors: no sm_90 GPU
+    on_sm90 = variants.call_facts
+
+    def facts(*args, **kwargs):
+        return on_sm90(*args, **kwargs)._replace(device_type="cuda", major=9)
+
+    monkeypatch.setattr(bwd, "call_facts", facts)
+    assert bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
+    assert bwd.wide_backward_runs(q, q, k, k, 100, 0, False, False)
+    assert not bwd.wide_backward_runs(q, q, k, k, 128, 256, False, False)  # rotary
+    gqa = torch.empty(300, 4, 256, dtype=torch.bfloat16)
+    assert not bwd.wide_backward_runs(gqa, gqa, k, k, 128, 0, False, False)
+    assert not bwd.wide_backward_runs(q.float(), q.float(), k.float(), k.float(), 128, 0, False, False)
+    for name in ("simple", "hopper"):  # (hopper cannot compute it: auto's choice would be hopper_wide)
+        with variants.forced_variant(name):
+            assert not bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
+    with variants.forced_variant("hopper_wide"):
+        assert bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
