@@ -297,15 +297,22 @@ WIDE_HOPPER_SUFFIX = "_hwide"
 
 def _hopper_wide_builds(capability: int) -> Iterator[Build]:
     """The hopper_wide backward (``sm90.wide``, sm_90 only), blocks of 128 rows: D256 (bf16, fp16;
-    causal with 64-bit addressing) and D192 (tiles padded to 256 channels, causal)."""
+    causal with 64-bit addressing) and D192 (tiles padded to 256 channels, causal); rotary at D256
+    in split halves (at given positions, causal) and interleaved over 128 channels."""
     if capability // 10 != 9 or wide_import_error() is not None:
         return
     from .sm90.wide import _hopper_wide_bwd_kernel
 
-    for dtype, dim, causal, int64 in (("bf16", 256, False, False), ("fp16", 256, False, False),
-                                      ("bf16", 256, True, True), ("bf16", 192, True, False)):
-        constexprs = dict(HEAD_DIM=dim, BLOCK_M=128, BLOCK_D=256, IS_CAUSAL=causal, INLINE_SEQS=0, INT64=int64)
-        name = f"bwd_{dtype}_b128_d{dim}{'_causal' if causal else ''}{'_int64' if int64 else ''}{WIDE_HOPPER_SUFFIX}"
+    for dtype, dim, causal, int64, rot, interleaved, has_pos in (
+        ("bf16", 256, False, False, 0, False, False), ("fp16", 256, False, False, 0, False, False),
+        ("bf16", 256, True, True, 0, False, False), ("bf16", 192, True, False, 0, False, False),
+        ("bf16", 256, True, False, 256, False, True), ("bf16", 256, False, False, 128, True, False),
+    ):
+        constexprs = dict(HEAD_DIM=dim, BLOCK_M=128, BLOCK_D=256, ROT_DIM=rot, INTERLEAVED=interleaved,
+                          HAS_POS=has_pos, IS_CAUSAL=causal, INLINE_SEQS=0, INT64=int64)
+        rotary = (f"_rope{rot}" if rot else "") + ("_interleaved" if interleaved else "") + ("_pos" if has_pos else "")
+        name = (f"bwd_{dtype}_b128_d{dim}{rotary}{'_causal' if causal else ''}{'_int64' if int64 else ''}"
+                f"{WIDE_HOPPER_SUFFIX}")
         yield Build(name, _hopper_wide_bwd_kernel, dtype, constexprs, dict(num_warps=8, num_stages=1))
 
 

@@ -267,6 +267,8 @@ def test_nan_poisoned_memory_beyond_valid_rows():
     (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True), (4, 2, 64, 16, True),
     # Rotary at a padded head dim, and over part of the channels (an int: rotary_dim).
     (4, 2, 96, 128, True), (2, 2, 128, 64, 64), (4, 2, 48, 16, 16),
+    # Rotary at D256 (half tiles rotated by 32-row chunks): 64-row hopper tiles both ways.
+    (2, 2, 256, 64, True),
 ])
 def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients: the
@@ -532,6 +534,14 @@ HOPPER_CASES = [
     dict(heads=2, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True, causal=True),
     dict(heads=8, kv_heads=2, dim=96, block_size=128, rope_theta=1e4, rotary_interleaved=True, rotary_dim=64),
     dict(heads=4, kv_heads=1, dim=64, block_size=64, rope_theta=1e4, rotary_interleaved=True, positions="int"),
+    # Rotary at D 144-256 (half tiles 128 wide rotated 32 rows at a time): the forward, and the
+    # backward of one query head per kv head on 64-row tiles (gradients rotated back through dead
+    # tiles); grouped-query backwards there run simple's kernels, blocks over 64 hopper_wide's.
+    dict(heads=4, kv_heads=2, dim=256, block_size=64, rope_theta=1e4, causal=True),
+    dict(heads=2, kv_heads=2, dim=256, block_size=48, rope_theta=1e4, positions="float"),
+    dict(heads=1, kv_heads=1, dim=176, block_size=64, rope_theta=1e4, rotary_dim=96, rotary_interleaved=True,
+         causal=True),
+    dict(heads=2, kv_heads=2, dim=192, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
 ]
 LENGTHS_AROUND_128 = [0, 1, 99, 100, 101, 127, 128, 129, 255, 256, 257, 0, 3]
 
@@ -629,6 +639,11 @@ WIDE_CASES = [
     # Tiles padded past the head's channels (v's second column half partly masked), blocks of 65-127.
     dict(heads=1, kv_heads=1, dim=192, block_size=100, causal=True),
     dict(heads=3, kv_heads=3, dim=144, block_size=65),
+    # Rotary: split halves over every channel, at given positions; interleaved pairs over part of them.
+    dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True, rope_theta=1e4),
+    dict(heads=1, kv_heads=1, dim=192, block_size=100, rope_theta=500.0, positions="float"),
+    dict(heads=2, kv_heads=2, dim=256, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
+    dict(heads=1, kv_heads=1, dim=160, block_size=128, causal=True, rope_theta=1e4, rotary_dim=64, positions="int"),
 ]
 
 
@@ -636,9 +651,9 @@ WIDE_CASES = [
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=_case_id)
 def test_hopper_wide_backward(monkeypatch, case, table):
-    """Blocks of 65-128 tokens at head dims over 128, one query head per kv head: auto takes the
-    hopper_wide backward (the flash kernels are not called) and it matches the float64 oracle, bf16
-    and fp16, on lengths around the block size (empty, 1-token and ragged blocks)."""
+    """Blocks of 65-128 tokens at head dims over 128, one query head per kv head, rotary or not: auto
+    takes the hopper_wide backward (the flash kernels are not called) and it matches the float64
+    oracle, bf16 and fp16, on lengths around the block size (empty, 1-token and ragged blocks)."""
     from blockattn_layers.kernels.block.bwd import wide_backward_runs
     from blockattn_layers.kernels.common import schedule as _schedule
     from blockattn_layers.ops.backends import triton_block
@@ -655,16 +670,23 @@ def test_hopper_wide_backward(monkeypatch, case, table):
         for dtype in (torch.bfloat16, torch.float16):
             q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
                                            seed=dim)
-            facts = variants.call_facts(q, k, case["block_size"], 0, False, False, backward=True)
+            if isinstance(case.get("positions"), str):
+                total = q.shape[0]
+                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                                     else torch.rand(total, device=DEV) * 4000)
+            rot = case.get("rotary_dim", dim) if "rope_theta" in case else 0
+            rotary = (rot, case.get("rotary_interleaved", False), "positions" in case)
+            facts = variants.call_facts(q, k, case["block_size"], rot, rotary[1], False, rotary[2], backward=True)
             assert variants.choose(facts, q, (q, k, v)).name == "hopper_wide"
-            assert wide_backward_runs(q, q, k, v, case["block_size"], 0, False, False)
+            assert wide_backward_runs(q, q, k, v, case["block_size"], *rotary)
             check_against_oracle(q, k, v, offsets, **case)
 
 
 @SM90
-def test_hopper_wide_backward_keeps_a_nan_in_its_block():
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_hopper_wide_backward_keeps_a_nan_in_its_block(rotary):
     """With hopper_wide's backward, a NaN in one token's q, k, v reaches only its own block's gradients."""
-    _assert_nan_stays_in_its_block(2, 2, 256, 128, False, "hopper_wide")
+    _assert_nan_stays_in_its_block(2, 2, 256, 128, rotary, "hopper_wide")
 
 
 PACKED_CASES = [

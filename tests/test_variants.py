@@ -38,7 +38,10 @@ def test_hopper_call_reasons():
                      # Rotary in half tiles: partial rotary_dim, padded head dims.
                      dict(rot=64), dict(rot=16, backward=True), dict(head_dim=96, rot=96),
                      dict(head_dim=80, rot=48, groups=2, backward=True), dict(head_dim=48, rot=32),
-                     dict(rot=128, interleaved=True), dict(head_dim=96, rot=64, interleaved=True, backward=True)):
+                     dict(rot=128, interleaved=True), dict(head_dim=96, rot=64, interleaved=True, backward=True),
+                     # Rotary forward at D 144-256 (half tiles rotated by 32-row chunks).
+                     dict(head_dim=256, rot=256), dict(head_dim=256, rot=64, groups=2, block_size=128),
+                     dict(head_dim=192, rot=128, interleaved=True), dict(head_dim=256, rot=256, backward=True)):
         assert variants.HOPPER.call_reasons(_facts(**admitted)) == [], admitted
     for bad, words in [(dict(major=8), "sm_90"), (dict(device="cpu", major=None), "sm_90"),
                        (dict(dtype=torch.float32), "dtype"), (dict(head_dim=72), "head_dim 72"), (dict(head_dim=16), "head_dim 16"),
@@ -46,8 +49,8 @@ def test_hopper_call_reasons():
                        (dict(block_size=32), "block_size 32 < 33"),
                        (dict(block_size=128, head_dim=256, backward=True), "backward of blocks over 64"),
                        (dict(rot=120), "rotary_dim 120 (needs a multiple of 16)"),
-                       (dict(head_dim=256, rot=256), "rotary at head_dim 256"),
-                       (dict(head_dim=256, rot=64), "rotary at head_dim 256"),
+                       (dict(head_dim=256, rot=256, backward=True, block_size=128), "backward of blocks over 64"),
+                       (dict(head_dim=256, rot=64, backward=True, groups=2), "backward of grouped-query"),
                        (dict(groups=2, head_dim=256, backward=True), "backward of grouped-query")]:
         reasons = variants.HOPPER.call_reasons(_facts(**bad))
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
@@ -55,7 +58,7 @@ def test_hopper_call_reasons():
     # Grouped-query heads at 128-row tiles: admitted (they can be forced); auto takes the forward
     # at D 32-128, and the backward at D 32 / 64 / 128.
     for dim, rot, taken in [(128, 0, True), (96, 0, True), (128, 128, True), (32, 0, True), (32, 32, True),
-                            (64, 0, True), (64, 64, True), (256, 0, False)]:
+                            (64, 0, True), (64, 64, True), (256, 0, False), (256, 256, True)]:
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, rot=rot))
         assert (reasons == []) == taken, (dim, rot, reasons)
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
@@ -93,7 +96,7 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
     assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
     # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward but hopper_wide's fits
-    # one program, and hopper_wide's takes neither grouped query heads nor rotary: the flash kernels'.
+    # one program, and hopper_wide's takes no grouped query heads: the flash kernels'.
     wide = dataclasses.replace(gqa, block_size=128)
     reasons = explain_variants(wide)["triton"]
     assert reasons["backward: flash"] == []
@@ -102,7 +105,7 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
                if name.startswith("backward: ") and name not in ("backward: flash", "backward: hopper_wide"))
     assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
-    # One query head per kv head: hopper_wide's backward (with rotary, the flash kernels'). There the
+    # One query head per kv head: hopper_wide's backward, rotary or not. There the
     # forward with gradients stores the logsumexp: hopper has such a kernel, so the forward with
     # gradients takes the same variant as the one without.
     wide_mha = dataclasses.replace(wide, num_heads=2)
@@ -111,7 +114,9 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert reasons["backward: hopper_wide"] == [] and reasons["backward: flash"] == ["a variant before it runs"]
     assert bl.dispatch.describe(wide_mha, "triton") == "triton, hopper kernels (backward: hopper_wide kernels)"
     rotary = explain_variants(dataclasses.replace(wide_mha, rotary=True))["triton"]
-    assert rotary["backward: hopper_wide"] == ["rotary"] and rotary["backward: flash"] == []
+    assert rotary["backward: hopper_wide"] == [] and rotary["backward: flash"] == ["a variant before it runs"]
+    odd = explain_variants(dataclasses.replace(wide_mha, rotary=True, rotary_dim=40))["triton"]
+    assert odd["backward: hopper_wide"] == ["rotary_dim 40 (needs a multiple of 16)"] and odd["backward: flash"] == []
     # A variant without one leaves the forward with gradients to the next that has one.
     no_lse = variants.HOPPER._replace(lse_forward=None)
     monkeypatch.setattr(variants, "AUTO_ORDER",
@@ -252,7 +257,12 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     assert auto(block_size=128, groups=2, head_dim=64) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=64, rot=64) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=256) == "simple"
+    assert auto(block_size=128, groups=2, head_dim=256, rot=256) == "hopper"  # rotary: hopper (session 30)
+    assert auto(block_size=128, head_dim=256, rot=256) == auto(block_size=64, head_dim=256, rot=256) == "hopper"
     assert auto(block_size=128, head_dim=256, backward=True) == "hopper_wide"
+    assert auto(block_size=128, head_dim=256, rot=256, backward=True) == "hopper_wide"
+    assert auto(block_size=64, head_dim=256, rot=256, backward=True) == "hopper"  # 64-row tiles (session 30)
+    assert auto(block_size=64, head_dim=256, rot=256, groups=2, backward=True) == "simple"
     assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
     assert auto(block_size=128, groups=4, head_dim=32, backward=True) == "hopper"
@@ -420,6 +430,26 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
         "head_dim 256 > 128"
 
 
+def test_a_forced_hopper_wide_forward_is_planned_as_hoppers():
+    """hopper_wide's forward runs hopper's kernels, with hopper's launch plan: its split groups at
+    D256 (one program per query head) and register caps, not the defaults of an unknown name."""
+    q = torch.empty(5, 4, 256, dtype=torch.bfloat16)
+    k = q[:, :2]
+    fwd = variants.HOPPER.kernels()[0]
+    for block, rot, causal in ((128, 0, False), (128, 256, True), (64, 0, False)):
+        args = (q, k, block, rot, False, False, causal, False, 0, False)
+        hopper, _, _ = plan.block_plan(*args, variants.HOPPER, fwd)
+        wide, _, key = plan.block_plan(*args, variants.HOPPER_WIDE, variants.HOPPER_WIDE.kernels()[0])
+        assert wide == hopper and wide["SPLIT_GROUPS"] == 2 and wide["GROUPS"] == 1 and "hopper_wide" in key
+    q64 = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+    args = (q64, q64, 128, 64, False, False, False, False, 0, False)
+    wide, _, _ = plan.block_plan(*args, variants.HOPPER_WIDE, variants.HOPPER_WIDE.kernels()[0])
+    assert wide["maxnreg"] == plan.HOPPER_TILE128_ROTARY_FWD_MAXNREG
+    # (Not at D256, whose output accumulator alone takes 128 registers a thread.)
+    mha, _, _ = plan.block_plan(q[:, :2], k, 128, 256, False, False, False, False, 0, False, variants.HOPPER, fwd)
+    assert "maxnreg" not in mha and mha["GROUPS"] == 1
+
+
 def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):
     """Blocks over 64 tokens at head dims over 128 (``one_tile_backward_fits`` refuses them): the block
     kernels compute the backward where the choice takes a variant with a backward for them (hopper_wide
@@ -438,7 +468,9 @@ def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_i
     monkeypatch.setattr(bwd, "call_facts", facts)
     assert bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
     assert bwd.wide_backward_runs(q, q, k, k, 100, 0, False, False)
-    assert not bwd.wide_backward_runs(q, q, k, k, 128, 256, False, False)  # rotary
+    assert bwd.wide_backward_runs(q, q, k, k, 128, 256, False, False)  # rotary, split halves
+    assert bwd.wide_backward_runs(q, q, k, k, 128, 128, True, True)  # partial, interleaved, given positions
+    assert not bwd.wide_backward_runs(q, q, k, k, 128, 40, False, False)  # rotary_dim not whole chunks
     gqa = torch.empty(300, 4, 256, dtype=torch.bfloat16)
     assert not bwd.wide_backward_runs(gqa, gqa, k, k, 128, 0, False, False)
     assert not bwd.wide_backward_runs(q.float(), q.float(), k.float(), k.float(), 128, 0, False, False)

@@ -26,6 +26,7 @@ from ..common.launch import Launcher, scratch_allocator
 from ..common.meta import LOG2E, empty_grads, needs_int64
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
+from ..common.split import load_split, store_split
 from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols, store_pairs
 from . import self_check
 from .plan import block_grid, block_plan, float32_tile_fits
@@ -63,16 +64,27 @@ def _bwd_block(
         # measured slower with it, 1.33 -> 1.41 ms, and keeps the per-element reduction).
         sin, cos = tile_sin_cos(Pos, start, first_row, offs_m, rows, prow, row_ok, offs_r, log2_theta, ROT_DIM,
                                 HAS_POS, FAST_TRIG, True, SLOT)
-        ka, kb = load_rotated_pair(k_ptr, rows, row_ok, cols_a, cols_b, r_ok, sin, cos, stride_kt, stride_kd, BLOCK_R,
-                                   ROT_DIM, INTERLEAVED, INT64)
+    else:
+        sin = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        cos = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # (Zero tiles for the parts a call does not have: ``common.split``.)
+    ka, kb, kp = load_split(k_ptr, rows, row_ok, sin, cos, stride_kt, stride_kd,
+                            BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+    if ROT_DIM > 0:
         finite = finite & finite_flag(ka, SLOT) & finite_flag(kb, SLOT)
-        dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if ROT_DIM < HEAD_DIM:
+        finite = finite & finite_flag(kp, SLOT)
+    dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-        kp = load_cols(k_ptr, rows, row_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
-        finite = finite & finite_flag(kp, SLOT)
-        dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    # The loop body stays written out: it goes column tile by column tile (q's pair tiles and their
+    # scores, then the pass-through tile's; dQ's pair tiles rotated back and stored and dK's pair
+    # terms, then the pass-through tile's), where ``common.split``'s helpers go gradient by gradient
+    # over all the tiles. With both kinds of tile (partial rotary) the helpers' order compiles
+    # differently (ptxas -v for sm_90, bf16 blocks of 128 at D128, rotary 64, 2 query heads per kv
+    # head: 1372 -> 1524 bytes spilled).
     for g in range(GROUPS):
         h = hk * GROUPS + g
         q_ptr = Q + h * stride_qh
@@ -116,13 +128,8 @@ def _bwd_block(
             dqp = tl.dot(ds, kp, input_precision=PRECISION) * scale
             store_cols(dq_ptr, dqp, rows, row_ok, cols_p, p_ok, stride_dqt, stride_dqd, INT64)
             dkp = tl.dot(ds_t, qp, dkp, input_precision=PRECISION)
-    dk_ptr = DK + hk * stride_dkh
-    if ROT_DIM > 0:
-        dka, dkb = rotate_pair(dka * scale, dkb * scale, sin, cos, True)
-        store_pairs(dk_ptr, dka, dkb, rows, row_ok, cols_a, cols_b, r_ok, stride_dkt, stride_dkd, BLOCK_R, ROT_DIM,
-                    INTERLEAVED, INT64)
-    if ROT_DIM < HEAD_DIM:
-        store_cols(dk_ptr, dkp * scale, rows, row_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
+    store_split(DK + hk * stride_dkh, dka, dkb, dkp, scale, sin, cos, rows, row_ok, stride_dkt, stride_dkd,
+                HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
     if GROUPS > 1:
         store_cols(DV + hk * stride_dvh, dv, rows, row_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
     return finite

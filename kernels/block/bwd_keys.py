@@ -27,6 +27,7 @@ import triton.language as tl
 from ..common.launch import Launcher
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import block_of_program
+from ..common.split import load_split, store_split
 from ..common.tiles import load_cols, pair_cols, pass_cols, store_cols, store_pairs
 
 # Rows of a query tile: the N side of the transposed scores.
@@ -74,16 +75,20 @@ def _bwd_keys_block(
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         k_sin, k_cos = tile_sin_cos(Pos, start, first_row, offs_n, rows_n, offs_n, n_ok, offs_r, log2_theta,
                                     ROT_DIM, HAS_POS, FAST_TRIG, True, 0)
-        ka, kb = load_rotated_pair(k_ptr, rows_n, n_ok, cols_a, cols_b, r_ok, k_sin, k_cos, stride_kt, stride_kd,
-                                   BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
-        dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    else:
+        k_sin = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_cos = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # (Zero tiles for the parts a call does not have: ``common.split``.)
+    ka, kb, kp = load_split(k_ptr, rows_n, n_ok, k_sin, k_cos, stride_kt, stride_kd,
+                            BLOCK_M, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
+    dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     if ROT_DIM < HEAD_DIM:
         cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-        kp = load_cols(k_ptr, rows_n, n_ok, cols_p, p_ok, stride_kt, stride_kd, INT64)
-        dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     q_tiles = tl.cdiv(n, QUERY_TILE)
-    # One flat loop over (query head, query tile), as the flash dK/dV pass's.
+    # One flat loop over (query head, query tile), as the flash dK/dV pass's. Its body keeps its
+    # own order, column tile by column tile, as ``block.bwd``'s loop (which says why).
     for it in range(0, GROUPS * q_tiles):
         h = hk * GROUPS + it // q_tiles
         offs_m = (it % q_tiles) * QUERY_TILE + tl.arange(0, QUERY_TILE)
@@ -120,13 +125,8 @@ def _bwd_keys_block(
             dqp = tl.dot(ds, kp, input_precision=PRECISION) * scale
             store_cols(dq_ptr, dqp, rows_m, m_ok, cols_p, p_ok, stride_dqt, stride_dqd, INT64)
             dkp = tl.dot(dst, qp, dkp, input_precision=PRECISION)
-    dk_ptr = DK + hk * stride_dkh
-    if ROT_DIM > 0:
-        dka, dkb = rotate_pair(dka * scale, dkb * scale, k_sin, k_cos, True)
-        store_pairs(dk_ptr, dka, dkb, rows_n, n_ok, cols_a, cols_b, r_ok, stride_dkt, stride_dkd, BLOCK_R, ROT_DIM,
-                    INTERLEAVED, INT64)
-    if ROT_DIM < HEAD_DIM:
-        store_cols(dk_ptr, dkp * scale, rows_n, n_ok, cols_p, p_ok, stride_dkt, stride_dkd, INT64)
+    store_split(DK + hk * stride_dkh, dka, dkb, dkp, scale, k_sin, k_cos, rows_n, n_ok, stride_dkt, stride_dkd,
+                HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
     store_cols(DV + hk * stride_dvh, dv, rows_n, n_ok, offs_d, d_ok, stride_dvt, stride_dvd, INT64)
 
 

@@ -9,7 +9,7 @@ import torch
 from blockattn_layers.runtime.caches import HostCache
 
 from ..common.meta import device_major, input_precision, max_shared_memory, num_warps, sm_count, static_meta, tile_extent
-from .variants import Variant
+from .variants import VARIANTS, Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
 # (D <= 64, see ``block.fwd``) needs 128 to fit 4 programs per SM on every generation (tiles of
@@ -85,7 +85,7 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         if rotary_fwd and meta["GROUPS"] > 1 and meta["BLOCK_D"] == 128:
             return HOPPER_ROTARY_GROUP_FWD_MAXNREG[meta["BLOCK_M"]]
         if meta["BLOCK_M"] != 64:
-            if rotary_fwd and meta["GROUPS"] == 1:
+            if rotary_fwd and meta["GROUPS"] == 1 and meta["BLOCK_D"] <= 128:
                 slower = meta["BLOCK_D"] == 64 and meta["IS_CAUSAL"]
                 return None if slower else HOPPER_TILE128_ROTARY_FWD_MAXNREG
             if meta["BLOCK_D"] > 64:
@@ -228,6 +228,9 @@ def block_plan(
 def _build(key: tuple, variant: Variant, launcher) -> tuple:
     (dtype, device, head_dim, groups, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs,
      int64, precision, _) = key
+    if variant.name == "hopper_wide" and not backward:
+        # Its forward is hopper's kernels: planned as hopper's (register caps, split groups).
+        variant = VARIANTS["hopper"]
     on_cuda = device.type == "cuda"
     meta = dict(static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs)

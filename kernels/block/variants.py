@@ -182,17 +182,23 @@ def _whole_rotary_reasons(facts: CallFacts) -> List[str]:
     return reasons
 
 
-def _half_tile_rotary_reasons(facts: CallFacts) -> List[str]:
+def _half_tile_rotary_reasons(facts: CallFacts, wide_halves: bool = False) -> List[str]:
     """Rotary in the sm_90 kernels' half tiles (``sm90.rotary.half_channels``): over ``rot``
-    channels of a head dim of at most 128 (D256 rotary spills), both runs of each half tile (the
-    rotary pairs, the pass-through channels) whole 16-byte chunks: ``rot`` a multiple of 16. Split
-    halves or interleaved pairs (each pair one 32-bit word, split into the half tiles in registers)."""
+    channels of a head dim of at most 128 (``wide_halves``: any head dim, half tiles of D 144-256
+    rotated 32 rows at a time, as the hopper kernels' blocks; tiles of blocks rotate whole tiles,
+    whose angles at D256 spill), both runs of each half tile (the rotary pairs, the pass-through
+    channels) whole 16-byte chunks: ``rot`` a multiple of 16. Split halves or interleaved pairs
+    (each pair one 32-bit word, split into the half tiles in registers)."""
     reasons = []
-    if facts.rot and facts.head_dim > 128:
+    if facts.rot and facts.head_dim > 128 and not wide_halves:
         reasons.append(f"rotary at head_dim {facts.head_dim} (needs at most 128)")
-    if facts.rot % 16:
-        reasons.append(f"rotary_dim {facts.rot} (needs a multiple of 16)")
-    return reasons
+    return reasons + _rotary_chunk_reasons(facts)
+
+
+def _rotary_chunk_reasons(facts: CallFacts) -> List[str]:
+    """Both runs of each rotary half tile (the pairs, the pass-through channels) whole 16-byte
+    chunks, as the sm_90 kernels' copies take them: ``rotary_dim`` a multiple of 16."""
+    return [f"rotary_dim {facts.rot} (needs a multiple of 16)"] if facts.rot % 16 else []
 
 
 def _hopper_call_reasons(facts: CallFacts) -> List[str]:
@@ -202,7 +208,7 @@ def _hopper_call_reasons(facts: CallFacts) -> List[str]:
     128-row tiles are admitted (their backward reads P back from shared memory: 332 bytes spilled
     at D128, 940 with rotary); where ``auto`` takes them is ``_hopper_auto_reasons``."""
     reasons = _gluon_call_reasons(facts, 9, HOPPER_BLOCKS, HOPPER_HEAD_DIMS, gluon_import_error, True)
-    reasons += _half_tile_rotary_reasons(facts)
+    reasons += _half_tile_rotary_reasons(facts, wide_halves=True)
     if facts.backward and facts.block_size > 64 and facts.head_dim > 128:
         reasons.append("backward of blocks over 64 with head_dim over 128")
     elif facts.backward and facts.groups > 1 and facts.head_dim > 128:
@@ -233,7 +239,8 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     (1.237 vs 1.595-1.666; causal 1.402 vs 1.522-1.544; 4x1 0.755 vs 0.898-0.912; with rotary,
     session 25, timed apart from the host's work: 8x2 1.296 vs 1.575, causal 1.328 vs 1.451, 4x1
     causal 0.671 vs 0.737, where session 24's A/B, each call synced, had simple ahead); simple
-    faster at D256 (4.895 vs 5.003). Their backward at D64 / D128 (P read back
+    faster at D256 (4.895 vs 5.003) without rotary; with split-half rotary there (session 30, its
+    half tiles rotated by 32-row chunks) hopper is faster (4x1 3.041 vs 4.638). Their backward at D64 / D128 (P read back
     from shared memory) is 1.3-2.3x faster than simple (block 128, heads 8x2 and 4x1, rotary none and
     split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80), at D32 1.02-1.13x (8x2 2.643 vs
     2.961, causal 2.709 vs 3.058, rotary 3.014 vs 3.302; 4x1 1.395 vs 1.464); at D96, on tiles padded
@@ -252,7 +259,7 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     if facts.groups > 1 and facts.block_size > 64:
         tile = tile_extent(facts.head_dim)
         if not facts.backward:
-            if tile == 256:
+            if tile == 256 and not facts.rot:
                 return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                         "simple is faster on the H200"]
         elif facts.head_dim not in (32, 64, 128) and facts.rot != facts.head_dim:
@@ -418,15 +425,14 @@ WIDE_HEAD_DIMS = tuple(range(144, 257, 16))
 def _hopper_wide_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper_wide variant's admission. Forward: hopper's (its kernels run it). Backward: blocks
     and head dims of ``WIDE_BLOCKS`` / ``WIDE_HEAD_DIMS``, one query head per kv head (``sm90.wide``
-    says why), no rotary, 16-bit dtypes, 32- or 64-bit offsets."""
+    says why), rotary in every form with ``rotary_dim`` a multiple of 16 (as hopper's half tiles),
+    16-bit dtypes, 32- or 64-bit offsets."""
     if not facts.backward:
         return _hopper_call_reasons(facts)
     reasons = _gluon_call_reasons(facts, 9, WIDE_BLOCKS, WIDE_HEAD_DIMS, wide_import_error, True)
     if facts.groups > 1:
         reasons.append(f"{facts.groups} query heads per kv head (needs one)")
-    if facts.rot:
-        reasons.append("rotary")
-    return reasons
+    return reasons + _rotary_chunk_reasons(facts)
 
 
 def _hopper_wide_auto_reasons(facts: CallFacts) -> List[str]:

@@ -43,10 +43,11 @@ import triton.language as tl
 
 from ..common.meta import LOG2E, kernel_meta, major_of, needs_int64
 from .schedule import (
-    FlashSchedule, add_split, allowed, flash_tiles, load_acc_split, load_row_tiles, load_split, program_rows,
-    row_tiles, split_acc, split_scores, store_split, tile_sin_cos, tma_loads,
+    FlashSchedule, add_split, allowed, flash_tiles, load_acc_split, load_row_tiles, program_rows, row_tiles,
+    tile_sin_cos, tma_loads,
 )
 from ..common.launch import Launcher
+from ..common.split import load_split, split_acc, split_scores, store_split
 from ..common.tiles import load_cols, row_ptrs, store_cols
 
 _LOG2E = tl.constexpr(LOG2E)

@@ -25,10 +25,10 @@ import triton.language as tl
 
 from ..common.meta import LOG2E, kernel_meta, major_of
 from .schedule import (
-    FlashSchedule, allowed, flash_tiles, load_row_tiles, load_split, program_rows, row_tiles, split_scores,
-    tile_sin_cos, tma_loads,
+    FlashSchedule, allowed, flash_tiles, load_row_tiles, program_rows, row_tiles, tile_sin_cos, tma_loads,
 )
 from ..common.launch import Launcher
+from ..common.split import load_split, split_scores
 from ..common.tiles import row_ptrs, store_cols
 
 _LN2 = tl.constexpr(0.6931471805599453)

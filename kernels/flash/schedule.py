@@ -15,8 +15,9 @@ the lengths on the device, no sync); inside a sequence the tiles are visited las
 key tiles near the start see the most queries), so the heaviest programs start earliest.
 
 q and k tiles are held as rotary pair tiles ``a``, ``b`` and pass-through tile ``p`` (see
-``common.rotary`` and ``common.tiles``); helpers return dummy zero tiles for the parts a call does not
-have (``ROT_DIM == 0`` or ``ROT_DIM == HEAD_DIM``), which the constexpr branches never use.
+``common.split``, whose helpers load, multiply and store them, ``common.rotary`` and ``common.tiles``);
+helpers return dummy zero tiles for the parts a call does not have (``ROT_DIM == 0`` or
+``ROT_DIM == HEAD_DIM``), which the constexpr branches never use.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common.meta import major_of
 from ..common.launch import Launcher
-from ..common.rotary import rotary_sin_cos, rotate_pair
+from ..common.rotary import rotary_sin_cos
 from ..common.schedule import search_prefix
-from ..common.tiles import (add_cols, block_positions, load_cols, load_pairs, pair_cols, pass_cols, store_cols,
-                            store_pairs)
+from ..common.split import load_split
+from ..common.tiles import add_cols, block_positions, load_cols, pair_cols, pass_cols
 
 _PREFIX_CHUNK = 1024
 _TABLE_CHUNK = 256
@@ -295,31 +296,6 @@ def tile_sin_cos(
 
 
 @triton.jit
-def load_split(
-    ptr, rows, ok, sin, cos, stride_t, stride_d,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
-):
-    """Rows of q or k as ``(a, b, p)`` tiles in the input dtype, rotated by ``(sin, cos)``."""
-    dtype = ptr.dtype.element_ty
-    if ROT_DIM > 0:
-        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
-        a, b = load_pairs(ptr, rows, ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
-        a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, False)
-        a = a.to(dtype)
-        b = b.to(dtype)
-    else:
-        a = tl.zeros((BLOCK, BLOCK_R), dtype=dtype)
-        b = tl.zeros((BLOCK, BLOCK_R), dtype=dtype)
-    if ROT_DIM < HEAD_DIM:
-        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-        p = load_cols(ptr, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
-    else:
-        p = tl.zeros((BLOCK, BLOCK_P), dtype=dtype)
-    return a, b, p
-
-
-@triton.jit
 def load_row_tiles(
     x_ptr, y_ptr, XD, YD, head, start, r0, offs, ok, offs_d, d_ok, Pos, first_row, log2_theta,
     stride_xt, stride_xd, stride_yt, stride_yd,
@@ -345,52 +321,6 @@ def load_row_tiles(
                              BLOCK, HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INT64)
         y = load_cols(y_ptr, rows, ok, offs_d, d_ok, stride_yt, stride_yd, INT64)
     return a, b, p, y
-
-
-@triton.jit
-def split_scores(
-    qa, qb, qp, ka, kb, kp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Raw scores ``q k^T`` ``[BLOCK_M, BLOCK_N]`` float32: one dot per column tile."""
-    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ROT_DIM > 0:
-        s = tl.dot(qa, tl.trans(ka), s, input_precision=PRECISION)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
-    if ROT_DIM < HEAD_DIM:
-        s = tl.dot(qp, tl.trans(kp), s, input_precision=PRECISION)
-    return s
-
-
-@triton.jit
-def split_acc(
-    x, a, b, p, acc_a, acc_b, acc_p,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """``acc += x @ [a | b | p]`` per column tile (dq from dS and k, dk from dS^T and q)."""
-    if ROT_DIM > 0:
-        acc_a = tl.dot(x, a, acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(x, b, acc_b, input_precision=PRECISION)
-    if ROT_DIM < HEAD_DIM:
-        acc_p = tl.dot(x, p, acc_p, input_precision=PRECISION)
-    return acc_a, acc_b, acc_p
-
-
-@triton.jit
-def store_split(
-    ptr, a, b, p, scale, sin, cos, rows, ok, stride_t, stride_d,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, INT64: tl.constexpr,
-):
-    """Store a gradient held as ``(a, b, p)`` times ``scale``, rotated back (transpose rotation)."""
-    if ROT_DIM > 0:
-        offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
-        a, b = rotate_pair(a * scale, b * scale, sin, cos, True)
-        store_pairs(ptr, a, b, rows, ok, cols_a, cols_b, r_ok, stride_t, stride_d, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
-    if ROT_DIM < HEAD_DIM:
-        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
-        store_cols(ptr, p * scale, rows, ok, cols_p, p_ok, stride_t, stride_d, INT64)
 
 
 @triton.jit

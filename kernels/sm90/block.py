@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common.launch import Launcher
-from .rotary import half_channels, rotate_in_place, sin_cos, sin_cos_at, sin_cos_rows
+from .rotary import half_channels, rotate_in_place, rotate_rows_in_place, sin_cos, sin_cos_at, sin_cos_rows
 
 
 @gluon.jit
@@ -595,6 +595,9 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     # Grouped query heads with rotary at D128: angles again for each head, output by halves.
     O_HALVES: gl.constexpr = _rotary_group_fwd_d128(GROUPS, ROTARY, BLOCK_D, SLOT)
+    # A block's rotary half tiles 128 wide (D 144-256): rotated 32 rows at a time with those rows'
+    # angles, none held across the scores (``rotary.rotate_rows_in_place``).
+    ROTATE_BY_ROWS: gl.constexpr = ROTARY and HALF == 128 and SLOT == 0
     acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
 
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
@@ -643,7 +646,7 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         if V_APART and g == 0:
             _copy_rows(v_s, V + hk * stride_vh, rows, offs_d, mask_d, stride_vt)
             async_copy.commit_group()
-        if ROTARY:
+        if ROTARY and not ROTATE_BY_ROWS:
             if g == 0:
                 # Angles while the copies are in flight.
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
@@ -656,9 +659,13 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
         if ROTARY:
             qa, qb = qa_s.index(g % STAGES), qb_s.index(g % STAGES)
             gl.thread_barrier()
-            rotate_in_place(qa, qb, sin, cos, rot_l)
-            if g == 0:
-                rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+            if ROTATE_BY_ROWS:
+                rotate_rows_in_place(qa, qb, ka_s, kb_s, Pos, start, n, first_row, log2_theta, g == 0, BLOCK_M, HALF,
+                                     ROT_HALF, HAS_POS, rot_l)
+            else:
+                rotate_in_place(qa, qb, sin, cos, rot_l)
+                if g == 0:
+                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
         fence_async_shared()
         gl.thread_barrier()
         if ROTARY:
@@ -890,7 +897,13 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
     # one query head per kv head (v's tile is live across the heads of a group; at D64 the
     # register path needs fewer registers). Tiles of blocks (rows not one run, each at its own
     # position) rotate back in registers at every width (D128: 168 registers, 76 bytes spilled).
-    UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and HALF == 64 and SLOT == 0
+    # The same at D 144-256 on 64-row tiles (dQ's and dK's halves are 64 x 128 there, the dead
+    # tiles 32 KB).
+    UNROTATE_IN_SMEM: gl.constexpr = ROTARY and GROUPS == 1 and SLOT == 0 and (HALF == 64 or HALF == 128
+                                                                               and BLOCK_M == 64)
+    # Half tiles 128 wide (D 144-256): q and k rotated 32 rows at a time with those rows' angles
+    # (``rotary.rotate_rows_in_place``), none held across the products.
+    ROTATE_BY_ROWS: gl.constexpr = ROTARY and HALF == 128 and SLOT == 0
     # With grouped query heads at D128 (v live across the heads) dQ's halves are parked one at
     # a time in dO's dead tile and a scratch tile, then rotated back the same way.
     PARK_DQ: gl.constexpr = ROTARY and GROUPS > 1 and HALF == 64 and SLOT == 0
@@ -980,7 +993,7 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
             qb_s = qb_st.index(g % STAGES)
         else:
             q_s = q_st.index(g % STAGES)
-        if ROTARY:
+        if ROTARY and not ROTATE_BY_ROWS:
             if g == 0:
                 sin, cos = _tile_sin_cos(Pos, start, n, first_row, rows, row_ok, prow, log2_theta, BLOCK_M, HALF,
                                          ROT_HALF, HAS_POS, SLOT, rot_l)
@@ -1002,9 +1015,13 @@ def _bwd_tile(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, rows, row_ok, p
             async_copy.wait_group(3 if STAGES == 2 and g + 1 < GROUPS else 1)
             if ROTARY:
                 gl.thread_barrier()
-                rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
-                if g == 0:
-                    rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
+                if ROTATE_BY_ROWS:
+                    rotate_rows_in_place(qa_s, qb_s, ka_s, kb_s, Pos, start, n, first_row, log2_theta, g == 0, BLOCK_M,
+                                         HALF, ROT_HALF, HAS_POS, rot_l)
+                else:
+                    rotate_in_place(qa_s, qb_s, sin, cos, rot_l)
+                    if g == 0:
+                        rotate_in_place(ka_s, kb_s, sin, cos, rot_l)
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:

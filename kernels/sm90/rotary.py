@@ -114,3 +114,19 @@ def rotate_in_place(a_s, b_s, sin, cos, LAYOUT: gl.constexpr):
     b = b_s.load(LAYOUT).to(gl.float32)
     a_s.store((a * cos - b * sin).to(a_s.dtype))
     b_s.store((a * sin + b * cos).to(b_s.dtype))
+
+
+@gluon.jit
+def rotate_rows_in_place(qa_s, qb_s, ka_s, kb_s, Pos, start, n, first_row, log2_theta, WITH_K: gl.constexpr,
+                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, ROT_HALF: gl.constexpr, HAS_POS: gl.constexpr,
+                         LAYOUT: gl.constexpr):
+    """``rotate_in_place`` of a block's q half tiles ``(qa_s, qb_s)`` (and with ``WITH_K`` its k half
+    tiles) 32 rows at a time, each with those rows' angles (``sin_cos_rows``): a quarter of a
+    128-row tile's registers at a time, where the whole tiles' angles, held across the rotations,
+    would take 128 registers a thread at 128 x 128 half tiles."""
+    ROWS: gl.constexpr = 32
+    for c in gl.static_range(BLOCK_M // ROWS):
+        sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * ROWS, ROWS, HALF, ROT_HALF, HAS_POS, LAYOUT)
+        rotate_in_place(qa_s.slice(c * ROWS, ROWS, 0), qb_s.slice(c * ROWS, ROWS, 0), sin, cos, LAYOUT)
+        if WITH_K:
+            rotate_in_place(ka_s.slice(c * ROWS, ROWS, 0), kb_s.slice(c * ROWS, ROWS, 0), sin, cos, LAYOUT)

@@ -10,10 +10,15 @@ Every product is one ``wgmma`` of the whole block:
 
 - ``S = Q K^T``, its exact softmax (all of the block's keys are in the program: nothing is read
   but q, k, v and dO, and the forward's logsumexp is not needed);
+  with rotary, q and k are held as their rotary half tiles (``rotary.half_channels``: split halves,
+  interleaved pairs, partial ``rotary_dim``), rotated in place 32 rows at a time, and S is the sum of
+  the two halves' products;
 - ``dP = dO V^T`` by v's column halves (the second half's copy in flight during the softmax);
 - ``dV = P^T dO``, stored through dO's dead tile; ``dK = dS^T Q`` through q's, ``dQ = dS K``
   through k's, each as soon as it is summed, so that one 128 x 256 float32 accumulator (128
-  registers a thread) is live at a time.
+  registers a thread) is live at a time. With rotary, dK's and dQ's column halves are parked in
+  float32 in two dead tiles (q's and dO's, then k's and q's) and rotated back 32 rows at a time
+  with those rows' angles (``block._unrotate_store``).
 
 Grouped query heads are not taken: their dK and dV, summed over the group, would be two more
 128 x 256 float32 accumulators live across the heads (a version summing them in a float32
@@ -33,9 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..common.launch import Launcher
 from .block import (
-    _acc_layout, _block_of, _channel_mask, _copy_rows, _landed, _probs, _row_layout, _smem_layout, _store_tile_via,
-    _tile_warps,
+    _acc_layout, _block_of, _channel_mask, _copy_halves, _copy_rows, _landed, _probs, _row_layout, _smem_layout,
+    _store_tile_via, _tile_warps, _unrotate_store,
 )
+from .rotary import rotate_rows_in_place
 
 
 @gluon.jit
@@ -48,13 +54,16 @@ def _to_shared(buf, x):
 
 
 @gluon.jit
-def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, hk, scale, qk_scale,
+def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, hk, scale, qk_scale, log2_theta,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Gradients of the block at ``start`` (``n`` tokens) for kv head ``hk`` and its query head."""
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+                    INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Gradients of the block at ``start`` (``n`` tokens, the first at row ``first_row`` of its
+    sequence) for kv head ``hk`` and its query head."""
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     HALF: gl.constexpr = BLOCK_D // 2
+    ROTARY: gl.constexpr = ROT_DIM > 0
     gl.static_assert(HALF == BLOCK_M, "v's half tile holds P and dS: BLOCK_D == 2 * BLOCK_M")
     gl.static_assert(HEAD_DIM > HALF, "head dims past one half tile")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -80,8 +89,15 @@ def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, hk, scale, qk_scale,
     do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], _smem_layout(BLOCK_D))
     x_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], _smem_layout(HALF))
     v_ptr = V + hk * stride_vh
-    _copy_rows(q_s, Q + hk * stride_qh, rows, offs_d, mask_d, stride_qt)
-    _copy_rows(k_s, K + hk * stride_kh, rows, offs_d, mask_d, stride_kt)
+    if ROTARY:
+        # q and k as their rotary half tiles: columns 0 .. HALF and HALF .. 2 HALF of each tile.
+        _copy_halves(q_s.slice(0, HALF, 1), q_s.slice(HALF, HALF, 1), Q + hk * stride_qh, rows_h, offs_h, mask_h,
+                     stride_qt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
+        _copy_halves(k_s.slice(0, HALF, 1), k_s.slice(HALF, HALF, 1), K + hk * stride_kh, rows_h, offs_h, mask_h,
+                     stride_kt, HEAD_DIM, ROT_DIM, INTERLEAVED, HALF)
+    else:
+        _copy_rows(q_s, Q + hk * stride_qh, rows, offs_d, mask_d, stride_qt)
+        _copy_rows(k_s, K + hk * stride_kh, rows, offs_d, mask_d, stride_kt)
     async_copy.commit_group()
     _copy_rows(do_s, DO + hk * stride_doh, rows, offs_d, mask_d, stride_dot)
     _copy_rows(x_s, v_ptr, rows_h, offs_h, mask_h, stride_vt)
@@ -89,6 +105,13 @@ def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, hk, scale, qk_scale,
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_M], gl.float32, acc_s)
     _landed(1)
+    if ROTARY:
+        rotate_rows_in_place(q_s.slice(0, HALF, 1), q_s.slice(HALF, HALF, 1), k_s.slice(0, HALF, 1),
+                             k_s.slice(HALF, HALF, 1), Pos, start, n, first_row, log2_theta, True, BLOCK_M, HALF,
+                             ROT_DIM // 2, HAS_POS, ld_h)
+        fence_async_shared()
+        gl.thread_barrier()
+    # (Rotary or not, the whole tiles' product: the sum of the half tiles' products.)
     s = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s)
     _landed(0)
     dp = warpgroup_mma(do_s.slice(0, HALF, 1), x_s.permute((1, 0)), zero_s)
@@ -108,12 +131,26 @@ def _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, hk, scale, qk_scale,
     _store_tile_via(do_s, DV + hk * stride_dvh, dv, start, n, rows, row_ok, stride_dvt, BLOCK_M, BLOCK_D, HEAD_DIM,
                     WARPS, 0)
     _to_shared(x_s, ds)
-    dk = warpgroup_mma(x_s.permute((1, 0)), q_s, zero_d)
-    _store_tile_via(q_s, DK + hk * stride_dkh, dk * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M, BLOCK_D,
-                    HEAD_DIM, WARPS, 0)
-    dq = warpgroup_mma(x_s, k_s, zero_d)
-    _store_tile_via(k_s, DQ + hk * stride_dqh, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D,
-                    HEAD_DIM, WARPS, 0)
+    if ROTARY:
+        # dK's halves parked in float32 in q's and dO's dead tiles and rotated back; then dQ's in
+        # k's and q's.
+        acc_h: gl.constexpr = _acc_layout(HALF, WARPS)
+        zero_h = gl.zeros([BLOCK_M, HALF], gl.float32, acc_h)
+        dka = warpgroup_mma(x_s.permute((1, 0)), q_s.slice(0, HALF, 1), zero_h)
+        dkb = warpgroup_mma(x_s.permute((1, 0)), q_s.slice(HALF, HALF, 1), zero_h)
+        _unrotate_store(q_s, do_s, dka, dkb, DK + hk * stride_dkh, Pos, start, n, first_row, log2_theta, scale,
+                        stride_dkt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, INTERLEAVED, HAS_POS, WARPS)
+        dqa = warpgroup_mma(x_s, k_s.slice(0, HALF, 1), zero_h)
+        dqb = warpgroup_mma(x_s, k_s.slice(HALF, HALF, 1), zero_h)
+        _unrotate_store(k_s, q_s, dqa, dqb, DQ + hk * stride_dqh, Pos, start, n, first_row, log2_theta, scale,
+                        stride_dqt, BLOCK_M, HALF, HEAD_DIM, ROT_DIM, INTERLEAVED, HAS_POS, WARPS)
+    else:
+        dk = warpgroup_mma(x_s.permute((1, 0)), q_s, zero_d)
+        _store_tile_via(q_s, DK + hk * stride_dkh, dk * scale, start, n, rows, row_ok, stride_dkt, BLOCK_M, BLOCK_D,
+                        HEAD_DIM, WARPS, 0)
+        dq = warpgroup_mma(x_s, k_s, zero_d)
+        _store_tile_via(k_s, DQ + hk * stride_dqh, dq * scale, start, n, rows, row_ok, stride_dqt, BLOCK_M, BLOCK_D,
+                        HEAD_DIM, WARPS, 0)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "scale", "qk_scale", "log2_theta", "kv_heads"])
@@ -124,19 +161,20 @@ def _hopper_wide_bwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    INLINE_SEQS: gl.constexpr, INT64: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
+    INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+    INT64: gl.constexpr,
 ):
-    """Same positional arguments as ``block.bwd``'s kernel (``Pos`` and ``log2_theta`` unused: no
-    rotary); one program per (block, kv head)."""
-    start, n, _ = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, _tile_warps(BLOCK_M))
+    """Same positional arguments as ``block.bwd``'s kernel; one program per (block, kv head)."""
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, _tile_warps(BLOCK_M))
     if INT64:
         start = start.to(gl.int64)
     if n > 0:
-        _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, start, n, gl.program_id(1), scale, qk_scale,
+        _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, gl.program_id(1), scale,
+                        qk_scale, log2_theta,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                        HEAD_DIM, BLOCK_M, BLOCK_D, IS_CAUSAL)
+                        HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL)
 
 
 launch_bwd = Launcher(_hopper_wide_bwd_kernel)
