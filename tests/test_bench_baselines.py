@@ -224,6 +224,29 @@ def test_unit_chunks_split_the_units_into_runs_within_fa2s_limit():
     assert baselines.unit_chunks(bounds, 5) is None
     assert baselines.unit_chunks(bounds, 2) == [(0, 2, 0, 3), (2, 4, 3, 11), (4, 5, 11, 20)]
     assert baselines.FA2_MAX_UNITS == 65535
+    # Runs of at most max_tokens tokens too (a longer unit alone), and of at most max_units units.
+    assert baselines.unit_chunks(bounds, 5, max_tokens=20) is None
+    assert baselines.unit_chunks(bounds, 5, max_tokens=10) == [(0, 3, 0, 10), (3, 5, 10, 20)]
+    assert baselines.unit_chunks(bounds, 5, max_tokens=4) == [(0, 2, 0, 3), (2, 3, 3, 10), (3, 4, 10, 11),
+                                                              (4, 5, 11, 20)]
+    assert baselines.unit_chunks(bounds, 2, max_tokens=10) == [(0, 2, 0, 3), (2, 4, 3, 11), (4, 5, 11, 20)]
+
+
+def test_fa2_chunks_keep_each_call_under_two_to_the_31_elements_of_q():
+    """The grid's 8 query heads of D256 at prod lengths (q over 2^31 elements, where FA2 varlen
+    failed the bench's check) are split into calls of fewer; 4 heads stay one call."""
+    from blockattn_layers.bench import grid
+
+    for heads, kv, calls in ((8, 2, 2), (4, 1, 1)):
+        selection = grid.parse_slice([f"block=128 dim=256 heads={heads}x{kv} rotary=none causal=no"])
+        (case,) = grid.cases(selection)
+        chunks = baselines.fa2_chunks(case)
+        if calls == 1:
+            assert chunks is None
+            continue
+        assert len(chunks) == calls and chunks[0][2] == 0 and chunks[-1][3] == case.total
+        assert all(t1 - t0 <= baselines.FA2_MAX_ELEMENTS // (heads * 256) for _, _, t0, t1 in chunks)
+        assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(chunks, chunks[1:]))
 
 
 def test_fa2_in_chunks_matches_one_call(monkeypatch):

@@ -38,16 +38,34 @@ _FRACTION_OF_FREE = 0.5  # a padded baseline runs only if its tensors fit in thi
 # FA2's kernels put the batch (here: the attention units) on the grid's y dimension, at most
 # 65,535; more units (blocks of 16 tokens at prod lengths: 66,9xx) fail with "invalid argument".
 FA2_MAX_UNITS = 65535
+# Elements of q one FA2 call is given at most: at the grid's lengths with 8 query heads of D256
+# (q: 2.18e9 elements, over 2^31) FA2 varlen failed the bench's check (max relative error 0.63-0.85)
+# where 4 heads of D256 and 8 of D128 (1.09e9) passed: a 32-bit element offset is the likely cause.
+FA2_MAX_ELEMENTS = 2 ** 31 - 1
 
 
-def unit_chunks(bounds: Tensor, max_units: int = FA2_MAX_UNITS) -> Optional[List[Tuple[int, int, int, int]]]:
-    """``(first unit, end unit, first token, end token)`` of consecutive runs of at most
-    ``max_units`` units of the host ``bounds``, or None where one call takes them all."""
+def unit_chunks(bounds: Tensor, max_units: int = FA2_MAX_UNITS,
+                max_tokens: Optional[int] = None) -> Optional[List[Tuple[int, int, int, int]]]:
+    """``(first unit, end unit, first token, end token)`` of consecutive runs of the host ``bounds``,
+    each of at most ``max_units`` units and ``max_tokens`` tokens (a unit longer than that alone), or
+    None where one call takes them all."""
+    bounds = [int(b) for b in bounds]
     units = len(bounds) - 1
-    if units <= max_units:
+    if units <= max_units and (max_tokens is None or bounds[-1] - bounds[0] <= max_tokens):
         return None
-    ends = [min(u + max_units, units) for u in range(0, units, max_units)]
-    return [(u, end, int(bounds[u]), int(bounds[end])) for u, end in zip(range(0, units, max_units), ends)]
+    runs, first = [], 0
+    for u in range(1, units + 1):
+        full = u - first == max_units or (max_tokens is not None and u < units
+                                          and bounds[u + 1] - bounds[first] > max_tokens)
+        if full or u == units:
+            runs.append((first, u, bounds[first], bounds[u]))
+            first = u
+    return runs
+
+
+def fa2_chunks(case: Case) -> Optional[List[Tuple[int, int, int, int]]]:
+    """``unit_chunks`` of a case's units within FA2's limits (units per call, elements of q)."""
+    return unit_chunks(case.unit_bounds(), FA2_MAX_UNITS, FA2_MAX_ELEMENTS // (case.num_heads * case.head_dim))
 
 
 def _fa2_forward(q, k, v, cu, max_len, scale, causal):
@@ -61,9 +79,9 @@ def _fa2_backward(grad_out, q, k, v, out, lse, cu, max_len, causal, rng_state, u
 
 class FlashVarlen(torch.autograd.Function):
     """FA2 varlen (``torch.ops.aten._flash_attention_*``) with ``cu`` as both cu_seqlens; k, v may
-    have fewer heads than q (GQA, native in FA2). ``chunks`` (:func:`unit_chunks`): one FA2 call per
-    run of units, as a user past FA2's unit limit would make them, the outputs and gradients
-    concatenated (one more copy of each)."""
+    have fewer heads than q (GQA, native in FA2). ``chunks`` (:func:`fa2_chunks`): one FA2 call per
+    run of units, as a user past FA2's unit or element limits would make them, the outputs and
+    gradients concatenated (one more copy of each)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float,
@@ -104,7 +122,7 @@ def _qkv(inp: Inputs):
 # ----------------------------------------------------------------------------- FA2 varlen
 def fa2_varlen(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
     scale = _scale(case)
-    chunks = unit_chunks(case.unit_bounds())
+    chunks = fa2_chunks(case)
 
     def forward():
         return FlashVarlen.apply(inp.q, inp.k, inp.v, inp.bounds, inp.max_unit, scale, case.causal, chunks)
@@ -568,7 +586,7 @@ def _rotary_fa2(compiled: bool):
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
         scale = _scale(case)
         rotate = _rotary_prelude(case, inp, compiled)
-        chunks = unit_chunks(case.unit_bounds())
+        chunks = fa2_chunks(case)
 
         def forward():
             q, k = rotate(inp.q, inp.k)
@@ -635,7 +653,8 @@ def _rotary_block(case: Case) -> bool:
 
 BASELINES = [
     Method("fa2_varlen", "baseline", fa2_varlen, _plain,
-           description="aten._flash_attention_forward/backward, cu_seqlens = unit bounds (one call per 65,535 units)"),
+           description="aten._flash_attention_forward/backward, cu_seqlens = unit bounds (one call per 65,535 "
+                       "units and under 2^31 elements of q)"),
     Method("sdpa_flash", "baseline", _sdpa_block_view(SDPBackend.FLASH_ATTENTION), _block, skip=_needs_aligned,
            description="SDPA FLASH_ATTENTION on the [n_blocks, H, block, D] view"),
     Method("sdpa_cudnn", "baseline", _sdpa_block_view(SDPBackend.CUDNN_ATTENTION), _block, skip=_needs_aligned,
