@@ -183,15 +183,16 @@ def test_grid_regions_match_the_oracle(case):
     check_against_oracle(q, k, v, offsets, **case)
 
 
-# The regions auto gave another variant in session 28, with the variant each phase runs there on
-# sm_90 (forward, backward): keys for rotary grouped-query backwards at blocks over 64 and D 65-128;
-# simple for interleaved grouped-query backwards at blocks up to 64, and for interleaved rotary at
-# D 65-128 on blocks up to 32.
+# The regions auto gave another variant in sessions 28 and 31, with the variant each phase runs there
+# on sm_90 (forward, backward): the rotation pass (session 31; keys in session 28) for rotary
+# grouped-query backwards at blocks over 64 and D 65-128 and for interleaved grouped-query backwards
+# at blocks of 33-64; simple for interleaved rotary at D 65-128 on blocks up to 32.
 AUTO_28_CASES = [
     (dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True, rope_theta=1e4, rotary_interleaved=True),
-     ("hopper", "keys")),
-    (dict(heads=4, kv_heads=1, dim=96, block_size=100, rope_theta=1e4, rotary_dim=64), ("hopper", "keys")),
-    (dict(heads=8, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True), ("hopper", "simple")),
+     ("hopper", "rotated")),
+    (dict(heads=4, kv_heads=1, dim=96, block_size=100, rope_theta=1e4, rotary_dim=64), ("hopper", "rotated")),
+    (dict(heads=8, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True),
+     ("hopper", "rotated")),
     (dict(heads=4, kv_heads=1, dim=96, block_size=32, causal=True, rope_theta=1e4, rotary_interleaved=True),
      ("simple", "simple")),
     (dict(heads=2, kv_heads=2, dim=128, block_size=16, rope_theta=1e4, rotary_interleaved=True), ("simple", "simple")),
@@ -687,6 +688,83 @@ def test_hopper_wide_backward(monkeypatch, case, table):
 def test_hopper_wide_backward_keeps_a_nan_in_its_block(rotary):
     """With hopper_wide's backward, a NaN in one token's q, k, v reaches only its own block's gradients."""
     _assert_nan_stays_in_its_block(2, 2, 256, 128, rotary, "hopper_wide")
+
+
+ROTATED_CASES = [
+    # The backward without rotary on the flash kernels (blocks over 64 at D over 128, grouped query heads).
+    dict(heads=4, kv_heads=1, dim=256, block_size=128, causal=True, rope_theta=1e4),
+    # ... on hopper_wide (one query head per kv head), interleaved pairs over part of the channels.
+    dict(heads=2, kv_heads=2, dim=256, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
+    # ... on hopper, at given positions; and on simple (D256 grouped query heads at block 64).
+    dict(heads=8, kv_heads=2, dim=128, block_size=128, rope_theta=1e4, rotary_interleaved=True, positions="int"),
+    dict(heads=4, kv_heads=1, dim=96, block_size=100, causal=True, rope_theta=1e4, rotary_dim=64),
+    dict(heads=8, kv_heads=2, dim=256, block_size=64, rope_theta=500.0, positions="float"),
+    dict(heads=8, kv_heads=2, dim=128, block_size=32, rope_theta=1e4, causal=True),
+]
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", ROTATED_CASES, ids=_case_id)
+def test_rotated_backward_forced(monkeypatch, case, table):
+    """``rotated`` forced: the rotary backward as a rotation pass into copies of q and k, the
+    backward without rotary (whichever variant auto takes for it, or the flash kernels) and the
+    transpose rotation of dq and dk in place, against the float64 oracle, bf16 and fp16, on lengths
+    around the block size (empty, 1-token and ragged blocks)."""
+    from blockattn_layers.kernels.block import rotation
+    from blockattn_layers.kernels.common import schedule as _schedule
+
+    passes = []
+    real = rotation.rotate_rows
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a: passes.append(a[-2:]) or real(*a))
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    with variants.forced_variant("rotated"):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
+                                           seed=heads + dim)
+            if isinstance(case.get("positions"), str):
+                total = q.shape[0]
+                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                                     else torch.rand(total, device=DEV) * 4000)
+            passes.clear()
+            check_against_oracle(q, k, v, offsets, **case)
+            assert passes == [(False, False), (True, True)]
+
+
+def test_forcing_a_backward_variant_is_not_undone_by_a_prepared_backward(monkeypatch):
+    """The forward prepares its backward (``bwd.prepare_backward``) by the forward's launch key. A
+    forced variant whose forward is auto's (``rotated`` here) launches that same forward: its
+    backward must still be its own, not the one prepared for auto's calls."""
+    from blockattn_layers.kernels.block import rotation
+
+    passes = []
+    real = rotation.rotate_rows
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a: passes.append(a[-2:]) or real(*a))
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS, 4, 1, 64, torch.bfloat16)
+
+    def step():
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = bl.block_attention(*xs, offsets, block_size=64, rope_theta=1e4, backend="triton")
+        return torch.autograd.grad(out, xs, torch.ones_like(out))
+
+    with variants.forced_variant("auto"):
+        facts = variants.call_facts(q, k, 64, 64, False, False, backward=True)
+        assert variants.choose(facts, q, (q, k, v)).name != "rotated"
+        want = [step() for _ in range(3)][-1]  # the first backward compiles; later ones are prepared
+    assert passes == []
+    with variants.forced_variant("rotated"):
+        got = step()
+    assert passes == [(False, False), (True, True)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 1, 128, 128), (8, 2, 256, 64), (4, 1, 256, 128)])
+def test_rotated_backward_keeps_a_nan_in_its_block(heads, kv_heads, dim, block_size):
+    """With ``rotated`` forced, a NaN in one token's q, k, v reaches only its own block's gradients."""
+    _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, True, "rotated")
 
 
 PACKED_CASES = [

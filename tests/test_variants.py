@@ -102,7 +102,9 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert reasons["backward: flash"] == []
     assert reasons["backward: hopper_wide"] == ["2 query heads per kv head (needs one)"]
     assert all("flash kernels run it" in why[-1] for name, why in reasons.items()
-               if name.startswith("backward: ") and name not in ("backward: flash", "backward: hopper_wide"))
+               if name.startswith("backward: ")
+               and name not in ("backward: flash", "backward: hopper_wide", "backward: rotated"))
+    assert reasons["backward: rotated"] == ["no rotary"]
     assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
     # One query head per kv head: hopper_wide's backward, rotary or not. There the
@@ -262,7 +264,8 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     assert auto(block_size=128, head_dim=256, backward=True) == "hopper_wide"
     assert auto(block_size=128, head_dim=256, rot=256, backward=True) == "hopper_wide"
     assert auto(block_size=64, head_dim=256, rot=256, backward=True) == "hopper"  # 64-row tiles (session 30)
-    assert auto(block_size=64, head_dim=256, rot=256, groups=2, backward=True) == "simple"
+    # Grouped query heads: the rotation pass around simple's backward (session 31).
+    assert auto(block_size=64, head_dim=256, rot=256, groups=2, backward=True) == "rotated"
     assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
     assert auto(block_size=128, groups=4, head_dim=32, backward=True) == "hopper"
@@ -297,7 +300,8 @@ def test_unknown_variant_names_raise(monkeypatch):
     with pytest.raises(ValueError, match=r"force_variant\(name\) must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed"):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
-    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, hopper_wide, got 'fast'"):
+    with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, "
+                       "hopper_wide, rotated, got 'fast'"):
         variants.forced()
 
 
@@ -323,8 +327,10 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple",
-                             "hopper_ws"]
+    assert list(reasons) == ["rotated", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed",
+                             "simple", "hopper_ws"]
+    assert reasons["rotated"] == ["forward: the fused rotary kernels run it (the rotation pass serves the backward)",
+                                  "no rotary"]
     assert reasons["keys"] == ["auto takes another variant here: forward: the simple kernels' (auto names it simple)"]
     assert reasons["hopper_packed"] == ["block_size 64 > 32"]
     assert reasons["hopper"] == [] and reasons["simple"] == ["a variant before it runs"]
@@ -338,7 +344,8 @@ def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_a
                                        "2 query heads per kv head (needs one)"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed", "simple"]
+    assert list(forced) == ["hopper_ws", "rotated", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed",
+                            "simple"]
     assert forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
 
@@ -403,13 +410,15 @@ def test_sm100_admission_plan_and_opt_in(monkeypatch):
 
 
 def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
-    """``keys`` (the backward over key rows) runs rotary backwards of grouped query heads on blocks
-    over 64 at head dims 65-128 (where it was timed faster than hopper and simple), on any GPU
-    generation; never a forward, one query head per kv head, blocks of up to 64 or narrower heads.
-    Interleaved grouped-query backwards at blocks of up to 64 and D 65-128 run simple."""
+    """Among the fused backwards (``rotated`` aside), ``keys`` (the backward over key rows) runs rotary
+    backwards of grouped query heads on blocks over 64 at head dims 65-128 (where it was timed faster
+    than hopper and simple), on sm_90; never a forward, one query head per kv head, blocks of up to
+    64 or narrower heads. Interleaved grouped-query backwards at blocks of up to 64 and D 65-128 run
+    simple."""
+    fused = tuple(v for v in variants.AUTO_ORDER if v is not variants.ROTATED)
+
     def auto(**kw):
-        facts = _facts(**kw)
-        return variants._auto(facts, torch.empty(0), ()).name
+        return variants._auto_by_facts(_facts(**kw), fused).name
 
     assert auto(head_dim=128, groups=4, block_size=128, rot=128, backward=True) == "keys"
     for major in (8, 10):  # timed on sm_90 only
@@ -428,6 +437,36 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
     assert auto(head_dim=128, groups=4, block_size=128, backward=True) == "hopper"
     assert variants.explain(_facts(head_dim=256, groups=4, block_size=128, rot=128, backward=True))["keys"][0] == \
         "head_dim 256 > 128"
+
+
+def test_auto_takes_the_rotation_pass_where_the_fused_backward_is_simple_or_keys(restore_auto):
+    """``rotated`` (rotated copies of q and k, the backward without rotary, dq and dk rotated back) is
+    auto's for rotary backwards of grouped query heads at head dims over 64 on blocks over 32 tokens
+    where the fused backward would be simple's, keys' or the flash kernels' (session 31); never a
+    forward, a call without rotary, one query head per kv head, other GPU generations, or where a
+    Gluon variant takes the fused backward."""
+    def auto(**kw):
+        return variants._auto(_facts(**kw), torch.empty(0), ()).name
+
+    rotary = dict(groups=4, rot=128, backward=True)
+    assert auto(head_dim=128, block_size=128, **rotary) == "rotated"  # keys' region
+    assert auto(head_dim=128, block_size=128, interleaved=True, **rotary) == "rotated"
+    assert auto(head_dim=96, block_size=100, **dict(rotary, rot=64)) == "rotated"
+    assert auto(head_dim=128, block_size=64, interleaved=True, **rotary) == "rotated"  # simple's
+    assert auto(head_dim=96, block_size=64, interleaved=True, **dict(rotary, rot=96)) == "rotated"
+    assert auto(head_dim=96, block_size=64, **dict(rotary, rot=96)) == "hopper"
+    assert auto(head_dim=256, block_size=64, **dict(rotary, rot=256)) == "rotated"
+    assert auto(head_dim=256, block_size=128, **dict(rotary, rot=256)) == "rotated"  # flash's
+    assert auto(head_dim=128, block_size=64, **rotary) == "hopper"  # the fused hopper backward
+    assert auto(head_dim=64, block_size=128, **dict(rotary, rot=64)) == "hopper"
+    assert auto(head_dim=256, block_size=32, **dict(rotary, rot=256)) == "simple"
+    assert auto(head_dim=128, block_size=128, groups=4, rot=128) == "hopper"  # forward
+    assert auto(head_dim=128, block_size=128, groups=4, backward=True) == "hopper"  # no rotary
+    assert auto(head_dim=256, block_size=128, rot=256, backward=True) == "hopper_wide"  # one query head per kv head
+    for major in (8, 10):
+        assert auto(major=major, head_dim=128, block_size=128, **rotary) != "rotated"
+    reasons = variants.explain(_facts(head_dim=128, block_size=64, **rotary))
+    assert reasons["rotated"] == ["auto takes another variant here: the fused hopper backward is faster on the H200"]
 
 
 def test_a_forced_hopper_wide_forward_is_planned_as_hoppers():

@@ -8,6 +8,7 @@ import torch
 import blockattn_layers
 from blockattn_layers.ops import backends as _backends
 from blockattn_layers._validation import validate_attention_args
+from blockattn_layers.ops.backends.triton_block import ROTATED_COPIES
 
 from .common import Case, Inputs, Method, Prepared, RunConfig
 
@@ -31,7 +32,8 @@ def _request(case: Case, cfg: RunConfig) -> blockattn_layers.AttentionRequest:
 def block_kernels(case: Case, cfg: RunConfig) -> Dict[str, Optional[str]]:
     """The kernel variant ``auto`` runs a case with, per mode (``{"fwd": ..., "bwd": ...}``): the
     first variant without reasons of the backend the dispatcher selects, and the backward's own
-    where it chooses apart (``backward: NAME``, e.g. ``flash``); ``None`` for a backend without
+    where it chooses apart (``backward: NAME``, e.g. ``flash``; ``rotated+NAME`` for a rotation pass
+    around the backward NAME without rotary); ``None`` for a backend without
     variants or a case no backend serves."""
     req = _request(case, cfg)
     try:
@@ -40,8 +42,12 @@ def block_kernels(case: Case, cfg: RunConfig) -> Dict[str, Optional[str]]:
         return {"fwd": None, "bwd": None}
     if spec.variant_reasons is None:
         return {"fwd": None, "bwd": None}
-    fwd, phases = blockattn_layers.dispatch.running_variants(spec.variant_reasons(req))
-    return {"fwd": fwd, "bwd": phases.get("backward", fwd)}
+    reasons = spec.variant_reasons(req)
+    fwd, phases = blockattn_layers.dispatch.running_variants(reasons)
+    bwd = phases.get("backward", fwd)
+    inner = next((name.split(": ", 1)[1] for name, why in reasons.items()
+                  if name.startswith(f"{ROTATED_COPIES}: ") and not why), None)
+    return {"fwd": fwd, "bwd": f"{bwd}+{inner}" if inner else bwd}
 
 
 def _skip(spec: blockattn_layers.BackendSpec):
@@ -93,6 +99,12 @@ def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
         if refused:
             return refused
         reasons = spec.variant_reasons(_request(case, cfg))
+        if variants.VARIANTS[variant].rotation_pass:
+            # A backward-only variant: the forward runs auto's either way.
+            backward = blockattn_layers.dispatch.running_variants(reasons)[1].get("backward")
+            if backward == variant and variants.forced() is None:
+                return f"the '{spec.name}' row runs this variant here"
+            return None if case.rope_theta is not None else "no rotary"
         if reasons.get(variant) == [] and variants.forced() is None:
             return f"the '{spec.name}' row runs this variant here"
         ignored = ("a variant before", "auto takes", "experimental")

@@ -28,9 +28,9 @@ from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.split import load_split, store_split
 from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols, store_pairs
-from . import self_check
+from . import self_check, variants
 from .plan import block_grid, block_plan, float32_tile_fits
-from . import variants
+from .rotation import rotated_backward
 from .variants import SIMPLE, call_facts, choose
 
 
@@ -219,6 +219,11 @@ def block_attention_bwd(
     int64 = needs_int64(q, k, v, do, dq)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v, do))
+    if variant.rotation_pass:
+        return rotated_backward(
+            lambda qr, kr: block_attention_bwd(do, qr, kr, v, offsets, block_size, scale, causal, None, None, 0, False,
+                                               cpu_offsets),
+            q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
     flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
     args = (
         q, k, v, do, dq, dk, dv, sched.table,
@@ -307,12 +312,14 @@ class PreparedBackward:
         return dq, dk, dv
 
 
-# forward launch key -> (compiled backward, its launcher, launch options, stride arguments, variant) of
-# its backward; the forward's key fixes them all (see ``prepare_backward``). Key None: the last
-# (forward key, template) prepared. A forward remembered by its signature passes the same key object
-# on every call, found there by identity without hashing the key (``block.fwd._forward``).
+# (forward launch key, forced variant) -> (compiled backward, its launcher, launch options, stride
+# arguments, variant) of its backward; they fix them all (see ``prepare_backward``): a forced variant
+# whose forward is auto's (keys, rotated) launches the same forward with another backward. Key None:
+# the last (forward key, forced variant, template) prepared. A forward remembered by its signature
+# passes the same key object on every call, found there by identity without hashing the key
+# (``block.fwd._forward``).
 _TEMPLATES = HostCache("block_backwards")
-_NO_LAST = (None, None)
+_NO_LAST = (None, None, None)
 
 
 def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -327,9 +334,10 @@ def wide_backward_runs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        interleaved: bool, has_pos: bool) -> bool:
     """Whether a block-kernel variant computes a backward that ``one_tile_backward_fits`` refuses: the
     variant the choice takes has a backward for those calls (``Variant.wide_backward``). A forced
-    variant without one leaves them to the flash kernels, as before it was forced."""
+    variant without one leaves them to the flash kernels, as before it was forced (a forced
+    ``rotated`` leaves its inner backward, which has no rotary, to auto)."""
     forced = variants.forced()
-    if forced is not None and not forced.wide_backward:
+    if forced is not None and not forced.wide_backward and not forced.rotation_pass:
         return False
     facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
     return choose(facts, q, (q, k, v, do)).wide_backward
@@ -353,16 +361,17 @@ def prepare_backward(
     """
     if fwd_key is None or sched.programs == 0 or not one_tile_backward_fits(block_size, q.shape[2], q.dtype):
         return None
-    last_key, template = _TEMPLATES.get(None, _NO_LAST)
-    if fwd_key is not last_key:
-        template = _TEMPLATES.get(fwd_key)
+    forced = variants.forced_name()
+    last_key, last_forced, template = _TEMPLATES.get(None, _NO_LAST)
+    if fwd_key is not last_key or forced != last_forced:
+        template = _TEMPLATES.get((fwd_key, forced))
         if template is None:
             template = _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
                                  rotary_interleaved)
             if template is None:
                 return None
-            _TEMPLATES.put(fwd_key, template)
-        _TEMPLATES[None] = (fwd_key, template)
+            _TEMPLATES.put((fwd_key, forced), template)
+        _TEMPLATES[None] = (fwd_key, forced, template)
     entry, launcher, meta, strides, variant = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
@@ -385,6 +394,8 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
+    if variant.rotation_pass:
+        return None  # its passes and inner backward run on the ordinary path
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)
     if self_check.pending(variant, facts.major, key):

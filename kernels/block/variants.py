@@ -27,9 +27,12 @@ with one query head per kv head at D <= 128, and with split-half rotary at D <= 
 confines a NaN to its block; the persistent Triton variant, slower everywhere, was deleted; the
 warp-specialized ``hopper_ws`` kernels (``experimental.sm90_ws``), slower on every prod shape, are
 kept beside the ``sm100`` kernels that grew from their design. ``keys`` (Triton, a backward over key
-rows; its forward is simple's) is first in ``AUTO_ORDER`` but taken only on sm_90 for the rotary
-backward of grouped query heads on blocks over 64 at D 65-128, where it was faster
-(``_keys_auto_reasons``).
+rows; its forward is simple's) was faster than hopper and simple only for the rotary backward of
+grouped query heads on blocks over 64 at D 65-128 (``_keys_auto_reasons``). ``rotated`` (first in
+``AUTO_ORDER``) runs a rotary backward as a rotation pass into copies of q and k, the backward
+without rotary and the transpose rotation of dq and dk (``block.rotation``); on sm_90 auto takes it
+for grouped query heads at D over 64 on blocks over 32 wherever the fused backward would be simple's,
+keys' or the flash kernels' (``_rotated_auto_reasons``): 1.0-2.1x faster there, keys' region included.
 """
 from __future__ import annotations
 
@@ -93,7 +96,10 @@ class Variant(NamedTuple):
     use (``block.self_check``); ``auto_reasons``: why ``auto`` leaves a call it admits to the
     variants after it (where it was measured slower), no bar to forcing it; ``wide_backward``: its
     backward takes blocks over 64 tokens at head dims over 128, which no other variant's backward
-    fits in one program (those calls' backward runs on the flash kernels otherwise).
+    fits in one program (those calls' backward runs on the flash kernels otherwise);
+    ``rotation_pass``: a rotary backward run as a rotation pass, the backward without rotary
+    (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
+    then gives the rotation pass's launcher.
     """
 
     name: str
@@ -114,6 +120,7 @@ class Variant(NamedTuple):
     auto_reasons: Optional[Callable[[CallFacts], List[str]]] = None
     lse_forward: Optional[Callable[[], Launcher]] = None
     wide_backward: bool = False
+    rotation_pass: bool = False
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -493,6 +500,48 @@ def _keys_auto_reasons(facts: CallFacts) -> List[str]:
     return [KEYS_SLOWER_REASON]
 
 
+def _rotation_kernels() -> Tuple[Launcher, Launcher]:
+    from . import rotation
+
+    return rotation.launch_rotation, rotation.launch_rotation
+
+
+def _rotated_call_reasons(facts: CallFacts) -> List[str]:
+    """The ``rotated`` variant's admission: the backward of rotary calls (the forward rotates in its
+    kernels; without rotary there is nothing to rotate). Every dtype, head dim, block size and
+    rotary form: the backward without rotary is the one auto takes."""
+    reasons = []
+    if not facts.backward:
+        reasons.append("forward: the fused rotary kernels run it (the rotation pass serves the backward)")
+    if not facts.rot:
+        reasons.append("no rotary")
+    return reasons
+
+
+def _rotated_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``auto`` takes the rotation pass: the rotary backward of grouped query heads at head dims
+    over 64 on blocks over 32 tokens where no Gluon variant takes the fused backward (the fused one
+    would be simple's, keys' or the flash kernels'). A/B on the H200 (bf16, grid lengths, causal no;
+    ms rotated / fused, session 31): block 128 D256 split 4x1 14.2 / 23.8 (flash), 8x2 34.3 / 47.6;
+    block 64 D256 4x1 8.05 / 14.5 (simple; causal 8.01 / 17.1); block 128 8x2 D128 split 8.61 / 10.35
+    (keys), interleaved 8.46 / 10.56, D96 10.29 / 10.31 and 10.21 / 10.44; block 64 4x1 interleaved
+    D96 2.69 / 3.15 (simple), D128 2.91 / 3.22. Slower where the fused backward is hopper's (block
+    64 4x1 D128 split 2.98 / 1.89 in the grid record) and on blocks of up to 32, where simple's is
+    (8x2 D256 split: block 16 12.95 / 7.39, block 32 12.79 / 11.34)."""
+    if facts.major != 9:
+        return ["timed on sm_90 only"]
+    if facts.groups == 1 or facts.head_dim <= 64 or facts.block_size <= 32:
+        return [ROTATED_SLOWER_REASON]
+    fused = _auto_by_facts(facts, tuple(v for v in AUTO_ORDER if not v.rotation_pass))
+    if fused not in (SIMPLE, KEYS):
+        return [f"the fused {fused.name} backward is faster on the H200"]
+    return []
+
+
+ROTATED_SLOWER_REASON = ("the fused rotary backward is faster on the H200 outside grouped query heads at head dims "
+                         "over 64 on blocks over 32 tokens")
+
+
 KEYS_SLOWER_REASON = ("backward slower than hopper or simple on the H200 outside rotary of grouped query heads on "
                       "blocks over 64 at head dims 65-128")
 
@@ -540,6 +589,12 @@ HOPPER_WIDE = Variant(
     _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True, verified_on=frozenset({9}),
     auto_reasons=_hopper_wide_auto_reasons, lse_forward=_hopper_lse_forward, wide_backward=True)
 
+ROTATED = Variant(
+    "rotated", "backward of rotary calls in three steps: a Triton pass writes rotated copies of q and k, the "
+    "backward without rotary runs on them (the variant auto takes for it, or the flash kernels), a second pass "
+    "rotates dq and dk back in place; its forward: the fused kernels'", None, False, _rotated_call_reasons,
+    _no_reasons, _rotation_kernels, auto_reasons=_rotated_auto_reasons, rotation_pass=True)
+
 PACKED = Variant(
     "packed", "Triton simple kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block); slower than simple or hopper_packed on the "
@@ -556,9 +611,9 @@ SM100 = Variant(
     verified_on=frozenset(), num_warps=4)
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED, KEYS,
-                                                    HOPPER_WIDE)}
+                                                    HOPPER_WIDE, ROTATED)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (HOPPER_WIDE, KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (ROTATED, HOPPER_WIDE, KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"
@@ -666,17 +721,31 @@ def _auto_reasons(variant: Variant, facts: CallFacts) -> List[str]:
 
 def _auto(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
     for variant in AUTO_ORDER:
-        if variant.generations is not None and facts.major not in variant.generations:
-            continue
-        if (not _call_reasons(variant, facts) and not _auto_reasons(variant, facts)
-                and not _state_reasons(variant, facts, True) and not variant.layout_reasons(q, tensors)):
+        if _auto_takes(variant, facts) and not variant.layout_reasons(q, tensors):
             return variant
     return SIMPLE
 
 
+def _auto_takes(variant: Variant, facts: CallFacts) -> bool:
+    """Whether ``auto`` takes ``variant`` for a call with these facts, short of the tensors' layout."""
+    if variant.generations is not None and facts.major not in variant.generations:
+        return False
+    return not _call_reasons(variant, facts) and not _auto_reasons(variant, facts) and not _state_reasons(
+        variant, facts, True)
+
+
+def _auto_by_facts(facts: CallFacts, order: Tuple[Variant, ...]) -> Variant:
+    """The first variant of ``order`` that ``auto`` takes for these facts (layout aside)."""
+    return next((variant for variant in order if _auto_takes(variant, facts)), SIMPLE)
+
+
 def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
-    """The variant that computes this call: the forced one where it admits the call, else auto's."""
+    """The variant that computes this call: the forced one where it admits the call, else auto's.
+    A forced ``rotated`` (``Variant.rotation_pass``) leaves forwards and calls without rotary to
+    auto without a warning: they are the calls it runs around (its inner backward is one)."""
     variant = forced()
+    if variant is not None and variant.rotation_pass and not (facts.backward and facts.rot):
+        variant = None
     if variant is not None:
         reasons = (_call_reasons(variant, facts) + _state_reasons(variant, facts, False)
                    + variant.layout_reasons(q, tensors))

@@ -10,7 +10,9 @@ blocks over 64 rows with head dims over 128; the op layer's ``saves_lse``), the 
 each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``), and the backward
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
 backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, one query
-head per kv head, which needs neither). Without gradients (``forward_inference``)
+head per kv head, which needs neither). A rotary backward the choice runs as a rotation pass
+(``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
+rotary on rotated copies of q and k and rotates dq and dk back. Without gradients (``forward_inference``)
 it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
 compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
 (by name only: ``auto`` never picks it there).
@@ -27,6 +29,7 @@ from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits, wide_backward_runs
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.block.plan import float32_tile_fits
+from blockattn_layers.kernels.block.rotation import rotated_backward, rotation_pass_runs
 from blockattn_layers.kernels.common.meta import MAX_TILE
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
@@ -90,6 +93,11 @@ def _backward(
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     rot = rotary_dim if rope_theta is not None else 0
+    if rotation_pass_runs(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None):
+        return rotated_backward(
+            lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
+                                     False, cpu_offsets, max_seqlen),
+            q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
     if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(
             grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None):
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
@@ -115,6 +123,8 @@ def triton_devices() -> frozenset:
 FLASH = "flash"
 # The phase, beside "backward", whose variant choice ``_variant_reasons`` may show apart.
 FORWARD_WITH_GRADIENTS = "forward with gradients"
+# The phase whose variant choice ``_variant_reasons`` shows where the backward runs as a rotation pass.
+ROTATED_COPIES = "backward on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
@@ -127,8 +137,10 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     it and no ``Variant.wide_backward`` variant takes it), and
     there, where the forward without gradients takes another variant than the forward with them
     (which stores the logsumexp: ``CallFacts.stores_lse``), the latter's reasons under
-    ``forward with gradients: NAME``. float32 calls whose tile does not fit (``float32_tile_fits``):
-    ``flash`` both ways, every variant with that reason."""
+    ``forward with gradients: NAME``. Where the backward runs as a rotation pass (``rotated``), the
+    choice of its inner backward, without rotary, follows under ``backward on rotated copies: NAME``.
+    float32 calls whose tile does not fit (``float32_tile_fits``): ``flash`` both ways, every variant
+    with that reason."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
@@ -140,19 +152,30 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
     if not one_tile_backward_fits(block_size, req.head_dim, req.dtype):
-        explained = variants.explain(facts._replace(backward=True))
-        backward = {name: why if variants.VARIANTS[name].wide_backward else why + [_NO_ONE_TILE_BACKWARD]
-                    for name, why in explained.items()}
-        backward[FLASH] = [] if _running(backward) is None else ["a variant before it runs"]
         training = variants.explain(facts._replace(stores_lse=True))
-    else:
-        backward = variants.explain(facts._replace(backward=True))
+    backward = _backward_reasons(facts)
     reasons = dict(forward)
     if _running(training) != _running(forward):
         reasons.update({f"{FORWARD_WITH_GRADIENTS}: {name}": why for name, why in training.items()})
     if _running(backward) != _running(forward):
         reasons.update({f"backward: {name}": why for name, why in backward.items()})
+    running = variants.VARIANTS.get(_running(backward))
+    if running is not None and running.rotation_pass:
+        inner = _backward_reasons(facts._replace(rot=0, interleaved=False))
+        reasons.update({f"{ROTATED_COPIES}: {name}": why for name, why in inner.items()})
     return reasons
+
+
+def _backward_reasons(facts: variants.CallFacts) -> Dict[str, List[str]]:
+    """Each variant's reasons not to run the backward of a call with these (forward) facts, and
+    ``flash``'s where no block kernel's backward fits one program."""
+    explained = variants.explain(facts._replace(backward=True))
+    if one_tile_backward_fits(facts.block_size, facts.head_dim, facts.dtype):
+        return explained
+    backward = {name: why if variants.VARIANTS[name].wide_backward or variants.VARIANTS[name].rotation_pass
+                else why + [_NO_ONE_TILE_BACKWARD] for name, why in explained.items()}
+    backward[FLASH] = [] if _running(backward) is None else ["a variant before it runs"]
+    return backward
 
 
 def _running(reasons: Dict[str, List[str]]) -> Optional[str]:
