@@ -655,7 +655,7 @@ def test_hopper_wide_backward(monkeypatch, case, table):
     """Blocks of 65-128 tokens at head dims over 128, one query head per kv head, rotary or not: auto
     takes the hopper_wide backward (the flash kernels are not called) and it matches the float64
     oracle, bf16 and fp16, on lengths around the block size (empty, 1-token and ragged blocks)."""
-    from blockattn_layers.kernels.block.bwd import wide_backward_runs
+    from blockattn_layers.kernels.block.bwd import backward_variant, wide_backward_runs
     from blockattn_layers.kernels.common import schedule as _schedule
     from blockattn_layers.ops.backends import triton_block
 
@@ -679,7 +679,7 @@ def test_hopper_wide_backward(monkeypatch, case, table):
             rotary = (rot, case.get("rotary_interleaved", False), "positions" in case)
             facts = variants.call_facts(q, k, case["block_size"], rot, rotary[1], False, rotary[2], backward=True)
             assert variants.choose(facts, q, (q, k, v)).name == "hopper_wide"
-            assert wide_backward_runs(q, q, k, v, case["block_size"], *rotary)
+            assert wide_backward_runs(backward_variant(q, q, k, v, case["block_size"], *rotary))
             check_against_oracle(q, k, v, offsets, **case)
 
 

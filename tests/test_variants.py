@@ -155,13 +155,15 @@ def test_the_forwards_that_store_the_logsumexp_take_the_plain_forwards_plans():
         at = plain_args.index("O") + 1
         tail = plain_args.index("stride_od") + 1
         assert lse_args == plain_args[:at] + ["Lse"] + plain_args[at:tail] + ["stride_lh"] + plain_args[tail:]
-    # Every variant that admits a call whose forward stores the logsumexp has such a kernel.
+    # Every variant that computes a forward which stores the logsumexp has such a kernel (a
+    # backward-only variant's forward is its ``forward_of``'s).
     for name, variant in variants.VARIANTS.items():
         for block, dim, groups, rot in [(65, 144, 1, 0), (128, 256, 1, 0), (128, 192, 4, 0), (100, 256, 2, 256)]:
             for major in (8, 9, 10):
                 facts = _facts(major=major, block_size=block, head_dim=dim, groups=groups, rot=rot)
-                if not variant.call_reasons(facts):
-                    assert variant.lse_forward is not None, (name, facts)
+                runs = variants.VARIANTS.get(variant.forward_of, variant)
+                if not variant.call_reasons(facts) and not variant.rotation_pass:
+                    assert runs.lse_forward is not None, (name, facts)
 
 
 def test_hopper_layout_reasons():
@@ -469,24 +471,27 @@ def test_auto_takes_the_rotation_pass_where_the_fused_backward_is_simple_or_keys
     assert reasons["rotated"] == ["auto takes another variant here: the fused hopper backward is faster on the H200"]
 
 
-def test_a_forced_hopper_wide_forward_is_planned_as_hoppers():
-    """hopper_wide's forward runs hopper's kernels, with hopper's launch plan: its split groups at
-    D256 (one program per query head) and register caps, not the defaults of an unknown name."""
+def test_a_backward_only_variant_stands_for_its_forward_of_in_the_forward(restore_auto):
+    """``hopper_wide`` computes backwards only: forced or not, the forward of a call is its
+    ``forward_of``'s (hopper's), with its admission, auto reasons, kernels and launch plan (hopper's
+    split groups at D256 and register caps, not the defaults of another name)."""
     q = torch.empty(5, 4, 256, dtype=torch.bfloat16)
-    k = q[:, :2]
+    for name, forward in (("hopper_wide", "hopper"),):
+        variant = variants.VARIANTS[name]
+        assert variant.forward_of == forward and variant.lse_forward is None
+        with variants.forced_variant(name), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for block, rot in ((128, 0), (128, 256), (64, 0)):
+                facts = _facts(head_dim=256, groups=2, block_size=block, rot=rot)
+                assert variants.choose(facts, q, (q,)) is variants.VARIANTS[forward]
+                assert variants._call_reasons(variant, facts) == variants._call_reasons(
+                    variants.VARIANTS[forward], facts)
+        auto = variants.explain(_facts(groups=2))[name]
+        assert auto == [f"auto takes another variant here: forward: the {forward} kernels' (auto names it {forward})"]
+    # The plan the forward of a forced hopper_wide runs: hopper's.
     fwd = variants.HOPPER.kernels()[0]
-    for block, rot, causal in ((128, 0, False), (128, 256, True), (64, 0, False)):
-        args = (q, k, block, rot, False, False, causal, False, 0, False)
-        hopper, _, _ = plan.block_plan(*args, variants.HOPPER, fwd)
-        wide, _, key = plan.block_plan(*args, variants.HOPPER_WIDE, variants.HOPPER_WIDE.kernels()[0])
-        assert wide == hopper and wide["SPLIT_GROUPS"] == 2 and wide["GROUPS"] == 1 and "hopper_wide" in key
-    q64 = torch.empty(5, 2, 64, dtype=torch.bfloat16)
-    args = (q64, q64, 128, 64, False, False, False, False, 0, False)
-    wide, _, _ = plan.block_plan(*args, variants.HOPPER_WIDE, variants.HOPPER_WIDE.kernels()[0])
-    assert wide["maxnreg"] == plan.HOPPER_TILE128_ROTARY_FWD_MAXNREG
-    # (Not at D256, whose output accumulator alone takes 128 registers a thread.)
-    mha, _, _ = plan.block_plan(q[:, :2], k, 128, 256, False, False, False, False, 0, False, variants.HOPPER, fwd)
-    assert "maxnreg" not in mha and mha["GROUPS"] == 1
+    hopper, _, _ = plan.block_plan(q, q[:, :2], 128, 0, False, False, False, False, 0, False, variants.HOPPER, fwd)
+    assert hopper["SPLIT_GROUPS"] == 2 and hopper["GROUPS"] == 1
 
 
 def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):
@@ -498,23 +503,28 @@ def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_i
 
     q, k = torch.empty(300, 2, 256, dtype=torch.bfloat16), torch.empty(300, 2, 256, dtype=torch.bfloat16)
     assert not bwd.one_tile_backward_fits(128, 256, torch.bfloat16)
-    assert not bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)  # CPU tensors: no sm_90 GPU
+    def wide(*args):
+        return bwd.wide_backward_runs(bwd.backward_variant(*args))
+
+    assert not wide(q, q, k, k, 128, 0, False, False)  # CPU tensors: no sm_90 GPU
     on_sm90 = variants.call_facts
 
     def facts(*args, **kwargs):
         return on_sm90(*args, **kwargs)._replace(device_type="cuda", major=9)
 
     monkeypatch.setattr(bwd, "call_facts", facts)
-    assert bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
-    assert bwd.wide_backward_runs(q, q, k, k, 100, 0, False, False)
-    assert bwd.wide_backward_runs(q, q, k, k, 128, 256, False, False)  # rotary, split halves
-    assert bwd.wide_backward_runs(q, q, k, k, 128, 128, True, True)  # partial, interleaved, given positions
-    assert not bwd.wide_backward_runs(q, q, k, k, 128, 40, False, False)  # rotary_dim not whole chunks
+    assert wide(q, q, k, k, 128, 0, False, False)
+    assert wide(q, q, k, k, 100, 0, False, False)
+    assert wide(q, q, k, k, 128, 256, False, False)  # rotary, split halves
+    assert wide(q, q, k, k, 128, 128, True, True)  # partial, interleaved, given positions
+    assert not wide(q, q, k, k, 128, 40, False, False)  # rotary_dim not whole chunks
     gqa = torch.empty(300, 4, 256, dtype=torch.bfloat16)
-    assert not bwd.wide_backward_runs(gqa, gqa, k, k, 128, 0, False, False)
-    assert not bwd.wide_backward_runs(q.float(), q.float(), k.float(), k.float(), 128, 0, False, False)
+    assert not wide(gqa, gqa, k, k, 128, 0, False, False)
+    assert bwd.backward_variant(gqa, gqa, k, k, 128, 256, False, False).name == "rotated"  # around flash
+    assert not wide(q.float(), q.float(), k.float(), k.float(), 128, 0, False, False)
     for name in ("simple", "hopper"):  # (hopper cannot compute it: auto's choice would be hopper_wide)
         with variants.forced_variant(name):
-            assert not bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
-    with variants.forced_variant("hopper_wide"):
-        assert bwd.wide_backward_runs(q, q, k, k, 128, 0, False, False)
+            assert not wide(q, q, k, k, 128, 0, False, False)
+    for name in ("hopper_wide", "rotated"):  # (rotated: no rotary here, so auto's, hopper_wide)
+        with variants.forced_variant(name):
+            assert wide(q, q, k, k, 128, 0, False, False)

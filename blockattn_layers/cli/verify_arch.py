@@ -49,11 +49,13 @@ def _cases(device: str, quick: bool) -> List[dict]:
 
 
 def _facts(case: dict, device: torch.device) -> variants.CallFacts:
+    """The backward's facts: every variant computes a backward (some a backward only, their forward
+    another variant's: ``Variant.forward_of``)."""
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
     heads, kv_heads = case["heads"]
     rot = case["dim"] if case["rotary"] else 0
     return variants.CallFacts(device.type, major, case["dtype"], case["dim"], heads // kv_heads, case["block_size"],
-                              rot, False, False)
+                              rot, False, False, case["rotary"] == "positions", True)
 
 
 def _inputs(case: dict, device: torch.device, seed: int):

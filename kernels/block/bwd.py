@@ -31,7 +31,7 @@ from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_
 from . import self_check, variants
 from .plan import block_grid, block_plan, float32_tile_fits
 from .rotation import rotated_backward
-from .variants import SIMPLE, call_facts, choose
+from .variants import SIMPLE, Variant, call_facts, choose
 
 
 @triton.jit
@@ -74,11 +74,10 @@ def _bwd_block(
         finite = finite & finite_flag(ka, SLOT) & finite_flag(kb, SLOT)
     if ROT_DIM < HEAD_DIM:
         finite = finite & finite_flag(kp, SLOT)
+        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
     dka = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     dkb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     dkp = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    if ROT_DIM < HEAD_DIM:
-        cols_p, p_ok = pass_cols(BLOCK_P, ROT_DIM, HEAD_DIM)
     # The loop body stays written out: it goes column tile by column tile (q's pair tiles and their
     # scores, then the pass-through tile's; dQ's pair tiles rotated back and stored and dK's pair
     # terms, then the pass-through tile's), where ``common.split``'s helpers go gradient by gradient
@@ -203,9 +202,10 @@ def block_attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
     block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
     positions: Optional[torch.Tensor], rotary_dim: int, rotary_interleaved: bool,
-    cpu_offsets: Optional[torch.Tensor],
+    cpu_offsets: Optional[torch.Tensor], variant: Optional[Variant] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs."""
+    """Launch the backward kernel; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
+    ``variant``: the choice for this call where the caller made it (``backward_variant``)."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     dq, dk, dv = empty_grads(q, k, v)
@@ -218,7 +218,8 @@ def block_attention_bwd(
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, do, dq)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None, backward=True)
-    variant = choose(facts, q, (q, k, v, do))
+    if variant is None:
+        variant = choose(facts, q, (q, k, v, do))
     if variant.rotation_pass:
         return rotated_backward(
             lambda qr, kr: block_attention_bwd(do, qr, kr, v, offsets, block_size, scale, causal, None, None, 0, False,
@@ -320,6 +321,8 @@ class PreparedBackward:
 # (``block.fwd._forward``).
 _TEMPLATES = HostCache("block_backwards")
 _NO_LAST = (None, None, None)
+# The template of a backward that is not one launch (a rotation pass around another backward).
+_UNPREPARED = ()
 
 
 def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -330,17 +333,22 @@ def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -
     return (block_size <= 64 or head_dim <= 128) and float32_tile_fits(block_size, head_dim, dtype)
 
 
-def wide_backward_runs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, rot: int,
-                       interleaved: bool, has_pos: bool) -> bool:
-    """Whether a block-kernel variant computes a backward that ``one_tile_backward_fits`` refuses: the
-    variant the choice takes has a backward for those calls (``Variant.wide_backward``). A forced
-    variant without one leaves them to the flash kernels, as before it was forced (a forced
-    ``rotated`` leaves its inner backward, which has no rotary, to auto)."""
+def backward_variant(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, rot: int,
+                     interleaved: bool, has_pos: bool) -> Variant:
+    """The variant the choice takes for this backward."""
+    facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
+    return choose(facts, q, (q, k, v, do))
+
+
+def wide_backward_runs(variant: Variant) -> bool:
+    """Whether ``variant`` (the backward's choice) computes a backward that ``one_tile_backward_fits``
+    refuses (``Variant.wide_backward``). Where a forced variant without one could not take the call,
+    the flash kernels run it, as before it was forced (a forced ``rotated`` leaves its inner backward,
+    which has no rotary, to auto)."""
     forced = variants.forced()
     if forced is not None and not forced.wide_backward and not forced.rotation_pass:
         return False
-    facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
-    return choose(facts, q, (q, k, v, do)).wide_backward
+    return variant.wide_backward
 
 
 def prepare_backward(
@@ -372,6 +380,8 @@ def prepare_backward(
                 return None
             _TEMPLATES.put((fwd_key, forced), template)
         _TEMPLATES[None] = (fwd_key, forced, template)
+    if template is _UNPREPARED:
+        return None
     entry, launcher, meta, strides, variant = template
     pos = positions if positions is not None else sched.table
     kv_heads = k.shape[1]
@@ -388,14 +398,14 @@ def prepare_backward(
 def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, rotary_dim,
               rotary_interleaved) -> Optional[tuple]:
     """``(entry, launcher, meta, strides, variant)`` of the backward launch for these inputs, with
-    dO and the gradients contiguous and 16-byte aligned, or None where its kernel is not compiled
-    yet."""
+    dO and the gradients contiguous and 16-byte aligned, None where its kernel is not compiled
+    yet, ``_UNPREPARED`` where the backward is not one launch."""
     rot = rotary_dim if rope_theta is not None else 0
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
     if variant.rotation_pass:
-        return None  # its passes and inner backward run on the ordinary path
+        return _UNPREPARED  # its passes and inner backward run on the ordinary path
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)
     if self_check.pending(variant, facts.major, key):

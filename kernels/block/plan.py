@@ -9,7 +9,7 @@ import torch
 from blockattn_layers.runtime.caches import HostCache
 
 from ..common.meta import device_major, input_precision, max_shared_memory, num_warps, sm_count, static_meta, tile_extent
-from .variants import VARIANTS, Variant
+from .variants import Variant
 
 # Register caps (ptxas ``maxnreg``) of the simple block kernels. The forward's rotary kv-head loop
 # (D <= 64, see ``block.fwd``) needs 128 to fit 4 programs per SM on every generation (tiles of
@@ -143,11 +143,11 @@ def simple_backward_warps(meta: dict) -> int:
     return meta["num_warps"]
 
 
-def keys_backward_options(meta: dict, dtype: torch.dtype) -> dict:
+def keys_backward_options(meta: dict, dtype: torch.dtype, on_cuda: bool) -> dict:
     """Launch options of the ``keys`` backward (``block.bwd_keys``): one warpgroup per 64 key rows
-    (its products but dQ's have the keys as their M side), and the loop over (query head, query
-    tile) pipelined two deep on 16-bit tiles (the next tile's q and dO copies in flight)."""
-    stages = 2 if dtype.itemsize == 2 and meta["FAST_TRIG"] else 1
+    (its products but dQ's have the keys as their M side), and on a GPU the loop over (query head,
+    query tile) pipelined two deep on 16-bit tiles (the next tile's q and dO copies in flight)."""
+    stages = 2 if dtype.itemsize == 2 and on_cuda else 1
     return dict(num_warps=meta["BLOCK_M"] // 16, num_stages=stages)
 
 
@@ -228,9 +228,6 @@ def block_plan(
 def _build(key: tuple, variant: Variant, launcher) -> tuple:
     (dtype, device, head_dim, groups, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs,
      int64, precision, _) = key
-    if variant.name == "hopper_wide" and not backward:
-        # Its forward is hopper's kernels: planned as hopper's (register caps, split groups).
-        variant = VARIANTS["hopper"]
     on_cuda = device.type == "cuda"
     meta = dict(static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs)
@@ -254,7 +251,7 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     elif backward and variant.name == "simple":
         meta["num_warps"] = simple_backward_warps(meta)
     elif backward and variant.name == "keys":
-        meta.update(keys_backward_options(meta, dtype))
+        meta.update(keys_backward_options(meta, dtype, on_cuda))
     regs = max_registers(meta, variant, backward, major, dtype.itemsize)
     if regs:
         meta["maxnreg"] = regs

@@ -114,17 +114,6 @@ def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_off
     return ya, yb
 
 
-def rotation_pass_runs(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, rot: int,
-                       interleaved: bool, has_pos: bool) -> bool:
-    """Whether the variant choice runs this rotary backward as a rotation pass (``rotated``)."""
-    from .variants import call_facts, choose
-
-    if not rot:
-        return False
-    facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
-    return choose(facts, q, (q, k, v, do)).rotation_pass
-
-
 def rotated_backward(backward, q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor,
                      cpu_offsets: Optional[torch.Tensor], rope_theta: float, positions: Optional[torch.Tensor],
                      rotary_dim: int, interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

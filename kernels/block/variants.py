@@ -99,7 +99,9 @@ class Variant(NamedTuple):
     fits in one program (those calls' backward runs on the flash kernels otherwise);
     ``rotation_pass``: a rotary backward run as a rotation pass, the backward without rotary
     (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
-    then gives the rotation pass's launcher.
+    then gives the rotation pass's launcher; ``forward_of``: the variant whose forward runs this
+    one's (a backward-only variant): the choice takes that variant for the forward, forced or not,
+    and its admission, ``auto`` reasons, kernels and launch plan are that variant's.
     """
 
     name: str
@@ -121,6 +123,7 @@ class Variant(NamedTuple):
     lse_forward: Optional[Callable[[], Launcher]] = None
     wide_backward: bool = False
     rotation_pass: bool = False
+    forward_of: Optional[str] = None
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -430,21 +433,14 @@ WIDE_HEAD_DIMS = tuple(range(144, 257, 16))
 
 
 def _hopper_wide_call_reasons(facts: CallFacts) -> List[str]:
-    """The hopper_wide variant's admission. Forward: hopper's (its kernels run it). Backward: blocks
+    """The hopper_wide backward's admission (its forward is hopper's: ``Variant.forward_of``): blocks
     and head dims of ``WIDE_BLOCKS`` / ``WIDE_HEAD_DIMS``, one query head per kv head (``sm90.wide``
     says why), rotary in every form with ``rotary_dim`` a multiple of 16 (as hopper's half tiles),
     16-bit dtypes, 32- or 64-bit offsets."""
-    if not facts.backward:
-        return _hopper_call_reasons(facts)
     reasons = _gluon_call_reasons(facts, 9, WIDE_BLOCKS, WIDE_HEAD_DIMS, wide_import_error, True)
     if facts.groups > 1:
         reasons.append(f"{facts.groups} query heads per kv head (needs one)")
     return reasons + _rotary_chunk_reasons(facts)
-
-
-def _hopper_wide_auto_reasons(facts: CallFacts) -> List[str]:
-    """auto takes hopper_wide for the backward only (its forward is hopper's: auto names hopper)."""
-    return [] if facts.backward else ["forward: the hopper kernels' (auto names it hopper)"]
 
 
 def _keys_kernels() -> Tuple[Launcher, Launcher]:
@@ -587,7 +583,7 @@ HOPPER_WIDE = Variant(
     "kv head: the whole block in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's "
     "dead half tile); its forward: hopper's", frozenset({9}), False, _hopper_wide_call_reasons,
     _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True, verified_on=frozenset({9}),
-    auto_reasons=_hopper_wide_auto_reasons, lse_forward=_hopper_lse_forward, wide_backward=True)
+    wide_backward=True, forward_of="hopper")
 
 ROTATED = Variant(
     "rotated", "backward of rotary calls in three steps: a Triton pass writes rotated copies of q and k, the "
@@ -695,8 +691,10 @@ LSE_REASON = "no forward that stores the logsumexp (which the flash backward rea
 
 
 def _call_reasons(variant: Variant, facts: CallFacts) -> List[str]:
-    """The variant's ``call_reasons``, and where the forward must store the logsumexp, a variant
-    with no such kernel (``lse_forward``)."""
+    """The variant's ``call_reasons`` (a forward: those of its ``forward_of``), and where the forward
+    must store the logsumexp, a variant with no such kernel (``lse_forward``)."""
+    if variant.forward_of is not None and not facts.backward:
+        return _call_reasons(VARIANTS[variant.forward_of], facts)
     reasons = list(variant.call_reasons(facts))
     if facts.stores_lse and variant.lse_forward is None:
         reasons.append(LSE_REASON)
@@ -716,6 +714,8 @@ def _state_reasons(variant: Variant, facts: CallFacts, by_auto: bool) -> List[st
 
 
 def _auto_reasons(variant: Variant, facts: CallFacts) -> List[str]:
+    if variant.forward_of is not None and not facts.backward:
+        return [f"forward: the {variant.forward_of} kernels' (auto names it {variant.forward_of})"]
     return variant.auto_reasons(facts) if variant.auto_reasons is not None else []
 
 
@@ -742,10 +742,13 @@ def _auto_by_facts(facts: CallFacts, order: Tuple[Variant, ...]) -> Variant:
 def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Variant:
     """The variant that computes this call: the forced one where it admits the call, else auto's.
     A forced ``rotated`` (``Variant.rotation_pass``) leaves forwards and calls without rotary to
-    auto without a warning: they are the calls it runs around (its inner backward is one)."""
+    auto without a warning: they are the calls it runs around (its inner backward is one). A forced
+    backward-only variant (``Variant.forward_of``) stands for that variant in the forward."""
     variant = forced()
     if variant is not None and variant.rotation_pass and not (facts.backward and facts.rot):
         variant = None
+    if variant is not None and variant.forward_of is not None and not facts.backward:
+        variant = VARIANTS[variant.forward_of]
     if variant is not None:
         reasons = (_call_reasons(variant, facts) + _state_reasons(variant, facts, False)
                    + variant.layout_reasons(q, tensors))

@@ -26,10 +26,12 @@ import torch
 from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
-from blockattn_layers.kernels.block.bwd import block_attention_bwd, one_tile_backward_fits, wide_backward_runs
+from blockattn_layers.kernels.block.bwd import (
+    backward_variant, block_attention_bwd, one_tile_backward_fits, wide_backward_runs,
+)
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.block.plan import float32_tile_fits
-from blockattn_layers.kernels.block.rotation import rotated_backward, rotation_pass_runs
+from blockattn_layers.kernels.block.rotation import rotated_backward
 from blockattn_layers.kernels.common.meta import MAX_TILE
 from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
@@ -93,19 +95,19 @@ def _backward(
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     rot = rotary_dim if rope_theta is not None else 0
-    if rotation_pass_runs(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None):
+    variant = backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None)
+    if variant.rotation_pass:
         return rotated_backward(
             lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
                                      False, cpu_offsets, max_seqlen),
             q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
-    if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(
-            grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None):
+    if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(variant):
         return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
                                    positions, rotary_dim, rotary_interleaved, cpu_offsets,
                                    deterministic=deterministic_backward())
     return block_attention_bwd(
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
-        rotary_interleaved, cpu_offsets,
+        rotary_interleaved, cpu_offsets, variant,
     )
 
 
