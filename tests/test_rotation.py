@@ -58,6 +58,23 @@ def test_rotation_pass_matches_the_oracle(monkeypatch, table, dim, rotary_dim, i
         assert rel_err(got, ref) < tol
 
 
+def test_rotation_pass_with_64_bit_addressing(monkeypatch):
+    """The pass's 64-bit element offsets (``needs_int64``: tensors past 2**31 elements), forced on
+    small tensors: the same result as the 32-bit offsets."""
+    from blockattn_layers.kernels.block import rotation
+
+    total = sum(LENGTHS)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(total, 2, 64, generator=g), torch.randn(total, 1, 64, generator=g)
+    offsets = offsets_from_lengths(LENGTHS)
+    args = (offsets, None, 1e4, None, 48, True, False, False)
+    want = rotation.rotate_rows(a, b, *args)
+    monkeypatch.setattr(rotation, "needs_int64", lambda *tensors: True)
+    got = rotation.rotate_rows(a, b, *args)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
 def test_rotation_pass_of_an_empty_batch():
     from blockattn_layers.kernels.block.rotation import rotate_rows
 
