@@ -162,7 +162,7 @@ def test_the_forwards_that_store_the_logsumexp_take_the_plain_forwards_plans():
             for major in (8, 9, 10):
                 facts = _facts(major=major, block_size=block, head_dim=dim, groups=groups, rot=rot)
                 runs = variants.VARIANTS.get(variant.forward_of, variant)
-                if not variant.call_reasons(facts) and not variant.rotation_pass:
+                if not variants._call_reasons(variant, facts) and not variant.rotation_pass:
                     assert runs.lse_forward is not None, (name, facts)
 
 
@@ -492,6 +492,43 @@ def test_a_backward_only_variant_stands_for_its_forward_of_in_the_forward(restor
     fwd = variants.HOPPER.kernels()[0]
     hopper, _, _ = plan.block_plan(q, q[:, :2], 128, 0, False, False, False, False, 0, False, variants.HOPPER, fwd)
     assert hopper["SPLIT_GROUPS"] == 2 and hopper["GROUPS"] == 1
+
+
+def test_the_flash_backward_runs_without_a_variant_choice_where_it_is_fixed(monkeypatch):
+    """Where no block kernel's backward fits one program, the flash kernels run it without asking the
+    variant choice: for float32 tiles over one program's shared memory (flash both ways, as explain
+    shows), and under a forced variant with no backward of its own there and no rotation pass (as
+    before it was forced: no warning, no rotation pass). Otherwise the choice decides."""
+    from blockattn_layers.ops.backends import triton_block
+
+    ran = []
+    monkeypatch.setattr(triton_block, "flash_attention_bwd", lambda *a, **kw: ran.append("flash") or (a[1], a[2], a[3]))
+
+    def chosen(*args):
+        ran.append("choice")
+        return variants.SIMPLE
+
+    monkeypatch.setattr(triton_block, "backward_variant", chosen)
+
+    def backward(dtype, heads, kv_heads, dim, block, rotary):
+        q = torch.zeros(10, heads, dim, dtype=dtype)
+        k = torch.zeros(10, kv_heads, dim, dtype=dtype)
+        ran.clear()
+        triton_block._backward(q, q, k, k, q, None, torch.tensor([0, 10]), block, 0.1, False,
+                               1e4 if rotary else None, None, dim, False, None, None)
+        return ran
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backward(torch.float32, 4, 1, 128, 128, True) == ["flash"]  # float32 128 x 128 tiles
+        for name in ("simple", "hopper"):
+            with variants.forced_variant(name):
+                assert backward(torch.bfloat16, 4, 1, 256, 128, True) == ["flash"]
+                assert backward(torch.bfloat16, 2, 2, 256, 128, False) == ["flash"]
+        for name in ("auto", "hopper_wide", "rotated"):
+            with variants.forced_variant(name):
+                assert backward(torch.bfloat16, 4, 1, 256, 128, True) == ["choice", "flash"]
+        assert backward(torch.float32, 4, 1, 128, 64, True)[0] == "choice"  # float32 64 x 128 tiles fit
 
 
 def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):

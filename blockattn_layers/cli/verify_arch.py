@@ -231,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     elif device.type == "cuda":
         major = major_of(torch.empty(0, device=device))
-        names = [v.name for v in variants.VARIANTS.values() if v.generations is not None and major in v.generations]
+        # The generation's own variants, and the rotation pass (Triton, every generation) around them.
+        names = [v.name for v in variants.VARIANTS.values()
+                 if (v.generations is not None and major in v.generations) or v.rotation_pass]
     else:
         names = ["simple"]
     checks = {}

@@ -96,7 +96,8 @@ class Variant(NamedTuple):
     use (``block.self_check``); ``auto_reasons``: why ``auto`` leaves a call it admits to the
     variants after it (where it was measured slower), no bar to forcing it; ``wide_backward``: its
     backward takes blocks over 64 tokens at head dims over 128, which no other variant's backward
-    fits in one program (those calls' backward runs on the flash kernels otherwise);
+    fits in one program (those calls' backward runs on the flash kernels otherwise, or a rotation
+    pass around them);
     ``rotation_pass``: a rotary backward run as a rotation pass, the backward without rotary
     (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
     then gives the rotation pass's launcher; ``forward_of``: the variant whose forward runs this

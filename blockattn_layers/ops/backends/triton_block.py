@@ -95,6 +95,9 @@ def _backward(
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     rot = rotary_dim if rope_theta is not None else 0
+    if saves_lse(block_size, q.shape[2], q.dtype) and _flash_backward_fixed(q.dtype, block_size, q.shape[2]):
+        return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                               rotary_dim, rotary_interleaved, cpu_offsets)
     variant = backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None)
     if variant.rotation_pass:
         return rotated_backward(
@@ -102,13 +105,31 @@ def _backward(
                                      False, cpu_offsets, max_seqlen),
             q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
     if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(variant):
-        return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
-                                   positions, rotary_dim, rotary_interleaved, cpu_offsets,
-                                   deterministic=deterministic_backward())
+        return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                               rotary_dim, rotary_interleaved, cpu_offsets)
     return block_attention_bwd(
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets, variant,
     )
+
+
+def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether a backward that no block kernel fits in one program (``saves_lse``) runs on the flash
+    kernels whatever the variant choice: float32 tiles over one program's shared memory (flash
+    both ways, as ``_variant_reasons`` shows), and a forced variant with neither a backward of its
+    own for those calls nor a rotation pass (the flash kernels, as before it was forced; no warning
+    that it cannot compute the call)."""
+    if not float32_tile_fits(block_size, head_dim, dtype):
+        return True
+    forced = variants.forced()
+    return forced is not None and not forced.wide_backward and not forced.rotation_pass
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                    rotary_dim, rotary_interleaved, cpu_offsets) -> Tuple[Tensor, Tensor, Tensor]:
+    return flash_attention_bwd(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta,
+                               positions, rotary_dim, rotary_interleaved, cpu_offsets,
+                               deterministic=deterministic_backward())
 
 
 def interpreter_active() -> bool:
@@ -140,7 +161,9 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     there, where the forward without gradients takes another variant than the forward with them
     (which stores the logsumexp: ``CallFacts.stores_lse``), the latter's reasons under
     ``forward with gradients: NAME``. Where the backward runs as a rotation pass (``rotated``), the
-    choice of its inner backward, without rotary, follows under ``backward on rotated copies: NAME``.
+    choice of its inner backward, without rotary, follows under ``backward on rotated copies: NAME``
+    (where no variant's backward fits one program, ``backward: flash`` shows only where neither a
+    ``wide_backward`` variant nor the rotation pass takes the call).
     float32 calls whose tile does not fit (``float32_tile_fits``): ``flash`` both ways, every variant
     with that reason."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
