@@ -95,7 +95,8 @@ def _backward(
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     rot = rotary_dim if rope_theta is not None else 0
-    if saves_lse(block_size, q.shape[2], q.dtype) and _flash_backward_fixed(q.dtype, block_size, q.shape[2]):
+    past_one_tile = saves_lse(block_size, q.shape[2], q.dtype)
+    if past_one_tile and _flash_backward_fixed(q.dtype, block_size, q.shape[2]):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
     variant = backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None)
@@ -104,7 +105,7 @@ def _backward(
             lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
                                      False, cpu_offsets, max_seqlen),
             q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
-    if saves_lse(block_size, q.shape[2], q.dtype) and not wide_backward_runs(variant):
+    if past_one_tile and not wide_backward_runs(variant):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
     return block_attention_bwd(
