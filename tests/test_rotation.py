@@ -4,6 +4,7 @@ rotated copies of q and k, the backward without rotary, and dq, dk rotated back 
 Through Triton's interpreter on CPU (fp32, fp16), against the float64 oracle; the GPU runs are in
 ``test_triton_gpu.py``.
 """
+import dataclasses
 import warnings
 
 import pytest
@@ -102,9 +103,9 @@ def test_rotated_variant_matches_the_oracle(monkeypatch, case):
     passes = []
     real = rotation.rotate_rows
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         passes.append(args[-2:])  # (inverse, in_place)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(rotation, "rotate_rows", counted)
     case = dict(case)
@@ -152,8 +153,13 @@ def test_explain_shows_the_backward_on_rotated_copies():
     from blockattn_layers.dispatch import AttentionRequest, running_variants
     from blockattn_layers.ops.backends.triton_block import ROTATED_COPIES, _variant_reasons
 
-    req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 256, 4, 1, 128, False, True)
+    req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 256, 4, 1, 64, False, True)
     running, phases = running_variants(_variant_reasons(req))
-    assert running == "hopper" and phases == {"backward": "rotated", ROTATED_COPIES: "flash"}
+    assert running == "hopper" and phases == {"backward": "rotated", ROTATED_COPIES: "simple"}
+    # Blocks over 64 at D256: hopper_wide's fused rotary backward, but not at a rotary_dim of 40.
+    wide = dataclasses.replace(req, block_size=128)
+    assert running_variants(_variant_reasons(wide))[1] == {"backward": "hopper_wide"}
+    odd = running_variants(_variant_reasons(dataclasses.replace(wide, rotary_dim=40)))[1]
+    assert odd == {"backward": "rotated", ROTATED_COPIES: "hopper_wide"}
     plain = AttentionRequest("cuda", (9, 0), torch.bfloat16, 256, 4, 1, 128, False, False)
     assert ROTATED_COPIES not in running_variants(_variant_reasons(plain))[1]

@@ -183,14 +183,15 @@ def test_grid_regions_match_the_oracle(case):
     check_against_oracle(q, k, v, offsets, **case)
 
 
-# The regions auto gave another variant in sessions 28 and 31, with the variant each phase runs there
-# on sm_90 (forward, backward): the rotation pass (session 31; keys in session 28) for rotary
-# grouped-query backwards at blocks over 64 and D 65-128 and for interleaved grouped-query backwards
-# at blocks of 33-64; simple for interleaved rotary at D 65-128 on blocks up to 32.
+# The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs
+# there on sm_90 (forward, backward): hopper_heads (session 32; the rotation pass in session 31, keys
+# in session 28) for rotary grouped-query backwards at blocks over 64 and D 65-128, the rotation pass
+# for interleaved pairs there at D over 96 and for interleaved grouped-query backwards at blocks of
+# 33-64; simple for interleaved rotary at D 65-128 on blocks up to 32.
 AUTO_28_CASES = [
     (dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True, rope_theta=1e4, rotary_interleaved=True),
      ("hopper", "rotated")),
-    (dict(heads=4, kv_heads=1, dim=96, block_size=100, rope_theta=1e4, rotary_dim=64), ("hopper", "rotated")),
+    (dict(heads=4, kv_heads=1, dim=96, block_size=100, rope_theta=1e4, rotary_dim=64), ("hopper", "hopper_heads")),
     (dict(heads=8, kv_heads=2, dim=128, block_size=64, rope_theta=1e4, rotary_interleaved=True),
      ("hopper", "rotated")),
     (dict(heads=4, kv_heads=1, dim=96, block_size=32, causal=True, rope_theta=1e4, rotary_interleaved=True),
@@ -262,7 +263,8 @@ def test_nan_poisoned_memory_beyond_valid_rows():
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,rotary", [
     (2, 2, 128, 128, False), (4, 2, 96, 64, False), (2, 2, 256, 64, False), (2, 2, 32, 128, True),
     (8, 2, 64, 100, True),
-    # Heads over 128 wide in 128-token blocks: the backward on the flash kernels.
+    # Heads over 128 wide in 128-token blocks: hopper_wide's backward (grouped query heads one by one;
+    # the flash kernels' off sm_90 and with the simple kernels forced).
     (4, 2, 192, 128, False), (2, 2, 256, 128, True),
     # Blocks of 16 and 32 tokens, which share 64-row tiles in the packed variant.
     (2, 2, 64, 16, False), (8, 2, 32, 32, False), (4, 1, 128, 16, True), (4, 2, 64, 16, True),
@@ -645,6 +647,11 @@ WIDE_CASES = [
     dict(heads=1, kv_heads=1, dim=192, block_size=100, rope_theta=500.0, positions="float"),
     dict(heads=2, kv_heads=2, dim=256, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
     dict(heads=1, kv_heads=1, dim=160, block_size=128, causal=True, rope_theta=1e4, rotary_dim=64, positions="int"),
+    # Grouped query heads (one by one, dK and dV summed over the group after): MQA, causal; two kv
+    # heads with rotary in interleaved pairs over part of the channels; three with given positions.
+    dict(heads=4, kv_heads=1, dim=256, block_size=128, causal=True),
+    dict(heads=8, kv_heads=2, dim=192, block_size=100, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
+    dict(heads=6, kv_heads=3, dim=144, block_size=65, rope_theta=500.0, positions="float"),
 ]
 
 
@@ -652,8 +659,8 @@ WIDE_CASES = [
 @pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=_case_id)
 def test_hopper_wide_backward(monkeypatch, case, table):
-    """Blocks of 65-128 tokens at head dims over 128, one query head per kv head, rotary or not: auto
-    takes the hopper_wide backward (the flash kernels are not called) and it matches the float64
+    """Blocks of 65-128 tokens at head dims over 128, any group size, rotary or not: auto takes the
+    hopper_wide backward (the flash kernels are not called) and it matches the float64
     oracle, bf16 and fp16, on lengths around the block size (empty, 1-token and ragged blocks)."""
     from blockattn_layers.kernels.block.bwd import backward_variant, wide_backward_runs
     from blockattn_layers.kernels.common import schedule as _schedule
@@ -685,13 +692,63 @@ def test_hopper_wide_backward(monkeypatch, case, table):
 
 @SM90
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_hopper_wide_backward_keeps_a_nan_in_its_block(rotary):
+@pytest.mark.parametrize("heads", [2, 4], ids=["mha", "gqa"])
+def test_hopper_wide_backward_keeps_a_nan_in_its_block(heads, rotary):
     """With hopper_wide's backward, a NaN in one token's q, k, v reaches only its own block's gradients."""
-    _assert_nan_stays_in_its_block(2, 2, 256, 128, rotary, "hopper_wide")
+    _assert_nan_stays_in_its_block(heads, 2, 256, 128, rotary, "hopper_wide")
+
+
+HEADS_CASES = [
+    # Rotary backwards of grouped query heads on blocks over 64 at D 65-128: split halves over every
+    # channel, causal; over part of them at given positions; interleaved pairs at a padded head dim;
+    # D128 split halves.
+    dict(heads=4, kv_heads=1, dim=96, block_size=128, causal=True, rope_theta=1e4),
+    dict(heads=8, kv_heads=2, dim=96, block_size=100, rope_theta=1e4, rotary_dim=48, positions="int"),
+    dict(heads=6, kv_heads=3, dim=80, block_size=128, rope_theta=500.0, rotary_interleaved=True, positions="float"),
+    dict(heads=4, kv_heads=2, dim=128, block_size=128, rope_theta=1e4),
+]
+
+
+@SM90
+@pytest.mark.parametrize("table", [False, True], ids=["inline", "table"])
+@pytest.mark.parametrize("case", HEADS_CASES, ids=_case_id)
+def test_hopper_heads_backward(monkeypatch, case, table):
+    """auto takes ``hopper_heads`` (the hopper backward one query head per program, each head's dK and
+    dV summed over the group after) and it matches the float64 oracle, bf16 and fp16, on lengths around
+    the block size (empty, 1-token and ragged blocks), twice: the second call of a signature would take
+    a prepared backward, which must not launch the kernel once for the whole group."""
+    from blockattn_layers.kernels.common import schedule as _schedule
+
+    if table:
+        monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    with variants.forced_variant("auto"):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
+                                           seed=dim + heads)
+            if isinstance(case.get("positions"), str):
+                total = q.shape[0]
+                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                                     else torch.rand(total, device=DEV) * 4000)
+            rot = case.get("rotary_dim", dim)
+            facts = variants.call_facts(q, k, case["block_size"], rot, case.get("rotary_interleaved", False), False,
+                                        "positions" in case, backward=True)
+            assert variants.choose(facts, q, (q, k, v)).name == "hopper_heads"
+            for _ in range(2):
+                check_against_oracle(q, k, v, offsets, **case)
+
+
+@SM90
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_hopper_heads_backward_keeps_a_nan_in_its_block(rotary):
+    """With hopper_heads forced, a NaN in one token's q, k, v reaches only its own block's gradients."""
+    _assert_nan_stays_in_its_block(4, 2, 96, 128, rotary, "hopper_heads")
 
 
 ROTATED_CASES = [
-    # The backward without rotary on the flash kernels (blocks over 64 at D over 128, grouped query heads).
+    # The backward without rotary on hopper_wide's, grouped query heads one by one (blocks over 64 at D
+    # over 128; the flash kernels' off sm_90).
     dict(heads=4, kv_heads=1, dim=256, block_size=128, causal=True, rope_theta=1e4),
     # ... on hopper_wide (one query head per kv head), interleaved pairs over part of the channels.
     dict(heads=2, kv_heads=2, dim=256, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
@@ -715,7 +772,7 @@ def test_rotated_backward_forced(monkeypatch, case, table):
 
     passes = []
     real = rotation.rotate_rows
-    monkeypatch.setattr(rotation, "rotate_rows", lambda *a: passes.append(a[-2:]) or real(*a))
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a, **kw: passes.append(a[-2:]) or real(*a, **kw))
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
     case = dict(case)
@@ -741,7 +798,7 @@ def test_forcing_a_backward_variant_is_not_undone_by_a_prepared_backward(monkeyp
 
     passes = []
     real = rotation.rotate_rows
-    monkeypatch.setattr(rotation, "rotate_rows", lambda *a: passes.append(a[-2:]) or real(*a))
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a, **kw: passes.append(a[-2:]) or real(*a, **kw))
     q, k, v, offsets = make_inputs(EDGE_LENGTHS, 4, 1, 64, torch.bfloat16)
 
     def step():

@@ -62,14 +62,15 @@ def test_hopper_call_reasons():
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, rot=rot))
         assert (reasons == []) == taken, (dim, rot, reasons)
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
-    for dim, taken in [(32, True), (64, True), (96, False), (80, False), (48, False)]:
+    for dim, taken in [(32, True), (64, True), (96, True), (80, True), (48, False)]:
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, backward=True))
         assert (reasons == []) == taken, (dim, reasons)
-    assert "padded to 128 channels" in variants.HOPPER.auto_reasons(
-        _facts(groups=2, block_size=100, head_dim=96, backward=True))[0]
-    # ... but with rotary (simple's rotary backward there is slower still), hopper.
-    assert variants.HOPPER.auto_reasons(_facts(groups=4, block_size=128, head_dim=96, rot=96, backward=True)) == []
-    assert variants.HOPPER.auto_reasons(_facts(groups=4, block_size=128, head_dim=96, rot=48, backward=True))
+    assert "padded to 64 channels" in variants.HOPPER.auto_reasons(
+        _facts(groups=2, block_size=100, head_dim=48, backward=True))[0]
+    # With rotary there (split halves, or over part of the channels) hopper_heads runs before it.
+    for rot in (96, 48):
+        facts = _facts(groups=4, block_size=128, head_dim=96, rot=rot, backward=True)
+        assert variants.HOPPER.auto_reasons(facts) == [] and variants.HOPPER_HEADS.auto_reasons(facts) == []
     assert variants.HOPPER.auto_reasons(_facts(groups=2)) == [] and variants.HOPPER.auto_reasons(_facts(block_size=128)) == []
 
 
@@ -96,16 +97,20 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
     assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
     # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward but hopper_wide's fits
-    # one program, and hopper_wide's takes no grouped query heads: the flash kernels'.
+    # one program (grouped query heads one by one, their dK and dV summed after).
     wide = dataclasses.replace(gqa, block_size=128)
     reasons = explain_variants(wide)["triton"]
-    assert reasons["backward: flash"] == []
-    assert reasons["backward: hopper_wide"] == ["2 query heads per kv head (needs one)"]
+    assert reasons["backward: hopper_wide"] == [] and reasons["backward: flash"] == ["a variant before it runs"]
     assert all("flash kernels run it" in why[-1] for name, why in reasons.items()
                if name.startswith("backward: ")
                and name not in ("backward: flash", "backward: hopper_wide", "backward: rotated"))
     assert reasons["backward: rotated"] == ["no rotary"]
-    assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: flash kernels)"
+    assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: hopper_wide kernels)"
+    # Off sm_90 (no hopper_wide): the flash kernels'.
+    a100 = explain_variants(dataclasses.replace(wide, capability=(8, 0)))["triton"]
+    assert a100["backward: flash"] == [] and a100["backward: hopper_wide"][0] == "needs an sm_90 GPU"
+    assert bl.dispatch.describe(dataclasses.replace(wide, capability=(8, 0)), "triton") == (
+        "triton, simple kernels (backward: flash kernels)")
     assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
     # One query head per kv head: hopper_wide's backward, rotary or not. There the
     # forward with gradients stores the logsumexp: hopper has such a kernel, so the forward with
@@ -269,7 +274,7 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
     # Grouped query heads: the rotation pass around simple's backward (session 31).
     assert auto(block_size=64, head_dim=256, rot=256, groups=2, backward=True) == "rotated"
     assert auto(block_size=128, groups=2, head_dim=64, backward=True) == "hopper"
-    assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "simple"
+    assert auto(block_size=128, groups=2, head_dim=96, backward=True) == "hopper"  # session 32
     assert auto(block_size=128, groups=4, head_dim=32, backward=True) == "hopper"
     with variants.forced_variant("hopper"):
         assert auto(block_size=128, groups=2) == "hopper" and auto(block_size=128, groups=2, backward=True) == "hopper"
@@ -303,7 +308,7 @@ def test_unknown_variant_names_raise(monkeypatch):
         variants.force_variant("persistent")
     monkeypatch.setattr(variants, "_FORCED", ["fast", False])
     with pytest.raises(ValueError, match="BLOCKATTN_KERNELS must be auto or one of simple, hopper, hopper_packed, sm100, hopper_ws, packed, keys, "
-                       "hopper_wide, rotated, got 'fast'"):
+                       "hopper_wide, hopper_heads, rotated, got 'fast'"):
         variants.forced()
 
 
@@ -329,7 +334,7 @@ def test_the_forced_variant_is_in_the_remembered_launches_key(restore_auto):
 
 def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_auto):
     reasons = variants.explain(_facts(groups=2))
-    assert list(reasons) == ["rotated", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed",
+    assert list(reasons) == ["rotated", "hopper_wide", "hopper_heads", "keys", "hopper", "hopper_packed", "sm100", "packed",
                              "simple", "hopper_ws"]
     assert reasons["rotated"] == ["forward: the fused rotary kernels run it (the rotation pass serves the backward)",
                                   "no rotary"]
@@ -342,11 +347,10 @@ def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_a
     assert reasons["hopper_wide"] == [
         "auto takes another variant here: forward: the hopper kernels' (auto names it hopper)"]
     backward = variants.explain(_facts(groups=2)._replace(backward=True))
-    assert backward["hopper_wide"] == ["head_dim 128 (needs a multiple of 16 in 144-256)", "block_size 64 < 65",
-                                       "2 query heads per kv head (needs one)"]
+    assert backward["hopper_wide"] == ["head_dim 128 (needs a multiple of 16 in 144-256)", "block_size 64 < 65"]
     variants.force_variant("hopper_ws")
     forced = variants.explain(_facts())
-    assert list(forced) == ["hopper_ws", "rotated", "hopper_wide", "keys", "hopper", "hopper_packed", "sm100", "packed",
+    assert list(forced) == ["hopper_ws", "rotated", "hopper_wide", "hopper_heads", "keys", "hopper", "hopper_packed", "sm100", "packed",
                             "simple"]
     assert forced["hopper_ws"] == []
     assert not variants.explain(_facts(major=8))["simple"]
@@ -422,12 +426,15 @@ def test_auto_takes_the_keys_backward_only_where_it_was_faster(restore_auto):
     def auto(**kw):
         return variants._auto_by_facts(_facts(**kw), fused).name
 
-    assert auto(head_dim=128, groups=4, block_size=128, rot=128, backward=True) == "keys"
-    for major in (8, 10):  # timed on sm_90 only
-        assert auto(major=major, head_dim=128, groups=4, block_size=128, rot=128, backward=True) != "keys"
-    assert auto(head_dim=96, groups=4, block_size=100, rot=64, backward=True) == "keys"
-    assert auto(head_dim=128, groups=4, block_size=128, rot=128) != "keys"
+    # (Since session 32 hopper_heads, before keys, takes its region but interleaved pairs at D over 96.)
     assert auto(head_dim=128, groups=4, block_size=128, rot=128, interleaved=True, backward=True) == "keys"
+    for major in (8, 10):  # timed on sm_90 only
+        assert auto(major=major, head_dim=128, groups=4, block_size=128, rot=128, interleaved=True,
+                    backward=True) != "keys"
+    without = tuple(v for v in fused if v is not variants.HOPPER_HEADS)
+    assert variants._auto_by_facts(_facts(head_dim=96, groups=4, block_size=100, rot=64, backward=True),
+                                   without).name == "keys"
+    assert auto(head_dim=128, groups=4, block_size=128, rot=128) != "keys"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True, backward=True) == "simple"
     assert auto(head_dim=128, groups=4, block_size=64, rot=128, interleaved=True) == "hopper"
     for block in (16, 32):
@@ -451,14 +458,16 @@ def test_auto_takes_the_rotation_pass_where_the_fused_backward_is_simple_or_keys
         return variants._auto(_facts(**kw), torch.empty(0), ()).name
 
     rotary = dict(groups=4, rot=128, backward=True)
-    assert auto(head_dim=128, block_size=128, **rotary) == "rotated"  # keys' region
+    assert auto(head_dim=128, block_size=128, **rotary) == "hopper_heads"  # keys' region (session 32)
     assert auto(head_dim=128, block_size=128, interleaved=True, **rotary) == "rotated"
-    assert auto(head_dim=96, block_size=100, **dict(rotary, rot=64)) == "rotated"
+    assert auto(head_dim=96, block_size=100, **dict(rotary, rot=64)) == "hopper_heads"
+    assert auto(head_dim=96, block_size=100, interleaved=True, **dict(rotary, rot=96)) == "hopper_heads"
     assert auto(head_dim=128, block_size=64, interleaved=True, **rotary) == "rotated"  # simple's
     assert auto(head_dim=96, block_size=64, interleaved=True, **dict(rotary, rot=96)) == "rotated"
     assert auto(head_dim=96, block_size=64, **dict(rotary, rot=96)) == "hopper"
     assert auto(head_dim=256, block_size=64, **dict(rotary, rot=256)) == "rotated"
-    assert auto(head_dim=256, block_size=128, **dict(rotary, rot=256)) == "rotated"  # flash's
+    assert auto(head_dim=256, block_size=128, **dict(rotary, rot=256)) == "hopper_wide"  # grouped, fused rotary
+    assert auto(head_dim=256, block_size=128, **dict(rotary, rot=40)) == "rotated"  # around flash's
     assert auto(head_dim=128, block_size=64, **rotary) == "hopper"  # the fused hopper backward
     assert auto(head_dim=64, block_size=128, **dict(rotary, rot=64)) == "hopper"
     assert auto(head_dim=256, block_size=32, **dict(rotary, rot=256)) == "simple"
@@ -476,7 +485,7 @@ def test_a_backward_only_variant_stands_for_its_forward_of_in_the_forward(restor
     ``forward_of``'s (hopper's), with its admission, auto reasons, kernels and launch plan (hopper's
     split groups at D256 and register caps, not the defaults of another name)."""
     q = torch.empty(5, 4, 256, dtype=torch.bfloat16)
-    for name, forward in (("hopper_wide", "hopper"),):
+    for name, forward in (("hopper_wide", "hopper"), ("hopper_heads", "hopper")):
         variant = variants.VARIANTS[name]
         assert variant.forward_of == forward and variant.lse_forward is None
         with variants.forced_variant(name), warnings.catch_warnings():
@@ -488,6 +497,11 @@ def test_a_backward_only_variant_stands_for_its_forward_of_in_the_forward(restor
                     variants.VARIANTS[forward], facts)
         auto = variants.explain(_facts(groups=2))[name]
         assert auto == [f"auto takes another variant here: forward: the {forward} kernels' (auto names it {forward})"]
+        # Where its forward's variant cannot compute a forward, the warning names the forced variant.
+        variants._WARNED.clear()
+        with variants.forced_variant(name), pytest.warns(RuntimeWarning) as caught:
+            variants.choose(_facts(head_dim=256, groups=2, block_size=16)._replace(dtype=torch.float32), q, (q,))
+        assert f"the forced variant {name!r} (its forward: {forward}'s) cannot compute" in str(caught[0].message)
     # The plan the forward of a forced hopper_wide runs: hopper's.
     fwd = variants.HOPPER.kernels()[0]
     hopper, _, _ = plan.block_plan(q, q[:, :2], 128, 0, False, False, False, False, 0, False, variants.HOPPER, fwd)
@@ -556,8 +570,9 @@ def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_i
     assert wide(q, q, k, k, 128, 128, True, True)  # partial, interleaved, given positions
     assert not wide(q, q, k, k, 128, 40, False, False)  # rotary_dim not whole chunks
     gqa = torch.empty(300, 4, 256, dtype=torch.bfloat16)
-    assert not wide(gqa, gqa, k, k, 128, 0, False, False)
-    assert bwd.backward_variant(gqa, gqa, k, k, 128, 256, False, False).name == "rotated"  # around flash
+    assert wide(gqa, gqa, k, k, 128, 0, False, False)  # grouped query heads one by one
+    assert wide(gqa, gqa, k, k, 128, 256, False, False)
+    assert bwd.backward_variant(gqa, gqa, k, k, 128, 40, False, False).name == "rotated"  # around flash
     assert not wide(q.float(), q.float(), k.float(), k.float(), 128, 0, False, False)
     for name in ("simple", "hopper"):  # (hopper cannot compute it: auto's choice would be hopper_wide)
         with variants.forced_variant(name):
@@ -565,3 +580,44 @@ def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_i
     for name in ("hopper_wide", "rotated"):  # (rotated: no rotary here, so auto's, hopper_wide)
         with variants.forced_variant(name):
             assert wide(q, q, k, k, 128, 0, False, False)
+
+
+def test_auto_takes_hopper_heads_for_rotary_grouped_backwards_on_blocks_over_64(restore_auto):
+    """``hopper_heads`` (the hopper backward one query head per program, dK and dV summed over the group
+    after) is auto's for rotary backwards of grouped query heads on blocks over 64 at head dims 65-128
+    (session 32), but interleaved pairs or partial rotary at D over 96 (the rotation pass); never a forward, a call
+    without rotary, one query head per kv head, blocks of up to 64 or other generations."""
+    def auto(**kw):
+        return variants._auto(_facts(**kw), torch.empty(0), ()).name
+
+    rotary = dict(groups=4, rot=96, head_dim=96, backward=True)
+    for block in (65, 100, 128):
+        assert auto(block_size=block, **rotary) == "hopper_heads"
+    assert auto(block_size=128, **dict(rotary, rot=48, has_pos=True)) == "hopper_heads"
+    assert auto(block_size=128, interleaved=True, **rotary) == "hopper_heads"
+    assert auto(block_size=128, interleaved=True, **dict(rotary, head_dim=128, rot=128)) == "rotated"
+    assert auto(block_size=128, **dict(rotary, head_dim=128, rot=128)) == "hopper_heads"
+    assert auto(block_size=128, **dict(rotary, head_dim=128, rot=64)) == "rotated"
+    assert auto(block_size=64, **rotary) == "hopper"
+    assert auto(block_size=128, **dict(rotary, rot=0)) == "hopper"
+    assert auto(block_size=128, **dict(rotary, head_dim=64, rot=64)) == "hopper"
+    assert auto(block_size=128, **dict(rotary, groups=1)) == "hopper"
+    assert auto(block_size=128, **dict(rotary, backward=False)) == "hopper"
+    assert auto(block_size=128, major=10, **rotary) != "hopper_heads"
+    with variants.forced_variant("hopper_heads"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = torch.empty(5, 4, 96, dtype=torch.bfloat16)
+        assert variants.choose(_facts(block_size=64, **rotary), q, (q,)) is variants.HOPPER_HEADS
+
+
+def test_hopper_heads_launches_hoppers_kernels_with_hoppers_plan():
+    """``Variant.kernels_of``: the backward launch of hopper_heads is hopper's kernel and launch plan
+    (register caps included), planned for the call it sees (one query head per kv head)."""
+    from blockattn_layers.kernels.block import bwd
+
+    q = torch.empty(5, 2, 128, dtype=torch.bfloat16)
+    flags = (64, 128, False, False, False, 0, False)  # block 64, rotary D128: hopper's capped plan
+    heads = bwd._plan(variants.HOPPER_HEADS, q, q, 3, *flags)
+    hopper = bwd._plan(variants.HOPPER, q, q, 3, *flags)
+    assert heads[0] is hopper[0] and heads[1] == hopper[1] and heads[1]["maxnreg"] == 168
+    assert variants.HOPPER_HEADS.group_partials and not variants.HOPPER.group_partials

@@ -23,6 +23,7 @@ import triton.language as tl
 from blockattn_layers.runtime.caches import HostCache
 
 from ..common.launch import Launcher, scratch_allocator
+from ..common.head_sums import sum_head_groups
 from ..common.meta import LOG2E, empty_grads, needs_int64
 from ..common.rotary import load_rotated_pair, rotate_pair, tile_sin_cos
 from ..common.schedule import Schedule, tile_of_program, tile_rows
@@ -206,17 +207,11 @@ def block_attention_bwd(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernel; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
     ``variant``: the choice for this call where the caller made it (``backward_variant``)."""
-    total, num_heads, head_dim = q.shape
+    total, num_heads, _ = q.shape
     kv_heads = k.shape[1]
-    dq, dk, dv = empty_grads(q, k, v)
-    if total == 0:
-        return dq, dk, dv
-    sched = Schedule(offsets, total, block_size, cpu_offsets)
-    if sched.programs == 0:
-        return dq, dk, dv
-    # (dk, dv: contiguous, no more elements than dq.)
     rot = rotary_dim if rope_theta is not None else 0
-    int64 = needs_int64(q, k, v, do, dq)
+    # (dq, dk, dv: contiguous, no more elements than q, k, v.)
+    int64 = needs_int64(q, k, v, do)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None, backward=True)
     if variant is None:
         variant = choose(facts, q, (q, k, v, do))
@@ -225,32 +220,75 @@ def block_attention_bwd(
             lambda qr, kr: block_attention_bwd(do, qr, kr, v, offsets, block_size, scale, causal, None, None, 0, False,
                                                cpu_offsets),
             q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
+    dq, dk, dv = empty_grads(q, k, v)
+    if total == 0:
+        return dq, dk, dv
+    sched = Schedule(offsets, total, block_size, cpu_offsets)
+    if sched.programs == 0:
+        return dq, dk, dv
     flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
-    args = (
-        q, k, v, do, dq, dk, dv, sched.table,
-        positions if positions is not None else sched.table,
-        sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E,
-        math.log2(rope_theta) if rope_theta is not None else 0.0, kv_heads,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-    )
+    scalars = (scale, math.log2(rope_theta) if rope_theta is not None else 0.0)
+    if variant.group_partials and num_heads > kv_heads:
+        return _by_query_heads(variant, facts.major, sched, positions, flags, scalars, do, q, k, v, dq, dk, dv)
+    return _launch_checked(variant, facts.major, sched, positions, flags, scalars, (q, k, v, do, dq, dk, dv))
+
+
+def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, v, dq, dk, dv) -> tuple:
+    """The backward of grouped query heads as one of a query head per kv head, kv head by kv head:
+    its ``groups`` query heads against k and v repeated by a zero head stride (no copy), each query
+    head's dK and dV into a ``[T, groups, D]`` buffer, then summed over the group
+    (``common.head_sums``: float32 sums of the rounded terms, one more rounding than a kernel summing
+    in registers). Buffers: two of q's
+    size over the kv heads, kept from one kv head to the next."""
+    groups = q.shape[1] // k.shape[1]
+    dk_parts, dv_parts = (torch.empty((q.shape[0], groups, x.shape[2]), dtype=x.dtype, device=x.device)
+                          for x in (k, v))
+    for hk in range(k.shape[1]):
+        heads = slice(hk * groups, (hk + 1) * groups)
+        kh, vh = (x[:, hk:hk + 1].expand(-1, groups, -1) for x in (k, v))
+        dq_heads = dq[:, heads]
+        dq_h, dk_h, dv_h = _launch_checked(variant, major, sched, positions, flags, scalars,
+                                           (q[:, heads], kh, vh, do[:, heads], dq_heads, dk_parts, dv_parts))
+        if dq_h is not dq_heads:
+            dq_heads.copy_(dq_h)  # a self-check's result (the simple kernels')
+        sum_head_groups(dk_h, dk[:, hk], dv_h, dv[:, hk])
+    return dq, dk, dv
+
+
+def _launch_checked(variant, major, sched, positions, flags, scalars, tensors) -> tuple:
+    """Launch ``variant``'s backward over ``tensors`` (``q, k, v, do`` and the gradient buffers
+    ``dq, dk, dv``) and return the gradients: those buffers, or where a self-check of the variant
+    (``block.self_check``) disagreed, the simple kernels' in new ones."""
+    q, k, v, do, dq, dk, dv = tensors
+    block_size, rot, interleaved, has_pos, causal = flags[:5]
+    scale, log2_theta = scalars
+
+    def args(grads):
+        return (
+            q, k, v, do, *grads, sched.table, positions if positions is not None else sched.table,
+            sched.programs, sched.num_seqs, block_size, scale, scale * LOG2E, log2_theta, k.shape[1],
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *(stride for g in grads for stride in g.stride()),
+        )
+
     launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
-    if self_check.pending(variant, facts.major, key) and self_check.capturing():
+    if self_check.pending(variant, major, key) and self_check.capturing():
         variant = SIMPLE  # no host sync while capturing: the verified kernels run
         launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
-    launcher(grid, args, meta, q, key)
-    if self_check.pending(variant, facts.major, key):
+    launcher(grid, args((dq, dk, dv)), meta, q, key)
+    if self_check.pending(variant, major, key):
         want = empty_grads(q, k, v)
         simple, simple_meta, simple_key, simple_grid = _plan(SIMPLE, q, k, sched.programs, *flags)
-        simple(simple_grid, (*args[:4], *want, *args[7:]), simple_meta, q, simple_key)
-        described = self_check.describe(q, k, block_size, rot, rotary_interleaved, positions is not None, causal,
-                                        True)
+        simple(simple_grid, args(want), simple_meta, q, simple_key)
+        described = self_check.describe(q, k, block_size, rot, interleaved, has_pos, causal, True)
         if not self_check.agrees(variant, key, described, (dq, dk, dv), want, ("dq", "dk", "dv")):
             return want
     return dq, dk, dv
 
 
 def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:
-    """``(launcher, meta, key, grid)`` of ``variant``'s backward launch."""
+    """``(launcher, meta, key, grid)`` of ``variant``'s backward launch (``Variant.kernels_of``'s)."""
+    if variant.kernels_of is not None:
+        variant = variants.VARIANTS[variant.kernels_of]
     launcher = variant.kernels()[1]
     meta, _, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, True, inline_seqs, int64,
                               variant, launcher)
@@ -321,7 +359,8 @@ class PreparedBackward:
 # (``block.fwd._forward``).
 _TEMPLATES = HostCache("block_backwards")
 _NO_LAST = (None, None, None)
-# The template of a backward that is not one launch (a rotation pass around another backward).
+# The template of a backward that is not one launch (a rotation pass around another backward, or
+# grouped query heads launched one kv head at a time: ``Variant.group_partials``).
 _UNPREPARED = ()
 
 
@@ -340,15 +379,18 @@ def backward_variant(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return choose(facts, q, (q, k, v, do))
 
 
+def forced_without_wide_backward() -> bool:
+    """Whether a forced variant has no backward for the calls ``one_tile_backward_fits`` refuses
+    (neither ``Variant.wide_backward`` nor a rotation pass, whose inner backward, without rotary, is
+    auto's): the flash kernels run those, as before it was forced, with no warning that it cannot."""
+    forced = variants.forced()
+    return forced is not None and not forced.wide_backward and not forced.rotation_pass
+
+
 def wide_backward_runs(variant: Variant) -> bool:
     """Whether ``variant`` (the backward's choice) computes a backward that ``one_tile_backward_fits``
-    refuses (``Variant.wide_backward``). Where a forced variant without one could not take the call,
-    the flash kernels run it, as before it was forced (a forced ``rotated`` leaves its inner backward,
-    which has no rotary, to auto)."""
-    forced = variants.forced()
-    if forced is not None and not forced.wide_backward and not forced.rotation_pass:
-        return False
-    return variant.wide_backward
+    refuses (``Variant.wide_backward``), not the flash kernels (``forced_without_wide_backward``)."""
+    return variant.wide_backward and not forced_without_wide_backward()
 
 
 def prepare_backward(
@@ -404,8 +446,8 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
-    if variant.rotation_pass:
-        return _UNPREPARED  # its passes and inner backward run on the ordinary path
+    if variant.rotation_pass or (variant.group_partials and q.shape[1] > k.shape[1]):
+        return _UNPREPARED  # its passes, launches and sums run on the ordinary path
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)
     if self_check.pending(variant, facts.major, key):

@@ -37,7 +37,7 @@ ROWS = 32
 
 
 @triton.jit
-def _rotate_heads(X, Y, heads, rows, row_ok, sin, cos, offs_r, cols_a, cols_b, r_ok, stride_xt, stride_xh, stride_xd,
+def _rotate_heads(X, Y, heads, rows, row_ok, sin, cos, cols_a, cols_b, r_ok, stride_xt, stride_xh, stride_xd,
                   stride_yt, stride_yh, stride_yd, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
                   COPY_PASS: tl.constexpr, INT64: tl.constexpr):
@@ -76,10 +76,10 @@ def _rotation_kernel(
         pos = block_positions(Pos, start, first_row, offs_m, row_ok, HAS_POS)
         offs_r, cols_a, cols_b, r_ok = pair_cols(BLOCK_R, ROT_DIM, INTERLEAVED)
         sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
-        _rotate_heads(XA, YA, heads_a, rows, row_ok, sin, cos, offs_r, cols_a, cols_b, r_ok,
+        _rotate_heads(XA, YA, heads_a, rows, row_ok, sin, cos, cols_a, cols_b, r_ok,
                       stride_xat, stride_xah, stride_xad, stride_yat, stride_yah, stride_yad,
                       HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64)
-        _rotate_heads(XB, YB, heads_b, rows, row_ok, sin, cos, offs_r, cols_a, cols_b, r_ok,
+        _rotate_heads(XB, YB, heads_b, rows, row_ok, sin, cos, cols_a, cols_b, r_ok,
                       stride_xbt, stride_xbh, stride_xbd, stride_ybt, stride_ybh, stride_ybd,
                       HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64)
 
@@ -89,15 +89,17 @@ launch_rotation = Launcher(_rotation_kernel)
 
 def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_offsets: Optional[torch.Tensor],
                 rope_theta: float, positions: Optional[torch.Tensor], rotary_dim: int, interleaved: bool,
-                inverse: bool, in_place: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                inverse: bool, in_place: bool, *,
+                sched: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``a`` and ``b`` (``[T, heads, D]``, the same T and D) rotated by their rows' angles, the
     transpose rotation with ``inverse``: into new contiguous tensors, or in place (then only the
-    first ``rotary_dim`` channels are written)."""
+    first ``rotary_dim`` channels are written). ``sched``: the ``ROWS``-row chunks of ``offsets``
+    where the caller has them (``row_chunks``)."""
     total, _, head_dim = a.shape
     ya, yb = (a, b) if in_place else (empty_contiguous(a), empty_contiguous(b))
     if total == 0:
         return ya, yb
-    sched = Schedule(offsets, total, ROWS, cpu_offsets)
+    sched = sched if sched is not None else row_chunks(offsets, total, cpu_offsets)
     if sched.programs == 0:
         return ya, yb
     meta = dict(
@@ -118,8 +120,15 @@ def rotated_backward(backward, q: torch.Tensor, k: torch.Tensor, offsets: torch.
                      cpu_offsets: Optional[torch.Tensor], rope_theta: float, positions: Optional[torch.Tensor],
                      rotary_dim: int, interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of a rotary call from ``backward(q_rotated, k_rotated)``, the backward of the
-    call without rotary on rotated copies of q and k; dq and dk rotated back in place."""
-    qr, kr = rotate_rows(q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved, False, False)
-    dq, dk, dv = backward(qr, kr)
-    rotate_rows(dq, dk, offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved, True, True)
+    call without rotary on rotated copies of q and k (freed before the back rotation); dq and dk
+    rotated back in place. Both passes share one schedule of row chunks."""
+    sched = row_chunks(offsets, q.shape[0], cpu_offsets)
+    rotate = (offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved)
+    dq, dk, dv = backward(*rotate_rows(q, k, *rotate, False, False, sched=sched))
+    rotate_rows(dq, dk, *rotate, True, True, sched=sched)
     return dq, dk, dv
+
+
+def row_chunks(offsets: torch.Tensor, total: int, cpu_offsets: Optional[torch.Tensor]) -> Schedule:
+    """The rotation pass's schedule: chunks of ``ROWS`` rows of one sequence."""
+    return Schedule(offsets, total, ROWS, cpu_offsets)

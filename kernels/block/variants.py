@@ -98,6 +98,10 @@ class Variant(NamedTuple):
     backward takes blocks over 64 tokens at head dims over 128, which no other variant's backward
     fits in one program (those calls' backward runs on the flash kernels otherwise, or a rotation
     pass around them);
+    ``group_partials``: its backward takes grouped query heads as one query head per kv head, k and
+    v repeated by a zero head stride, each head's dK and dV summed over the group after the launch
+    (``block.bwd._by_query_heads``); ``kernels_of``: the variant whose kernels and backward launch
+    plan (register caps, warps) it launches, where it differs only in how it splits a call;
     ``rotation_pass``: a rotary backward run as a rotation pass, the backward without rotary
     (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
     then gives the rotation pass's launcher; ``forward_of``: the variant whose forward runs this
@@ -123,6 +127,8 @@ class Variant(NamedTuple):
     auto_reasons: Optional[Callable[[CallFacts], List[str]]] = None
     lse_forward: Optional[Callable[[], Launcher]] = None
     wide_backward: bool = False
+    group_partials: bool = False
+    kernels_of: Optional[str] = None
     rotation_pass: bool = False
     forward_of: Optional[str] = None
 
@@ -260,22 +266,25 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     channels (admitted there since session 26) hopper is faster (D96 split 8x2 13.21 vs 18.37 ms,
     whose simple backward was the grid's worst point, 11.8x floor); partial rotary there is not
     timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it.
-    Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128: since
-    simple loads the pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128
-    6.39 vs 8.06 ms; its strided loads before took 25.6)."""
-    if (facts.backward and facts.groups > 1 and facts.interleaved and facts.rot and facts.block_size <= 64
-            and tile_extent(facts.head_dim) == 128):
+    Session 32, the same block-128 D96 backward without rotary: hopper faster (4x1 2.86 vs simple
+    3.94 ms, 8x2 5.79 vs 8.06), so of the padded head dims only D48 (tiles of 64, not timed) is left
+    to simple. Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128:
+    since simple loads the pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128
+    6.39 vs 8.06 ms; its strided loads before took 25.6); at blocks over 64 and D 33-64 as well
+    (session 32, block 128 8x2 D64: 4.17 vs 5.96)."""
+    tile = tile_extent(facts.head_dim)
+    if (facts.backward and facts.groups > 1 and facts.interleaved and facts.rot
+            and (tile == 128 if facts.block_size <= 64 else tile == 64)):
         return [f"backward of interleaved rotary with grouped-query heads at head_dim {facts.head_dim}: simple is "
                 "faster on the H200"]
     if facts.groups > 1 and facts.block_size > 64:
-        tile = tile_extent(facts.head_dim)
         if not facts.backward:
             if tile == 256 and not facts.rot:
                 return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                         "simple is faster on the H200"]
-        elif facts.head_dim not in (32, 64, 128) and facts.rot != facts.head_dim:
+        elif tile == 64 and facts.head_dim != 64:
             return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim} "
-                    f"(tiles padded to {tile} channels): simple is faster on the H200"]
+                    f"(tiles padded to {tile} channels): not timed against simple, which keeps it"]
     return []
 
 
@@ -338,6 +347,28 @@ def _simple_lse_forward() -> Launcher:
     from . import fwd
 
     return fwd.launch_fwd_lse
+
+
+def _hopper_heads_auto_reasons(facts: CallFacts) -> List[str]:
+    """Where ``auto`` takes ``hopper_heads``: the rotary backward of grouped query heads on blocks over
+    64 tokens at D 65-128, but interleaved pairs or rotary over part of the channels at D over 96.
+    A/B on the H200 (bf16, grid lengths, causal no, session 32; ms hopper_heads / rotated (the
+    rotation pass around simple or hopper) / hopper's fused group loop): block 128 D96 split 4x1
+    4.13 / 5.18 / 6.78, 8x2 8.17 / 10.47 / 13.52, interleaved 4x1 4.98 / 5.19 / 6.99, 8x2 10.04 /
+    10.39 / 13.99, rotary_dim 48 (grid runs, against session 31's) 4x1 4.24 / 4.88, 8x2 8.57 /
+    10.02; D128 split 4x1 4.19 / 4.37 / 6.68, 8x2 8.35 / 8.59 (grid runs); D128 interleaved 4x1 4.75
+    / 4.32 and rotary_dim 64 4x1 4.21 / 3.99, 8x2 8.45 / 8.01 (grid runs): rotated faster. Without
+    rotary hopper's group loop is faster (D96 4x1 2.86 vs 3.35, 8x2 5.79 vs 6.71; D128 4x1 2.96 vs
+    3.44; D64 8x2 3.12 vs 4.36), as it is on blocks of up to 64 (block 64 D96 4x1 split 1.96 vs
+    2.88)."""
+    if facts.groups == 1:
+        return ["one query head per kv head: hopper's backward, the same kernels in one launch"]
+    if not facts.rot or facts.block_size <= 64 or not 64 < facts.head_dim <= 128:
+        return ["slower than hopper's group loop on the H200 outside rotary on blocks over 64 at head dims 65-128"]
+    if facts.head_dim > 96 and (facts.interleaved or facts.rot < facts.head_dim):
+        form = "interleaved" if facts.interleaved else f"rotary_dim {facts.rot}"
+        return [f"{form} at head_dim {facts.head_dim}: the rotation pass is faster on the H200"]
+    return []
 
 
 def _hopper_lse_forward() -> Launcher:
@@ -435,12 +466,10 @@ WIDE_HEAD_DIMS = tuple(range(144, 257, 16))
 
 def _hopper_wide_call_reasons(facts: CallFacts) -> List[str]:
     """The hopper_wide backward's admission (its forward is hopper's: ``Variant.forward_of``): blocks
-    and head dims of ``WIDE_BLOCKS`` / ``WIDE_HEAD_DIMS``, one query head per kv head (``sm90.wide``
-    says why), rotary in every form with ``rotary_dim`` a multiple of 16 (as hopper's half tiles),
-    16-bit dtypes, 32- or 64-bit offsets."""
+    and head dims of ``WIDE_BLOCKS`` / ``WIDE_HEAD_DIMS``, every group size (grouped query heads by
+    ``Variant.group_partials``: ``sm90.wide`` says why), rotary in every form with ``rotary_dim`` a
+    multiple of 16 (as hopper's half tiles), 16-bit dtypes, 32- or 64-bit offsets."""
     reasons = _gluon_call_reasons(facts, 9, WIDE_BLOCKS, WIDE_HEAD_DIMS, wide_import_error, True)
-    if facts.groups > 1:
-        reasons.append(f"{facts.groups} query heads per kv head (needs one)")
     return reasons + _rotary_chunk_reasons(facts)
 
 
@@ -560,6 +589,12 @@ HOPPER = Variant(
     "results stored through shared memory", frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons,
     _hopper_kernels, warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_auto_reasons,
     lse_forward=_hopper_lse_forward)
+HOPPER_HEADS = Variant(
+    "hopper_heads", "the hopper kernels' backward one query head per program: grouped query heads against k and v "
+    "repeated by a zero head stride, their dK and dV summed over the group after; its forward: hopper's",
+    frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons, _hopper_kernels, warpgroup_tiles=True,
+    verified_on=frozenset({9}), auto_reasons=_hopper_heads_auto_reasons, group_partials=True, kernels_of="hopper",
+    forward_of="hopper")
 HOPPER_PACKED = Variant(
     "hopper_packed", "the hopper kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block)", frozenset({9}), False,
@@ -580,11 +615,11 @@ KEYS = Variant(
     _keys_call_reasons, _no_reasons, _keys_kernels, auto_reasons=_keys_auto_reasons, lse_forward=_simple_lse_forward)
 
 HOPPER_WIDE = Variant(
-    "hopper_wide", "Gluon for sm_90, backward of blocks of 65-128 tokens at head dims 144-256, one query head per "
-    "kv head: the whole block in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's "
-    "dead half tile); its forward: hopper's", frozenset({9}), False, _hopper_wide_call_reasons,
-    _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True, verified_on=frozenset({9}),
-    wide_backward=True, forward_of="hopper")
+    "hopper_wide", "Gluon for sm_90, backward of blocks of 65-128 tokens at head dims 144-256: the whole block of "
+    "one query head in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's dead half "
+    "tile); grouped query heads one by one, their dK and dV summed after; its forward: hopper's", frozenset({9}),
+    False, _hopper_wide_call_reasons, _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True,
+    verified_on=frozenset({9}), wide_backward=True, group_partials=True, forward_of="hopper")
 
 ROTATED = Variant(
     "rotated", "backward of rotary calls in three steps: a Triton pass writes rotated copies of q and k, the "
@@ -608,9 +643,10 @@ SM100 = Variant(
     verified_on=frozenset(), num_warps=4)
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (SIMPLE, HOPPER, HOPPER_PACKED, SM100, HOPPER_WS, PACKED, KEYS,
-                                                    HOPPER_WIDE, ROTATED)}
+                                                    HOPPER_WIDE, HOPPER_HEADS, ROTATED)}
 # auto's preference, fastest first; simple admits every call.
-AUTO_ORDER: Tuple[Variant, ...] = (ROTATED, HOPPER_WIDE, KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED, SIMPLE)
+AUTO_ORDER: Tuple[Variant, ...] = (ROTATED, HOPPER_WIDE, HOPPER_HEADS, KEYS, HOPPER, HOPPER_PACKED, SM100, PACKED,
+                                   SIMPLE)
 
 _ENVIRONMENT = "BLOCKATTN_KERNELS"
 _UNVERIFIED_ENVIRONMENT = "BLOCKATTN_UNVERIFIED_KERNELS"
@@ -748,22 +784,26 @@ def choose(facts: CallFacts, q: torch.Tensor, tensors: Sequence[torch.Tensor]) -
     variant = forced()
     if variant is not None and variant.rotation_pass and not (facts.backward and facts.rot):
         variant = None
+    label = repr(variant.name) if variant is not None else None
     if variant is not None and variant.forward_of is not None and not facts.backward:
         variant = VARIANTS[variant.forward_of]
+        label += f" (its forward: {variant.name}'s)"
     if variant is not None:
         reasons = (_call_reasons(variant, facts) + _state_reasons(variant, facts, False)
                    + variant.layout_reasons(q, tensors))
         if not reasons:
             return variant
-        _warn_once(variant.name, reasons)
+        _warn_once(label, reasons)
     return _auto(facts, q, tensors)
 
 
-def _warn_once(name: str, reasons: List[str]) -> None:
-    key = (name, tuple(reasons))
+def _warn_once(label: str, reasons: List[str]) -> None:
+    """One warning per (forced variant, reasons); ``label``: the variant's quoted name, and for a
+    backward-only one in a forward, whose forward it stands for."""
+    key = (label, tuple(reasons))
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"block kernels: the forced variant {name!r} cannot compute this call "
+        warnings.warn(f"block kernels: the forced variant {label} cannot compute this call "
                       f"({'; '.join(reasons)}): running the variant auto takes", RuntimeWarning, stacklevel=3)
 
 

@@ -1,5 +1,5 @@
 """Block-attention backward on sm_90 for blocks of 65-128 tokens at head dims 144-256, one query head
-per kv head (Gluon): the ``hopper_wide`` variant's backward (its forward is ``hopper``'s).
+per program (Gluon): the ``hopper_wide`` variant's backward (its forward is ``hopper``'s).
 
 The 128-row hopper plan (q, k, v, dO and a P / dS tile, all whole) needs 288 KB of shared memory
 at D256, over the 227 KB a program gets, so those calls' backward ran on the flash kernels (two
@@ -20,10 +20,12 @@ Every product is one ``wgmma`` of the whole block:
   float32 in two dead tiles (q's and dO's, then k's and q's) and rotated back 32 rows at a time
   with those rows' angles (``block._unrotate_store``).
 
-Grouped query heads are not taken: their dK and dV, summed over the group, would be two more
-128 x 256 float32 accumulators live across the heads (a version summing them in a float32
-buffer in global memory was measured no faster than the flash kernels at 4x1 heads and 1.03-1.23x
-at 8x2, for 2-4 GB of buffer at the grid's lengths: not kept).
+Grouped query heads run as one query head per kv head (``Variant.group_partials``): the launch sees
+one kv head's group of query heads against its k and v repeated by a zero head stride, each program
+stores its query head's dK and dV, and ``common.head_sums`` adds them up over the group after
+(``block.bwd._by_query_heads``). Summed inside one program they would be two more 128 x 256 float32
+accumulators live across the heads; summed in a float32 buffer in global memory by the programs
+(session 29) they were no faster than the flash kernels.
 
 Each gradient element is written once by one program: bitwise deterministic. Rows past the block
 are masked on every copy and store (zero-filled), so no other block's data is used; channels past

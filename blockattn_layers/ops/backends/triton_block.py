@@ -9,8 +9,8 @@ launch runs the one they choose, and ``variant_reasons`` shows the choice to the
 blocks over 64 rows with head dims over 128; the op layer's ``saves_lse``), the forward also stores
 each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``), and the backward
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
-backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, one query
-head per kv head, which needs neither). A rotary backward the choice runs as a rotation pass
+backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, grouped
+query heads one by one, which needs neither). A rotary backward the choice runs as a rotation pass
 (``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
 rotary on rotated copies of q and k and rotates dq and dk back. Without gradients (``forward_inference``)
 it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
 from blockattn_layers.kernels.block.bwd import (
-    backward_variant, block_attention_bwd, one_tile_backward_fits, wide_backward_runs,
+    backward_variant, block_attention_bwd, forced_without_wide_backward, one_tile_backward_fits, wide_backward_runs,
 )
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.block.plan import float32_tile_fits
@@ -120,10 +120,7 @@ def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) ->
     both ways, as ``_variant_reasons`` shows), and a forced variant with neither a backward of its
     own for those calls nor a rotation pass (the flash kernels, as before it was forced; no warning
     that it cannot compute the call)."""
-    if not float32_tile_fits(block_size, head_dim, dtype):
-        return True
-    forced = variants.forced()
-    return forced is not None and not forced.wide_backward and not forced.rotation_pass
+    return not float32_tile_fits(block_size, head_dim, dtype) or forced_without_wide_backward()
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
