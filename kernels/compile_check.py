@@ -403,8 +403,9 @@ def _flash_builds(capability: int) -> Iterator[Build]:
             yield Build(f"flash_delta_{dtype}_d{dim}", _flash_bwd_delta_kernel, dtype, constexprs, dict(num_warps=4))
 
 
-# Builds with no matrix products: the fast flash backward's row-wise passes.
-_NO_PRODUCTS = ("flash_delta_", "flash_dq_store_")
+# Builds with no matrix products: the fast flash backward's row-wise passes, the rotation pass of
+# ``rotated`` and the group sums of ``Variant.group_partials``.
+_NO_PRODUCTS = ("flash_delta_", "flash_dq_store_", "rotation_", "head_sums_")
 
 
 def required_products(build: Build, arch: str) -> Tuple[str, ...]:
@@ -484,8 +485,35 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
         yield Build(f"fp8_linear_e{in_dim}_n{out_dim}_{dtype}", _linear_e4m3_kernel, dtype, meta, options)
 
 
+def _pass_builds(capability: int) -> Iterator[Build]:
+    """The row passes around the block backwards: the rotation pass (``block.rotation``: split halves
+    over every channel at D128 and D256, interleaved pairs over part of D96 at given positions; copies
+    and in place, the transpose rotation) and the group sums (``common.head_sums``: D256 of 4 heads,
+    D96 of 2), with the launchers' constexprs and options."""
+    from .block.rotation import ROWS, _rotation_kernel
+    from .common.head_sums import _head_sums_kernel, sums_meta
+    from .common.meta import tile_extent
+
+    forms = ((128, 128, False, False), (256, 256, False, False), (96, 64, True, True))
+    for dtype, (dim, rot, interleaved, has_pos), in_place in itertools.product(
+            ("bf16", "fp16", "fp32"), forms, (False, True)):
+        constexprs = dict(HEAD_DIM=dim, BLOCK_M=ROWS, BLOCK_R=tile_extent(rot // 2),
+                          BLOCK_P=tile_extent(max(dim - rot, 1)), ROT_DIM=rot, INTERLEAVED=interleaved,
+                          HAS_POS=has_pos, INVERSE=in_place, COPY_PASS=not in_place, FAST_TRIG=True, INT64=False,
+                          INLINE_SEQS=512)
+        form = f"{'interleaved' if interleaved else 'split'}{rot}{'_pos' if has_pos else ''}"
+        name = f"rotation_{dtype}_d{dim}_{form}_{'back_in_place' if in_place else 'copy'}"
+        options = dict(num_warps=8 if dim > 128 else 4, num_stages=1)
+        yield Build(name, _rotation_kernel, dtype, _kernel_constexprs(_rotation_kernel, constexprs), options)
+    for dtype, dim, groups in (("bf16", 256, 4), ("fp16", 96, 2), ("fp32", 128, 8)):
+        constexprs = sums_meta(groups, dim)
+        options = dict(num_warps=constexprs.pop("num_warps"))
+        yield Build(f"head_sums_{dtype}_d{dim}_g{groups}", _head_sums_kernel, dtype, constexprs, options)
+
+
 def builds(capability: int) -> Iterator[Build]:
     """Every shipped kernel build, with the launch options used on GPUs of ``capability``."""
+    yield from _pass_builds(capability)
     yield from _fp8_builds(capability)
     yield from _block_builds(capability)
     yield from _lse_builds(capability)

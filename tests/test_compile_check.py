@@ -332,3 +332,12 @@ def test_hopper_wide_backward_compiles(tmp_path):
                         "bwd_bf16_b128_d256_rope128_interleaved_hwide"}
     for name, text in ptx.items():
         assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text and "st.global.v4" in text, name
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100"])
+def test_row_passes_compile(arch, tmp_path):
+    """The rotation pass (``block.rotation``) and the group sums (``common.head_sums``) compile with
+    16-byte vector loads, and no matrix products are asked of them."""
+    ptx = _compile_check(arch, "rotation_,head_sums_", tmp_path)
+    assert len(ptx) == 21 and sum(name.startswith("head_sums_") for name in ptx) == 3
+    assert all("ld.global.v4" in text or "ld.global.nc.v4" in text for text in ptx.values())

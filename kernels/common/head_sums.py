@@ -52,8 +52,13 @@ def sum_head_groups(parts_a: torch.Tensor, out_a: torch.Tensor, parts_b: torch.T
             raise ValueError("head sums: channels must be contiguous")
     if total == 0:
         return
-    rows = max(1, min(64, 8192 // tile_extent(head_dim)))
     args = (parts_a, out_a, parts_b, out_b, total, parts_a.stride(0), parts_a.stride(1), out_a.stride(0),
             parts_b.stride(0), parts_b.stride(1), out_b.stride(0))
-    meta = dict(HEAD_DIM=head_dim, GROUPS=groups, BLOCK_D=tile_extent(head_dim), ROWS=rows, num_warps=4)
-    _launch((triton.cdiv(total, rows),), args, meta, parts_a)
+    meta = sums_meta(groups, head_dim)
+    _launch((triton.cdiv(total, meta["ROWS"]),), args, meta, parts_a)
+
+
+def sums_meta(groups: int, head_dim: int) -> dict:
+    """Constexprs and launch options of the sums: up to 64 rows a program, 8192 elements a tile."""
+    block_d = tile_extent(head_dim)
+    return dict(HEAD_DIM=head_dim, GROUPS=groups, BLOCK_D=block_d, ROWS=min(64, 8192 // block_d), num_warps=4)
