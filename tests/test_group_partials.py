@@ -1,6 +1,7 @@
-"""Grouped query heads as one query head per kv head (``Variant.group_partials``, ``hopper_wide``'s
-backward on sm_90): ``block.bwd._by_query_heads`` launches the backward kv head by kv head with k
-and v repeated by a zero head stride, and sums each query head's dK and dV over the group.
+"""Grouped query heads as one query head per kv head (``Variant.group_partials``: the backwards of
+``hopper_wide`` and ``hopper_heads`` on sm_90): ``block.bwd._by_query_heads`` launches the backward kv
+head by kv head with k and v repeated by a zero head stride, and sums each query head's dK and dV
+over the group.
 
 The Gluon kernel has no interpreter, so the orchestration runs here around the simple kernels
 (Triton's interpreter on CPU, fp32 and fp16) against the float64 oracle; the GPU runs of
@@ -48,13 +49,29 @@ def _grads(case, dtype, variant):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_group_partials_match_the_oracle(case, dtype):
-    """dq, dk and dv of the kv-head-by-kv-head launches match the float64 oracle as closely as the
-    simple kernels' own grouped backward (which sums dK and dV in registers)."""
+def test_group_partials_match_the_oracle(monkeypatch, case, dtype):
+    """dq, dk and dv of the kv-head-by-kv-head launches (one per kv head, each seeing one query head
+    per kv head through k and v of zero head stride, one sum each) match the float64 oracle as closely
+    as the simple kernels' own grouped backward (which sums dK and dV in registers)."""
+    from blockattn_layers.kernels.block import bwd
     from blockattn_layers.kernels.block.variants import SIMPLE
 
+    launches, sums = [], []
+    real_launch, real_sums = bwd._launch_checked, bwd.sum_head_groups
+
+    def launch(variant, major, sched, positions, flags, scalars, tensors):
+        launches.append((tensors[0].shape[1], tensors[1].shape[1], tensors[1].stride(1)))
+        return real_launch(variant, major, sched, positions, flags, scalars, tensors)
+
+    monkeypatch.setattr(bwd, "_launch_checked", launch)
+    monkeypatch.setattr(bwd, "sum_head_groups", lambda *a: sums.append(a[0].shape) or real_sums(*a))
     by_heads, want, tol = _grads(case, dtype, SIMPLE._replace(group_partials=True))
+    groups = case["heads"] // case["kv_heads"]
+    assert launches == [(groups, groups, 0)] * case["kv_heads"]
+    assert len(sums) == case["kv_heads"]
+    launches.clear()
     grouped, _, _ = _grads(case, dtype, SIMPLE)
+    assert launches == [(case["heads"], case["kv_heads"], case["dim"])]
     bound = tol or {torch.float32: 2e-5, torch.float16: 3e-3}[dtype]
     for name, got, ref, same_kernel in zip("qkv", by_heads, want, grouped):
         assert got.is_contiguous() and got.shape == ref.shape, name
@@ -87,3 +104,46 @@ def test_head_sums_refuse_mismatched_shapes():
     parts = torch.zeros(4, 2, 16)
     with pytest.raises(ValueError, match="head sums"):
         sum_head_groups(parts, torch.zeros(4, 8), parts, torch.zeros(4, 16))
+
+
+def test_a_self_check_disagreement_hands_the_other_kv_heads_to_simple(monkeypatch):
+    """Where a variant's self-check (``block.self_check``) disagrees on the first kv head's launch, that
+    head's gradients are the simple kernels' and the other kv heads run the simple kernels directly."""
+    from blockattn_layers.kernels.block import bwd
+    from blockattn_layers.kernels.block.variants import SIMPLE
+
+    suspect = SIMPLE._replace(name="suspect", group_partials=True)
+    ran = []
+    real = bwd._launch_checked
+
+    def launch(variant, major, sched, positions, flags, scalars, tensors):
+        ran.append(variant.name)
+        if variant is suspect:  # a disagreement: the simple kernels' result, in new buffers
+            grads = real(SIMPLE, major, sched, positions, flags, scalars, tensors)
+            return tuple(g.clone() for g in grads)
+        return real(variant, major, sched, positions, flags, scalars, tensors)
+
+    monkeypatch.setattr(bwd, "_launch_checked", launch)
+    case = dict(CASES[2])
+    got, want, tol = _grads(case, torch.float32, suspect)
+    assert ran == ["suspect", "simple", "simple"]
+    for g, ref in zip(got, want):
+        assert rel_err(g, ref) < (tol or 2e-5)
+
+
+def test_a_split_group_backward_is_not_prepared(monkeypatch):
+    """The prepared backward (one launch fixed by the forward) is not made for a backward that runs
+    grouped query heads one by one: ``bwd._template`` says so before planning any launch."""
+    from blockattn_layers.kernels.block import bwd
+    from blockattn_layers.kernels.block.variants import SIMPLE
+    from blockattn_layers.kernels.common.schedule import Schedule
+
+    partials = SIMPLE._replace(group_partials=True)
+    monkeypatch.setattr(bwd, "choose", lambda *args: partials)
+    monkeypatch.setattr(bwd, "_plan", lambda *args: pytest.fail("planned a launch"))
+    offsets = offsets_from_lengths([5, 70], torch.int32)
+    q, k = torch.zeros(75, 4, 32), torch.zeros(75, 2, 32)
+    sched = Schedule(offsets, 75, 64, None)
+    assert bwd._template(q, k, k, sched, 64, 0.2, False, None, None, 0, False) is bwd._UNPREPARED
+    assert bwd.splits_groups(partials, q, k) and not bwd.splits_groups(partials, q, q)
+    assert not bwd.splits_groups(SIMPLE, q, k)

@@ -636,6 +636,18 @@ def test_keys_backward_keeps_a_nan_in_its_block(heads, kv_heads, dim, block_size
     _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, "keys")
 
 
+def _around_the_blocks(case, heads, kv_heads, dim, dtype, seed):
+    """Inputs on lengths around blocks of up to 128 tokens (empty, 1-token and ragged blocks); a
+    ``case["positions"]`` of "int" or "float" becomes that kind of positions in the thousands, once
+    (the next dtype's call keeps them)."""
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype, seed=seed)
+    if isinstance(case.get("positions"), str):
+        total = q.shape[0]
+        case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
+                             else torch.rand(total, device=DEV) * 4000)
+    return q, k, v, offsets
+
+
 WIDE_CASES = [
     dict(heads=2, kv_heads=2, dim=256, block_size=128),
     dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True),
@@ -676,12 +688,7 @@ def test_hopper_wide_backward(monkeypatch, case, table):
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     with variants.forced_variant("auto"):  # whatever the environment forces
         for dtype in (torch.bfloat16, torch.float16):
-            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
-                                           seed=dim)
-            if isinstance(case.get("positions"), str):
-                total = q.shape[0]
-                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
-                                     else torch.rand(total, device=DEV) * 4000)
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=dim)
             rot = case.get("rotary_dim", dim) if "rope_theta" in case else 0
             rotary = (rot, case.get("rotary_interleaved", False), "positions" in case)
             facts = variants.call_facts(q, k, case["block_size"], rot, rotary[1], False, rotary[2], backward=True)
@@ -725,12 +732,7 @@ def test_hopper_heads_backward(monkeypatch, case, table):
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     with variants.forced_variant("auto"):
         for dtype in (torch.bfloat16, torch.float16):
-            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
-                                           seed=dim + heads)
-            if isinstance(case.get("positions"), str):
-                total = q.shape[0]
-                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
-                                     else torch.rand(total, device=DEV) * 4000)
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=dim + heads)
             rot = case.get("rotary_dim", dim)
             facts = variants.call_facts(q, k, case["block_size"], rot, case.get("rotary_interleaved", False), False,
                                         "positions" in case, backward=True)
@@ -779,12 +781,7 @@ def test_rotated_backward_forced(monkeypatch, case, table):
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     with variants.forced_variant("rotated"):
         for dtype in (torch.bfloat16, torch.float16):
-            q, k, v, offsets = make_inputs(EDGE_LENGTHS * 2 + LENGTHS_AROUND_128, heads, kv_heads, dim, dtype,
-                                           seed=heads + dim)
-            if isinstance(case.get("positions"), str):
-                total = q.shape[0]
-                case["positions"] = (torch.randint(0, 4000, (total,), device=DEV) if case["positions"] == "int"
-                                     else torch.rand(total, device=DEV) * 4000)
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=heads + dim)
             passes.clear()
             check_against_oracle(q, k, v, offsets, **case)
             assert passes == [(False, False), (True, True)]

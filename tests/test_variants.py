@@ -67,6 +67,8 @@ def test_hopper_call_reasons():
         assert (reasons == []) == taken, (dim, reasons)
     assert "padded to 64 channels" in variants.HOPPER.auto_reasons(
         _facts(groups=2, block_size=100, head_dim=48, backward=True))[0]
+    # (... unless rotary covers all its channels: hopper, as since session 26.)
+    assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=48, rot=48, backward=True)) == []
     # With rotary there (split halves, or over part of the channels) hopper_heads runs before it.
     for rot in (96, 48):
         facts = _facts(groups=4, block_size=128, head_dim=96, rot=rot, backward=True)
@@ -621,3 +623,14 @@ def test_hopper_heads_launches_hoppers_kernels_with_hoppers_plan():
     hopper = bwd._plan(variants.HOPPER, q, q, 3, *flags)
     assert heads[0] is hopper[0] and heads[1] == hopper[1] and heads[1]["maxnreg"] == 168
     assert variants.HOPPER_HEADS.group_partials and not variants.HOPPER.group_partials
+
+
+def test_the_backwards_64_bit_addressing_counts_the_gradients():
+    """The contiguous gradients can span more than the inputs: an expanded q (rows of stride 0) spans
+    one row, its dq all of them."""
+    from blockattn_layers.kernels.block.bwd import grads_need_int64
+
+    row = torch.zeros(1, 1, 16)
+    q = row.expand(2**27, 1, 16)  # 2**31 elements, one row of memory
+    assert grads_need_int64(q, q, row, row)
+    assert not grads_need_int64(row, row, row, row)

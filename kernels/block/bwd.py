@@ -210,8 +210,7 @@ def block_attention_bwd(
     total, num_heads, _ = q.shape
     kv_heads = k.shape[1]
     rot = rotary_dim if rope_theta is not None else 0
-    # (dq, dk, dv: contiguous, no more elements than q, k, v.)
-    int64 = needs_int64(q, k, v, do)
+    int64 = grads_need_int64(do, q, k, v)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, int64, positions is not None, backward=True)
     if variant is None:
         variant = choose(facts, q, (q, k, v, do))
@@ -228,7 +227,7 @@ def block_attention_bwd(
         return dq, dk, dv
     flags = (block_size, rot, rotary_interleaved, positions is not None, causal, sched.inline_seqs, int64)
     scalars = (scale, math.log2(rope_theta) if rope_theta is not None else 0.0)
-    if variant.group_partials and num_heads > kv_heads:
+    if splits_groups(variant, q, k):
         return _by_query_heads(variant, facts.major, sched, positions, flags, scalars, do, q, k, v, dq, dk, dv)
     return _launch_checked(variant, facts.major, sched, positions, flags, scalars, (q, k, v, do, dq, dk, dv))
 
@@ -250,7 +249,9 @@ def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, 
         dq_h, dk_h, dv_h = _launch_checked(variant, major, sched, positions, flags, scalars,
                                            (q[:, heads], kh, vh, do[:, heads], dq_heads, dk_parts, dv_parts))
         if dq_h is not dq_heads:
-            dq_heads.copy_(dq_h)  # a self-check's result (the simple kernels')
+            # A self-check disagreed: the simple kernels' result, and theirs for the other kv heads.
+            dq_heads.copy_(dq_h)
+            variant = SIMPLE
         sum_head_groups(dk_h, dk[:, hk], dv_h, dv[:, hk])
     return dq, dk, dv
 
@@ -375,8 +376,20 @@ def one_tile_backward_fits(block_size: int, head_dim: int, dtype: torch.dtype) -
 def backward_variant(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int, rot: int,
                      interleaved: bool, has_pos: bool) -> Variant:
     """The variant the choice takes for this backward."""
-    facts = call_facts(q, k, block_size, rot, interleaved, needs_int64(q, k, v, do), has_pos, backward=True)
+    facts = call_facts(q, k, block_size, rot, interleaved, grads_need_int64(do, q, k, v), has_pos, backward=True)
     return choose(facts, q, (q, k, v, do))
+
+
+def grads_need_int64(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a backward's launches need 64-bit offsets: the inputs' spans, or the contiguous
+    gradients' sizes (which an input of overlapping rows, such as an expanded one, does not bound)."""
+    return needs_int64(q, k, v, do) or max(q.numel(), k.numel(), v.numel()) >= 2**31 - 1
+
+
+def splits_groups(variant: Variant, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``variant``'s backward of this call runs grouped query heads one by one
+    (``Variant.group_partials``): not one launch."""
+    return variant.group_partials and q.shape[1] > k.shape[1]
 
 
 def forced_without_wide_backward() -> bool:
@@ -446,7 +459,7 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
-    if variant.rotation_pass or (variant.group_partials and q.shape[1] > k.shape[1]):
+    if variant.rotation_pass or splits_groups(variant, q, k):
         return _UNPREPARED  # its passes, launches and sums run on the ordinary path
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)

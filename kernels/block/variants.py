@@ -33,6 +33,11 @@ grouped query heads on blocks over 64 at D 65-128 (``_keys_auto_reasons``). ``ro
 without rotary and the transpose rotation of dq and dk (``block.rotation``); on sm_90 auto takes it
 for grouped query heads at D over 64 on blocks over 32 wherever the fused backward would be simple's,
 keys' or the flash kernels' (``_rotated_auto_reasons``): 1.0-2.1x faster there, keys' region included.
+Grouped query heads can also run one query head per program, each head's dK and dV summed over the
+group after (``Variant.group_partials``): ``hopper_wide`` takes them so (block-128 D256 backwards
+1.4-1.7x faster than the flash kernels, session 32), and ``hopper_heads`` (hopper's kernels so) the
+rotary backward on blocks over 64 at D 65-128 where it beat hopper's group loop and the rotation
+pass (``_hopper_heads_auto_reasons``).
 """
 from __future__ import annotations
 
@@ -267,8 +272,9 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     whose simple backward was the grid's worst point, 11.8x floor); partial rotary there is not
     timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it.
     Session 32, the same block-128 D96 backward without rotary: hopper faster (4x1 2.86 vs simple
-    3.94 ms, 8x2 5.79 vs 8.06), so of the padded head dims only D48 (tiles of 64, not timed) is left
-    to simple. Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128:
+    3.94 ms, 8x2 5.79 vs 8.06), so the other head dims on 128-wide tiles (D80, D112, untimed) go with
+    it, and of the padded head dims only D48 (tiles of 64, not timed) is left to simple, unless rotary
+    covers all its channels (as before). Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128:
     since simple loads the pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128
     6.39 vs 8.06 ms; its strided loads before took 25.6); at blocks over 64 and D 33-64 as well
     (session 32, block 128 8x2 D64: 4.17 vs 5.96)."""
@@ -282,7 +288,7 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
             if tile == 256 and not facts.rot:
                 return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                         "simple is faster on the H200"]
-        elif tile == 64 and facts.head_dim != 64:
+        elif tile == 64 and facts.head_dim != 64 and facts.rot != facts.head_dim:
             return [f"backward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim} "
                     f"(tiles padded to {tile} channels): not timed against simple, which keeps it"]
     return []
@@ -349,6 +355,11 @@ def _simple_lse_forward() -> Launcher:
     return fwd.launch_fwd_lse
 
 
+def _hopper_heads_call_reasons(facts: CallFacts) -> List[str]:
+    """hopper's admission of the launches it makes: one query head per kv head (``Variant.group_partials``)."""
+    return _hopper_call_reasons(facts._replace(groups=1))
+
+
 def _hopper_heads_auto_reasons(facts: CallFacts) -> List[str]:
     """Where ``auto`` takes ``hopper_heads``: the rotary backward of grouped query heads on blocks over
     64 tokens at D 65-128, but interleaved pairs or rotary over part of the channels at D over 96.
@@ -360,7 +371,7 @@ def _hopper_heads_auto_reasons(facts: CallFacts) -> List[str]:
     / 4.32 and rotary_dim 64 4x1 4.21 / 3.99, 8x2 8.45 / 8.01 (grid runs): rotated faster. Without
     rotary hopper's group loop is faster (D96 4x1 2.86 vs 3.35, 8x2 5.79 vs 6.71; D128 4x1 2.96 vs
     3.44; D64 8x2 3.12 vs 4.36), as it is on blocks of up to 64 (block 64 D96 4x1 split 1.96 vs
-    2.88)."""
+    2.88). Timed without causal masking (the facts do not hold it): causal calls take it too."""
     if facts.groups == 1:
         return ["one query head per kv head: hopper's backward, the same kernels in one launch"]
     if not facts.rot or facts.block_size <= 64 or not 64 < facts.head_dim <= 128:
@@ -592,9 +603,9 @@ HOPPER = Variant(
 HOPPER_HEADS = Variant(
     "hopper_heads", "the hopper kernels' backward one query head per program: grouped query heads against k and v "
     "repeated by a zero head stride, their dK and dV summed over the group after; its forward: hopper's",
-    frozenset({9}), False, _hopper_call_reasons, _hopper_layout_reasons, _hopper_kernels, warpgroup_tiles=True,
-    verified_on=frozenset({9}), auto_reasons=_hopper_heads_auto_reasons, group_partials=True, kernels_of="hopper",
-    forward_of="hopper")
+    frozenset({9}), False, _hopper_heads_call_reasons, _hopper_layout_reasons, _hopper_kernels,
+    warpgroup_tiles=True, verified_on=frozenset({9}), auto_reasons=_hopper_heads_auto_reasons, group_partials=True,
+    kernels_of="hopper", forward_of="hopper")
 HOPPER_PACKED = Variant(
     "hopper_packed", "the hopper kernels on 64-row tiles of 2 or 4 blocks of up to 32 tokens (block-diagonal "
     "mask; a tile with a NaN or inf is done again block by block)", frozenset({9}), False,

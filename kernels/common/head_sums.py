@@ -4,7 +4,8 @@ and dV partials of grouped query heads, ``block.bwd._by_query_heads``).
 One program per ``ROWS`` rows; each row's group is one contiguous run of ``GROUPS x D`` elements,
 summed in float32 and rounded once into an output row that may be strided (one kv head of
 ``[T, H_kv, D]``). PyTorch's ``sum(dim=1, out=...)`` of the same tensors ran at about 1.9 TB/s on
-the H200 (bf16, ``[1066526, 4, 256]``: 1.41 ms for each of dK and dV).
+the H200 (bf16, ``[1066526, 4, 256]``: 1.41 ms for each of dK and dV); with this pass the block-128
+D256 4x1 backward (``hopper_wide``, grid lengths) took 7.82 ms instead of 8.99.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ per program (Gluon): the ``hopper_wide`` variant's backward (its forward is ``ho
 
 The 128-row hopper plan (q, k, v, dO and a P / dS tile, all whole) needs 288 KB of shared memory
 at D256, over the 227 KB a program gets, so those calls' backward ran on the flash kernels (two
-passes, the scores computed in each). Here one program of two warpgroups per (block, kv head)
+passes, the scores computed in each). Here one program of two warpgroups per (block, query head)
 holds the block's q, k and dO tiles (128 x 256 each, 16-bit) in shared memory; v comes in two
 column halves through one 128 x 128 tile, which then holds P and after it dS: 224 KB in all.
 Every product is one ``wgmma`` of the whole block:
@@ -167,7 +167,8 @@ def _hopper_wide_bwd_kernel(
     INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     INT64: gl.constexpr,
 ):
-    """Same positional arguments as ``block.bwd``'s kernel; one program per (block, kv head)."""
+    """Same positional arguments as ``block.bwd``'s kernel; one program per (block, kv head), each kv
+    head with one query head (grouped ones come as k and v repeated by a zero head stride)."""
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, _tile_warps(BLOCK_M))
     if INT64:
         start = start.to(gl.int64)
