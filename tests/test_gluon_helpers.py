@@ -679,6 +679,61 @@ def test_hopper_wide_backward_kernel(name):
     case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads))
 
 
+class _ShimLauncher:
+    """A stand-in for a variant's backward launcher: the Gluon kernel run by the shim, its
+    positional arguments named by the kernel's parameters; every launch recorded."""
+
+    def __init__(self, launcher):
+        self.real, self.launches = launcher, []
+
+    def constexpr_names(self) -> list:
+        return self.real.constexpr_names()
+
+    def __call__(self, grid, args, meta, q, meta_key=None):
+        names = [p.name for p in self.real.kernel.params if not p.is_constexpr]
+        values = dict(zip(names, args), **meta)
+        self.launches.append((tuple(grid), values["K"].stride(1), values["DK"].shape))
+        gs.launch(self.real.kernel, grid, **values)
+
+
+GROUPED_BY_HEAD_CASES = {
+    # name: (variant, heads, kv_heads, dim, block, rotary, causal, dtype)
+    "wide_gqa_d256_block128_causal": ("hopper_wide", 4, 2, 256, 128, False, True, torch.float16),
+    "wide_mqa_d192_rope_block100_bf16": ("hopper_wide", 3, 1, 192, 100, True, False, torch.bfloat16),
+    "heads_gqa_d96_rope_block128_causal": ("hopper_heads", 4, 2, 96, 128, True, True, torch.float16),
+    "heads_mqa_d128_rope_block100_bf16": ("hopper_heads", 2, 1, 128, 100, True, False, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPED_BY_HEAD_CASES))
+def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
+    """``hopper_wide``'s and ``hopper_heads``' backward of grouped query heads as ``block.bwd``
+    launches it (``Variant.group_partials``): kv head by kv head, k and v repeated by a zero head
+    stride, each query head's dK and dV summed after (``common.head_sums`` under the interpreter),
+    the Gluon kernel through the shim: dq, dk, dv as ``reference.attention_backward`` has them."""
+    from blockattn_layers.kernels.block import bwd, variants
+
+    kind, heads, kv_heads, dim, block, rotary, causal, dtype = GROUPED_BY_HEAD_CASES[name]
+    case = _Case([0, 1, block - 1, block, block + 1, 2 * block + 3, 5], heads, kv_heads, dim, rotary, False, causal,
+                 block_size=block, dtype=dtype)
+    if kind == "hopper_wide":
+        launcher = _ShimLauncher(sm90_wide.launch_bwd)
+        variant = variants.HOPPER_WIDE._replace(kernels=lambda: (None, launcher), verified_on=None)
+    else:  # (its launches are hopper's: ``Variant.kernels_of``)
+        launcher = _ShimLauncher(sm90_block.launch_bwd)
+        monkeypatch.setitem(variants.VARIANTS, "hopper",
+                            variants.HOPPER._replace(kernels=lambda: (None, launcher)))
+        variant = variants.HOPPER_HEADS._replace(verified_on=None)
+    offsets, _, scale, _, theta, pos, rot, interleaved = case.reference
+    got = bwd.block_attention_bwd(case.do, case.q, case.k, case.v, offsets, block, scale, causal, theta, pos, rot,
+                                  interleaved, None, variant)
+    groups = heads // kv_heads
+    assert launcher.launches == [((case.sched.programs, groups), 0, (case.q.shape[0], groups, dim))] * kv_heads
+    want = reference.attention_backward(case.do, case.q, case.k, case.v, *case.reference)
+    for label, g, ref in zip(("DQ", "DK", "DV"), got, want):
+        _assert_close(g, ref, label)
+
+
 WIDE_ROTARY_FORWARD_CASES = {
     # name: (_Case arguments, keywords, SPLIT_GROUPS): rotary at D 144-256, half tiles 128 wide
     # rotated 32 rows at a time (``rotary.rotate_rows_in_place``).
