@@ -237,8 +237,7 @@ def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, 
     its ``groups`` query heads against k and v repeated by a zero head stride (no copy), each query
     head's dK and dV into a ``[T, groups, D]`` buffer, then summed over the group
     (``common.head_sums``: float32 sums of the rounded terms, one more rounding than a kernel summing
-    in registers). Buffers: two of q's
-    size over the kv heads, kept from one kv head to the next."""
+    in registers). Buffers: two of q's size over the kv heads, kept from one kv head to the next."""
     groups = q.shape[1] // k.shape[1]
     dk_parts, dv_parts = (torch.empty((q.shape[0], groups, x.shape[2]), dtype=x.dtype, device=x.device)
                           for x in (k, v))

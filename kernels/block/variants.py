@@ -270,14 +270,15 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     5.365): the other padded head dims are left to simple as D96 (session 24); with rotary over all
     channels (admitted there since session 26) hopper is faster (D96 split 8x2 13.21 vs 18.37 ms,
     whose simple backward was the grid's worst point, 11.8x floor); partial rotary there is not
-    timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms), so simple keeps it.
-    Session 32, the same block-128 D96 backward without rotary: hopper faster (4x1 2.86 vs simple
-    3.94 ms, 8x2 5.79 vs 8.06), so the other head dims on 128-wide tiles (D80, D112, untimed) go with
-    it, and of the padded head dims only D48 (tiles of 64, not timed) is left to simple, unless rotary
-    covers all its channels (as before). Interleaved rotary backward of grouped query heads at blocks of up to 64 and D 65-128:
-    since simple loads the pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128
-    6.39 vs 8.06 ms; its strided loads before took 25.6); at blocks over 64 and D 33-64 as well
-    (session 32, block 128 8x2 D64: 4.17 vs 5.96)."""
+    timed against simple (simple's backward of D96 rotary_dim 48, 8x2: 13.0 ms; since session 32
+    ``hopper_heads`` runs the rotary ones there). Session 32, the same block-128 D96 backward without
+    rotary: hopper faster (4x1 2.86 vs simple 3.94 ms, 8x2 5.79 vs 8.06), so the other head dims on
+    128-wide tiles (D80, D112, untimed) go with it, and of the padded head dims only D48 (tiles of 64,
+    not timed) is left to simple, unless rotary covers all its channels (as before). Interleaved
+    rotary backward of grouped query heads at blocks of up to 64 and D 65-128: since simple loads the
+    pairs as contiguous tiles (session 28), simple is faster (block 64 8x2 D128 6.39 vs 8.06 ms; its
+    strided loads before took 25.6); at blocks over 64 and D 33-64 as well (session 32, block 128 8x2
+    D64: 4.17 vs 5.96)."""
     tile = tile_extent(facts.head_dim)
     if (facts.backward and facts.groups > 1 and facts.interleaved and facts.rot
             and (tile == 128 if facts.block_size <= 64 else tile == 64)):
