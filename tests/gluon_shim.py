@@ -27,8 +27,9 @@ What it models:
   ``inline_asm_elementwise`` knows ``sin.approx.f32`` / ``cos.approx.f32`` of float32 operands
   (torch's sin / cos, exact: the approximations' error is not modelled) and ``mov.b32`` (a bit
   copy of a 32-bit operand; an int64 one is first truncated to its low 32 bits, as Triton's
-  lowering does for an ``r`` register); :func:`record_asm` logs the operands (e.g. the angles
-  the GPU approximates);
+  lowering does for an ``r`` register), and the GPU-scope fence before such a copy (a no-op here);
+  :func:`record_asm` logs the operands (e.g. the angles the GPU approximates);
+- ``gl.atomic_add`` adds lane by lane and returns the old values (programs run one at a time);
 - ``gl.warp_specialize`` runs the worker partitions in threads beside the default one; mbarriers
   count arrivals and TMA bytes per phase (``expect`` arrives once and announces bytes, a TMA copy
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
@@ -433,6 +434,7 @@ _ASM = {
     "sin.approx.f32 $0, $1;": (torch.float32, torch.sin),
     "cos.approx.f32 $0, $1;": (torch.float32, torch.cos),
     "mov.b32 $0, $1;": (None, None),
+    "fence.acq_rel.gpu; mov.u32 $0, $1;": (None, None),  # programs run one at a time: the fence is moot
 }
 
 
@@ -451,6 +453,24 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack) -> GTe
     if op is None:
         return tensor(operand.contiguous().view(_torch_dtype(dtype)))
     return tensor(op(operand).to(_torch_dtype(dtype)))
+
+
+def _atomic_add(pointer: Pointer, val, mask=None, sem=None, scope=None) -> GTensor:
+    """Add ``val`` at each active lane in turn (lanes sharing an address each add) and return the
+    values before; programs run one at a time, so the ordering ``sem`` / ``scope`` ask for holds."""
+    offsets, mask = _mask_like(pointer.offsets, mask)
+    if pointer.ratio != 1:
+        raise NotImplementedError("gluon_shim: atomic_add through a cast pointer")
+    memory = pointer.memory
+    on = memory.active(offsets, mask, "atomic_add")
+    old = torch.empty(offsets.shape, dtype=memory.flat.dtype)
+    add = _plain(val).to(memory.flat.dtype).expand(offsets.shape)
+    for i in torch.nonzero(mask.reshape(-1)).flatten().tolist():
+        at = int(on.reshape(-1)[i])
+        old.view(-1)[i] = memory.flat[at]
+        memory.flat[at] += add.reshape(-1)[i]
+        memory.writes[at] += 1
+    return tensor(old)
 
 
 def _nothing(*args, **kwargs) -> None:
@@ -744,7 +764,7 @@ language = _namespace(
     exp2=lambda x: tensor(torch.exp2(x)), exp=lambda x: tensor(torch.exp(x)), log2=lambda x: tensor(torch.log2(x)),
     floor=lambda x: tensor(torch.floor(x)), sqrt=lambda x: tensor(torch.sqrt(x)), abs=lambda x: tensor(torch.abs(x)),
     sum=_sum, max=_max, associative_scan=_associative_scan, inline_asm_elementwise=_inline_asm_elementwise,
-    convert_layout=lambda x, layout, assert_trivial=False: x,
+    atomic_add=_atomic_add, convert_layout=lambda x, layout, assert_trivial=False: x,
     allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
     BlockedLayout=_layout("BlockedLayout"), SliceLayout=_layout("SliceLayout"),
     DotOperandLayout=_layout("DotOperandLayout"), NVMMASharedLayout=_layout("NVMMASharedLayout"),

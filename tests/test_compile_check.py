@@ -325,13 +325,20 @@ def test_packed_kernels_compile(tmp_path):
 
 def test_hopper_wide_backward_compiles(tmp_path):
     """The hopper_wide backward (blocks of 128 rows at D 192 / 256, one query head per kv head): wgmma products, 16-byte asynchronous copies in and stores out, within the register, spill
-    and shared-memory budgets (its four tiles: 224 KB of the 227 a program gets)."""
+    and shared-memory budgets (its four tiles: 224 KB of the 227 a program gets); with the group's sums
+    in the launch, their arrival and reads."""
     ptx = _compile_check("sm_90", "_hwide", tmp_path)
+    sums = {"bwd_bf16_b128_d256_sums4_hwide", "bwd_bf16_b128_d256_causal_int64_sums4_hwide"}
     assert set(ptx) == {"bwd_bf16_b128_d256_hwide", "bwd_fp16_b128_d256_hwide", "bwd_bf16_b128_d256_causal_int64_hwide",
                         "bwd_bf16_b128_d192_causal_hwide", "bwd_bf16_b128_d256_rope256_pos_causal_hwide",
-                        "bwd_bf16_b128_d256_rope128_interleaved_hwide"}
+                        "bwd_bf16_b128_d256_rope128_interleaved_hwide"} | sums
     for name, text in ptx.items():
         assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text and "st.global.v4" in text, name
+        # The group's sums in the launch (``sm90.group_sums``): fenced stores, one arrival per program,
+        # the other programs' partials read past L1.
+        arrival = ("fence.acq_rel.gpu" in text and "atom.global.gpu.acq_rel.add.u32" in text
+                   and "ld.global.cg.v4" in text)
+        assert arrival == (name in sums), name
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_100"])

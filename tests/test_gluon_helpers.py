@@ -553,11 +553,12 @@ class _Case:
         atol = 2e-5 if not self.values["ROT_DIM"] else 4e-3 if self.q.dtype == torch.float16 else 3e-2
         torch.testing.assert_close(lse, want_lse.float(), rtol=0, atol=atol)
 
-    def run_backward(self, kernel, grid):
-        """``((dq, dk, dv), launch)`` of the backward kernel on this case's inputs."""
+    def run_backward(self, kernel, grid, **extra):
+        """``((dq, dk, dv), launch)`` of the backward kernel on this case's inputs (``extra``: the
+        kernel's own further arguments)."""
         dq, dk, dv = (_sentinel(x.shape, x.dtype) for x in (self.q, self.k, self.v))
         strides = _strides(q=self.q, k=self.k, v=self.v, do=self.do, dq=dq, dk=dk, dv=dv)
-        return (dq, dk, dv), gs.launch(kernel, grid, **self.values, DQ=dq, DK=dk, DV=dv, **strides)
+        return (dq, dk, dv), gs.launch(kernel, grid, **self.values, DQ=dq, DK=dk, DV=dv, **strides, **extra)
 
     def forward(self, kernel, grid, **constexprs):
         o, run = self.run_forward(kernel, grid, **constexprs)
@@ -565,8 +566,8 @@ class _Case:
         want = reference.attention_forward(self.q, self.k, self.v, *self.reference)
         _assert_close(o, want)
 
-    def backward(self, kernel, grid):
-        grads, run = self.run_backward(kernel, grid)
+    def backward(self, kernel, grid, **extra):
+        grads, run = self.run_backward(kernel, grid, **extra)
         want = reference.attention_backward(self.do, self.q, self.k, self.v, *self.reference)
         for name, got, ref in zip(("DQ", "DK", "DV"), grads, want):
             assert torch.equal(run.writes(name), torch.ones(got.shape, dtype=torch.int32)), name
@@ -676,7 +677,9 @@ def test_hopper_wide_backward_kernel(name):
     data (tiles padded to 256)."""
     args, keywords = WIDE_KERNEL_CASES[name]
     case = _Case(*args, **keywords)
-    case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads))
+    unused = torch.zeros(1, dtype=torch.int32)  # no sums over a group here (``GROUP_SUMS`` 0)
+    case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads), Counts=unused, DK_SUM=unused, DV_SUM=unused,
+                  stride_dkst=0, stride_dvst=0, GROUP_SUMS=0)
 
 
 class _ShimLauncher:
@@ -709,8 +712,10 @@ GROUPED_BY_HEAD_CASES = {
 def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
     """``hopper_wide``'s and ``hopper_heads``' backward of grouped query heads as ``block.bwd``
     launches it (``Variant.group_partials``): kv head by kv head, k and v repeated by a zero head
-    stride, each query head's dK and dV summed after (``common.head_sums`` under the interpreter),
-    the Gluon kernel through the shim: dq, dk, dv as ``reference.attention_backward`` has them."""
+    stride, each query head's dK and dV summed over the group (without rotary by ``hopper_wide``'s kernel
+    itself, ``sm90.group_sums``, by the last of a block's programs to arrive; else by ``common.head_sums``
+    under the interpreter), the Gluon kernel through the shim: dq, dk, dv as
+    ``reference.attention_backward`` has them."""
     from blockattn_layers.kernels.block import bwd, variants
 
     kind, heads, kv_heads, dim, block, rotary, causal, dtype = GROUPED_BY_HEAD_CASES[name]
@@ -719,6 +724,8 @@ def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
     if kind == "hopper_wide":
         launcher = _ShimLauncher(sm90_wide.launch_bwd)
         variant = variants.HOPPER_WIDE._replace(kernels=lambda: (None, launcher), verified_on=None)
+        if not rotary:  # the kernel sums the group (``plan.group_sums_in_launch``)
+            monkeypatch.setattr(bwd, "sum_head_groups", None)
     else:  # (its launches are hopper's: ``Variant.kernels_of``)
         launcher = _ShimLauncher(sm90_block.launch_bwd)
         monkeypatch.setitem(variants.VARIANTS, "hopper",

@@ -59,9 +59,9 @@ def test_group_partials_match_the_oracle(monkeypatch, case, dtype):
     launches, sums = [], []
     real_launch, real_sums = bwd._launch_checked, bwd.sum_head_groups
 
-    def launch(variant, major, sched, positions, flags, scalars, tensors):
+    def launch(variant, major, sched, positions, flags, scalars, tensors, sums=None):
         launches.append((tensors[0].shape[1], tensors[1].shape[1], tensors[1].stride(1)))
-        return real_launch(variant, major, sched, positions, flags, scalars, tensors)
+        return real_launch(variant, major, sched, positions, flags, scalars, tensors, sums)
 
     monkeypatch.setattr(bwd, "_launch_checked", launch)
     monkeypatch.setattr(bwd, "sum_head_groups", lambda *a: sums.append(a[0].shape) or real_sums(*a))
@@ -116,12 +116,12 @@ def test_a_self_check_disagreement_hands_the_other_kv_heads_to_simple(monkeypatc
     ran = []
     real = bwd._launch_checked
 
-    def launch(variant, major, sched, positions, flags, scalars, tensors):
+    def launch(variant, major, sched, positions, flags, scalars, tensors, sums=None):
         ran.append(variant.name)
         if variant is suspect:  # a disagreement: the simple kernels' result, in new buffers
-            grads = real(SIMPLE, major, sched, positions, flags, scalars, tensors)
+            grads = real(SIMPLE, major, sched, positions, flags, scalars, tensors, sums)
             return tuple(g.clone() for g in grads)
-        return real(variant, major, sched, positions, flags, scalars, tensors)
+        return real(variant, major, sched, positions, flags, scalars, tensors, sums)
 
     monkeypatch.setattr(bwd, "_launch_checked", launch)
     case = dict(CASES[2])

@@ -30,7 +30,7 @@ from ..common.schedule import Schedule, tile_of_program, tile_rows
 from ..common.split import load_split, store_split
 from ..common.tiles import block_probs, finite_flag, load_cols, pair_cols, pass_cols, same_slot, store_cols, store_pairs
 from . import self_check, variants
-from .plan import block_grid, block_plan, float32_tile_fits
+from .plan import block_grid, block_plan, float32_tile_fits, group_sums_in_launch
 from .rotation import rotated_backward
 from .variants import SIMPLE, Variant, call_facts, choose
 
@@ -235,9 +235,10 @@ def block_attention_bwd(
 def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, v, dq, dk, dv) -> tuple:
     """The backward of grouped query heads as one of a query head per kv head, kv head by kv head:
     its ``groups`` query heads against k and v repeated by a zero head stride (no copy), each query
-    head's dK and dV into a ``[T, groups, D]`` buffer, then summed over the group
-    (``common.head_sums``: float32 sums of the rounded terms, one more rounding than a kernel summing
-    in registers). Buffers: two of q's size over the kv heads, kept from one kv head to the next."""
+    head's dK and dV into a ``[T, groups, D]`` buffer, then summed over the group: float32 sums of
+    the rounded terms, one more rounding than a kernel summing in registers, in the launch where the
+    variant's kernel does them (``plan.group_sums_in_launch``), else by ``common.head_sums`` after it.
+    Buffers: two of q's size over the kv heads, kept from one kv head to the next."""
     groups = q.shape[1] // k.shape[1]
     dk_parts, dv_parts = (torch.empty((q.shape[0], groups, x.shape[2]), dtype=x.dtype, device=x.device)
                           for x in (k, v))
@@ -245,20 +246,22 @@ def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, 
         heads = slice(hk * groups, (hk + 1) * groups)
         kh, vh = (x[:, hk:hk + 1].expand(-1, groups, -1) for x in (k, v))
         dq_heads = dq[:, heads]
-        dq_h, dk_h, dv_h = _launch_checked(variant, major, sched, positions, flags, scalars,
-                                           (q[:, heads], kh, vh, do[:, heads], dq_heads, dk_parts, dv_parts))
+        dq_h, _, _ = _launch_checked(variant, major, sched, positions, flags, scalars,
+                                     (q[:, heads], kh, vh, do[:, heads], dq_heads, dk_parts, dv_parts),
+                                     sums=(dk[:, hk], dv[:, hk]))
         if dq_h is not dq_heads:
             # A self-check disagreed: the simple kernels' result, and theirs for the other kv heads.
             dq_heads.copy_(dq_h)
             variant = SIMPLE
-        sum_head_groups(dk_h, dk[:, hk], dv_h, dv[:, hk])
     return dq, dk, dv
 
 
-def _launch_checked(variant, major, sched, positions, flags, scalars, tensors) -> tuple:
+def _launch_checked(variant, major, sched, positions, flags, scalars, tensors, sums=None) -> tuple:
     """Launch ``variant``'s backward over ``tensors`` (``q, k, v, do`` and the gradient buffers
     ``dq, dk, dv``) and return the gradients: those buffers, or where a self-check of the variant
-    (``block.self_check``) disagreed, the simple kernels' in new ones."""
+    (``block.self_check``) disagreed, the simple kernels' in new ones. ``sums``: ``(dk_sum, dv_sum)``
+    ``[T, D]``, where dk and dv are ``[T, G, D]`` partials of one query head each, to receive their
+    sums over G (in the launch or after it)."""
     q, k, v, do, dq, dk, dv = tensors
     block_size, rot, interleaved, has_pos, causal = flags[:5]
     scale, log2_theta = scalars
@@ -274,15 +277,35 @@ def _launch_checked(variant, major, sched, positions, flags, scalars, tensors) -
     if self_check.pending(variant, major, key) and self_check.capturing():
         variant = SIMPLE  # no host sync while capturing: the verified kernels run
         launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
-    launcher(grid, args((dq, dk, dv)), meta, q, key)
+    tail = ()
+    summed = sums is not None and group_sums_in_launch(variant, rot)
+    if variant.sums_in_launch:
+        tail, meta, key = _group_sums_args(sums if summed else None, sched, dk, dv, meta, key)
+    launcher(grid, args((dq, dk, dv)) + tail, meta, q, key)
     if self_check.pending(variant, major, key):
         want = empty_grads(q, k, v)
         simple, simple_meta, simple_key, simple_grid = _plan(SIMPLE, q, k, sched.programs, *flags)
         simple(simple_grid, args(want), simple_meta, q, simple_key)
         described = self_check.describe(q, k, block_size, rot, interleaved, has_pos, causal, True)
         if not self_check.agrees(variant, key, described, (dq, dk, dv), want, ("dq", "dk", "dv")):
-            return want
+            dq, dk, dv = want
+            summed = False
+    if sums is not None and not summed:
+        sum_head_groups(dk, sums[0], dv, sums[1])
     return dq, dk, dv
+
+
+def _group_sums_args(sums, sched, dk, dv, meta, key) -> tuple:
+    """``(tail, meta, key)`` of a launch of a kernel that sums a group's dK and dV itself
+    (``Variant.sums_in_launch``): the arguments past ``block.bwd``'s (the blocks' arrival counters,
+    zeroed, and the sums' tensors with their row strides; unused placeholders where ``sums`` is
+    None) and the plan with ``GROUP_SUMS``, the group's size, where they are summed."""
+    if sums is None:
+        return (sched.table, dk, dv, 0, 0), meta, key
+    counts = torch.zeros(sched.programs, dtype=torch.int32, device=dk.device)
+    groups = dk.shape[1]
+    return ((counts, sums[0], sums[1], sums[0].stride(0), sums[1].stride(0)), {**meta, "GROUP_SUMS": groups},
+            key + ("group_sums", groups))
 
 
 def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:

@@ -119,6 +119,17 @@ def split_groups(meta: dict, variant: Variant, backward: bool) -> bool:
     return meta["BLOCK_D"] == 256 or (meta["BLOCK_M"] == 128 and meta["BLOCK_D"] == 128 and meta["ROT_DIM"] == 0)
 
 
+def group_sums_in_launch(variant: Variant, rot: int) -> bool:
+    """Whether a backward launched one query head per program (``Variant.group_partials``) sums the
+    group's dK and dV in the launch (``sm90.group_sums``, kernels with ``Variant.sums_in_launch``)
+    rather than by the pass after it: without rotary. H200, bf16, grid lengths, ``hopper_wide``, ms
+    (pass after / in launch, one process, each twice, bitwise the same gradients): D256 4x1 7.78 /
+    7.35, causal 7.47 / 7.20; 8x2 17.05 / 14.91, causal 17.50 / 14.97; D192 4x1 6.61 / 6.73, causal
+    6.63 / 6.47. With rotary slower (not profiled): D256 4x1 split 9.00 / 9.80, interleaved 10.02 /
+    10.27; 8x2 split 20.85 / 21.46, interleaved 22.29 / 24.84; D192 4x1 split 8.55 / 8.84."""
+    return variant.sums_in_launch and rot == 0
+
+
 def overlap_products(meta: dict, variant: Variant, backward: bool) -> bool:
     """Whether a hopper backward of grouped query heads without rotary on 64-row tiles of D <= 64
     keeps each head's independent products in flight together (``OVERLAP``). H200, bf16, grid
@@ -256,6 +267,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
+    if "GROUP_SUMS" in taken:
+        meta["GROUP_SUMS"] = 0  # the launch for one query head per program sets it (``block.bwd``)
     if "OVERLAP" in taken:
         meta["OVERLAP"] = overlap_products(meta, variant, backward)
     if "SPLIT_GROUPS" in taken:

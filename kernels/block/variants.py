@@ -111,7 +111,11 @@ class Variant(NamedTuple):
     (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
     then gives the rotation pass's launcher; ``forward_of``: the variant whose forward runs this
     one's (a backward-only variant): the choice takes that variant for the forward, forced or not,
-    and its admission, ``auto`` reasons, kernels and launch plan are that variant's.
+    and its admission, ``auto`` reasons, kernels and launch plan are that variant's;
+    ``sums_in_launch``: its backward kernel takes ``sm90.wide``'s arguments past ``block.bwd``'s
+    (block counters and the summed dK and dV) and, launched for ``group_partials``, can sum the
+    group's dK and dV itself (``sm90.group_sums``) instead of the pass after the launch, where
+    ``plan.group_sums_in_launch`` says (measured faster).
     """
 
     name: str
@@ -136,6 +140,7 @@ class Variant(NamedTuple):
     kernels_of: Optional[str] = None
     rotation_pass: bool = False
     forward_of: Optional[str] = None
+    sums_in_launch: bool = False
 
 
 # What the Gluon kernels take: 16-bit dtypes; the sm_90 ones head dims 32-256 in multiples of 16
@@ -631,7 +636,7 @@ HOPPER_WIDE = Variant(
     "one query head in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's dead half "
     "tile); grouped query heads one by one, their dK and dV summed after; its forward: hopper's", frozenset({9}),
     False, _hopper_wide_call_reasons, _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True,
-    verified_on=frozenset({9}), wide_backward=True, group_partials=True, forward_of="hopper")
+    verified_on=frozenset({9}), wide_backward=True, group_partials=True, forward_of="hopper", sums_in_launch=True)
 
 ROTATED = Variant(
     "rotated", "backward of rotary calls in three steps: a Triton pass writes rotated copies of q and k, the "

@@ -22,10 +22,12 @@ Every product is one ``wgmma`` of the whole block:
 
 Grouped query heads run as one query head per kv head (``Variant.group_partials``): the launch sees
 one kv head's group of query heads against its k and v repeated by a zero head stride, each program
-stores its query head's dK and dV, and ``common.head_sums`` adds them up over the group after
-(``block.bwd._by_query_heads``). Summed inside one program they would be two more 128 x 256 float32
-accumulators live across the heads; summed in a float32 buffer in global memory by the programs
-(session 29) they were no faster than the flash kernels.
+stores its query head's dK and dV, and with ``GROUP_SUMS`` the last of a block's programs to finish
+adds them up over the group while they are in L2 (``group_sums``; the group's programs adjacent in
+launch order, which also reads each k and v tile from HBM once for the group). Summed inside one
+program they would be two more 128 x 256 float32 accumulators live across the heads; summed in a
+float32 buffer in global memory by the programs (session 29) they were no faster than the flash
+kernels.
 
 Each gradient element is written once by one program: bitwise deterministic. Rows past the block
 are masked on every copy and store (zero-filled), so no other block's data is used; channels past
@@ -43,6 +45,7 @@ from .block import (
     _acc_layout, _block_of, _channel_mask, _copy_halves, _copy_rows, _landed, _probs, _row_layout, _smem_layout,
     _store_tile_via, _tile_warps, _unrotate_store,
 )
+from .group_sums import group_program, last_to_arrive, sum_group_rows
 from .rotary import rotate_rows_in_place
 
 
@@ -163,21 +166,35 @@ def _hopper_wide_bwd_kernel(
     stride_vt, stride_vh, stride_vd, stride_dot, stride_doh, stride_dod,
     stride_dqt, stride_dqh, stride_dqd, stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
+    Counts, DK_SUM, DV_SUM, stride_dkst, stride_dvst,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
     INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    INT64: gl.constexpr,
+    INT64: gl.constexpr, GROUP_SUMS: gl.constexpr,
 ):
-    """Same positional arguments as ``block.bwd``'s kernel; one program per (block, kv head), each kv
-    head with one query head (grouped ones come as k and v repeated by a zero head stride)."""
-    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, _tile_warps(BLOCK_M))
+    """``block.bwd``'s kernel's positional arguments, then those of the sums over the group
+    (``GROUP_SUMS`` heads, 0 without: the block counters ``Counts`` and the summed ``DK_SUM``,
+    ``DV_SUM`` ``[T, D]`` with their row strides; ``group_sums``). One program per (block, kv head),
+    each kv head with one query head (grouped ones come as k and v repeated by a zero head stride)."""
+    WARPS: gl.constexpr = _tile_warps(BLOCK_M)
+    if GROUP_SUMS > 0:
+        block, head = group_program(GROUP_SUMS)
+    else:
+        block, head = gl.program_id(0), gl.program_id(1)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, block, INLINE_SEQS, WARPS)
     if INT64:
         start = start.to(gl.int64)
     if n > 0:
-        _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, gl.program_id(1), scale,
+        _wide_bwd_block(Q, K, V, DO, DQ, DK, DV, Pos, start, n, first_row, head, scale,
                         qk_scale, log2_theta,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                         HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL)
+        if GROUP_SUMS > 0:
+            if last_to_arrive(Counts, block, GROUP_SUMS, WARPS):
+                sum_group_rows(DK, DK_SUM, start, n, stride_dkt, stride_dkh, stride_dkst, HEAD_DIM, BLOCK_M, BLOCK_D,
+                               GROUP_SUMS, WARPS)
+                sum_group_rows(DV, DV_SUM, start, n, stride_dvt, stride_dvh, stride_dvst, HEAD_DIM, BLOCK_M, BLOCK_D,
+                               GROUP_SUMS, WARPS)
 
 
 launch_bwd = Launcher(_hopper_wide_bwd_kernel)
