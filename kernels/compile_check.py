@@ -298,24 +298,27 @@ WIDE_HOPPER_SUFFIX = "_hwide"
 def _hopper_wide_builds(capability: int) -> Iterator[Build]:
     """The hopper_wide backward (``sm90.wide``, sm_90 only), blocks of 128 rows: D256 (bf16, fp16;
     causal with 64-bit addressing) and D192 (tiles padded to 256 channels, causal); rotary at D256
-    in split halves (at given positions, causal) and interleaved over 128 channels; the sums of
-    grouped query heads in the launch (``GROUP_SUMS``, 4 heads; taken without rotary only) plain and
-    causal with 64-bit addressing."""
+    in split halves (at given positions, causal) and interleaved over 128 channels; a group of 4 query
+    heads' programs adjacent (``GROUP_PROGRAMS``) with their sums in the launch (``GROUP_SUMS``, taken
+    without rotary) plain and causal with 64-bit addressing, and without them with split rotary."""
     if capability // 10 != 9 or wide_import_error() is not None:
         return
     from .sm90.wide import _hopper_wide_bwd_kernel
 
-    for dtype, dim, causal, int64, rot, interleaved, has_pos, sums in (
-        ("bf16", 256, False, False, 0, False, False, 0), ("fp16", 256, False, False, 0, False, False, 0),
-        ("bf16", 256, True, True, 0, False, False, 0), ("bf16", 192, True, False, 0, False, False, 0),
-        ("bf16", 256, True, False, 256, False, True, 0), ("bf16", 256, False, False, 128, True, False, 0),
-        ("bf16", 256, False, False, 0, False, False, 4), ("bf16", 256, True, True, 0, False, False, 4),
+    for dtype, dim, causal, int64, rot, interleaved, has_pos, group, sums in (
+        ("bf16", 256, False, False, 0, False, False, 0, False), ("fp16", 256, False, False, 0, False, False, 0, False),
+        ("bf16", 256, True, True, 0, False, False, 0, False), ("bf16", 192, True, False, 0, False, False, 0, False),
+        ("bf16", 256, True, False, 256, False, True, 0, False), ("bf16", 256, False, False, 128, True, False, 0, False),
+        ("bf16", 256, False, False, 0, False, False, 4, True), ("bf16", 256, True, True, 0, False, False, 4, True),
+        ("bf16", 256, False, False, 256, False, False, 4, False),
     ):
         constexprs = dict(HEAD_DIM=dim, BLOCK_M=128, BLOCK_D=256, ROT_DIM=rot, INTERLEAVED=interleaved,
-                          HAS_POS=has_pos, IS_CAUSAL=causal, INLINE_SEQS=0, INT64=int64, GROUP_SUMS=sums)
+                          HAS_POS=has_pos, IS_CAUSAL=causal, INLINE_SEQS=0, INT64=int64, GROUP_PROGRAMS=group,
+                          GROUP_SUMS=sums)
         rotary = (f"_rope{rot}" if rot else "") + ("_interleaved" if interleaved else "") + ("_pos" if has_pos else "")
+        grouped = (f"_sums{group}" if sums else f"_group{group}") if group else ""
         name = (f"bwd_{dtype}_b128_d{dim}{rotary}{'_causal' if causal else ''}{'_int64' if int64 else ''}"
-                f"{f'_sums{sums}' if sums else ''}{WIDE_HOPPER_SUFFIX}")
+                f"{grouped}{WIDE_HOPPER_SUFFIX}")
         yield Build(name, _hopper_wide_bwd_kernel, dtype, constexprs, dict(num_warps=8, num_stages=1))
 
 

@@ -331,7 +331,7 @@ def test_hopper_wide_backward_compiles(tmp_path):
     sums = {"bwd_bf16_b128_d256_sums4_hwide", "bwd_bf16_b128_d256_causal_int64_sums4_hwide"}
     assert set(ptx) == {"bwd_bf16_b128_d256_hwide", "bwd_fp16_b128_d256_hwide", "bwd_bf16_b128_d256_causal_int64_hwide",
                         "bwd_bf16_b128_d192_causal_hwide", "bwd_bf16_b128_d256_rope256_pos_causal_hwide",
-                        "bwd_bf16_b128_d256_rope128_interleaved_hwide"} | sums
+                        "bwd_bf16_b128_d256_rope128_interleaved_hwide", "bwd_bf16_b128_d256_rope256_group4_hwide"} | sums
     for name, text in ptx.items():
         assert "wgmma.mma_async" in text and "cp.async.cg.shared.global" in text and "st.global.v4" in text, name
         # The group's sums in the launch (``sm90.group_sums``): fenced stores, one arrival per program,

@@ -679,7 +679,7 @@ def test_hopper_wide_backward_kernel(name):
     case = _Case(*args, **keywords)
     unused = torch.zeros(1, dtype=torch.int32)  # no sums over a group here (``GROUP_SUMS`` 0)
     case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads), Counts=unused, DK_SUM=unused, DV_SUM=unused,
-                  stride_dkst=0, stride_dvst=0, GROUP_SUMS=0)
+                  stride_dkst=0, stride_dvst=0, GROUP_PROGRAMS=0, GROUP_SUMS=False)
 
 
 class _ShimLauncher:

@@ -280,7 +280,7 @@ def _launch_checked(variant, major, sched, positions, flags, scalars, tensors, s
     tail = ()
     summed = sums is not None and group_sums_in_launch(variant, rot)
     if variant.sums_in_launch:
-        tail, meta, key = _group_sums_args(sums if summed else None, sched, dk, dv, meta, key)
+        tail, meta, key = _group_sums_args(sums, summed, sched, dk, dv, meta, key)
     launcher(grid, args((dq, dk, dv)) + tail, meta, q, key)
     if self_check.pending(variant, major, key):
         want = empty_grads(q, k, v)
@@ -295,17 +295,21 @@ def _launch_checked(variant, major, sched, positions, flags, scalars, tensors, s
     return dq, dk, dv
 
 
-def _group_sums_args(sums, sched, dk, dv, meta, key) -> tuple:
-    """``(tail, meta, key)`` of a launch of a kernel that sums a group's dK and dV itself
+def _group_sums_args(sums, summed, sched, dk, dv, meta, key) -> tuple:
+    """``(tail, meta, key)`` of a launch of a kernel that can sum a group's dK and dV itself
     (``Variant.sums_in_launch``): the arguments past ``block.bwd``'s (the blocks' arrival counters,
-    zeroed, and the sums' tensors with their row strides; unused placeholders where ``sums`` is
-    None) and the plan with ``GROUP_SUMS``, the group's size, where they are summed."""
+    zeroed, and the sums' tensors with their row strides, where it sums them: ``summed``; else
+    unused placeholders) and the plan with the group's programs adjacent in launch order
+    (``GROUP_PROGRAMS``, where ``sums`` are asked for: one query head per program) and ``GROUP_SUMS``."""
     if sums is None:
         return (sched.table, dk, dv, 0, 0), meta, key
-    counts = torch.zeros(sched.programs, dtype=torch.int32, device=dk.device)
     groups = dk.shape[1]
-    return ((counts, sums[0], sums[1], sums[0].stride(0), sums[1].stride(0)), {**meta, "GROUP_SUMS": groups},
-            key + ("group_sums", groups))
+    meta = {**meta, "GROUP_PROGRAMS": groups, "GROUP_SUMS": summed}
+    key = key + ("group_programs", groups, summed)
+    if not summed:
+        return (sched.table, dk, dv, 0, 0), meta, key
+    counts = torch.zeros(sched.programs, dtype=torch.int32, device=dk.device)
+    return (counts, sums[0], sums[1], sums[0].stride(0), sums[1].stride(0)), meta, key
 
 
 def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:

@@ -120,13 +120,16 @@ def split_groups(meta: dict, variant: Variant, backward: bool) -> bool:
 
 
 def group_sums_in_launch(variant: Variant, rot: int) -> bool:
-    """Whether a backward launched one query head per program (``Variant.group_partials``) sums the
-    group's dK and dV in the launch (``sm90.group_sums``, kernels with ``Variant.sums_in_launch``)
-    rather than by the pass after it: without rotary. H200, bf16, grid lengths, ``hopper_wide``, ms
-    (pass after / in launch, one process, each twice, bitwise the same gradients): D256 4x1 7.78 /
-    7.35, causal 7.47 / 7.20; 8x2 17.05 / 14.91, causal 17.50 / 14.97; D192 4x1 6.61 / 6.73, causal
-    6.63 / 6.47. With rotary slower (not profiled): D256 4x1 split 9.00 / 9.80, interleaved 10.02 /
-    10.27; 8x2 split 20.85 / 21.46, interleaved 22.29 / 24.84; D192 4x1 split 8.55 / 8.84."""
+    """Whether a backward launched one query head per program (``Variant.group_partials``) on a
+    kernel that can (``Variant.sums_in_launch``: ``sm90.wide``, whose launch then always takes a
+    block's programs adjacent) sums the group's dK and dV in the launch (``sm90.group_sums``) rather
+    than by the pass after it: without rotary. H200, bf16, grid lengths, ``hopper_wide``, ms (head-
+    major order with the pass after / adjacent with the pass after / adjacent with the sums in the
+    launch; the first and last in one process, each twice, bitwise the same gradients; the middle in
+    another): D256 4x1 7.78 / 7.40 / 7.35, 8x2 17.05 / 15.64 / 14.91; split rotary 4x1 9.00 / 8.47 /
+    9.80, 8x2 20.85 / 19.53 / 21.46; interleaved 4x1 10.02 / 9.50 / 10.27, 8x2 22.29 / 20.94 /
+    24.84; D192 4x1 6.61 / - / 6.73, causal 6.63 / - / 6.47. (With rotary the summing build spills
+    more: not profiled further.)"""
     return variant.sums_in_launch and rot == 0
 
 
@@ -267,8 +270,8 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
-    if "GROUP_SUMS" in taken:
-        meta["GROUP_SUMS"] = 0  # the launch for one query head per program sets it (``block.bwd``)
+    if "GROUP_SUMS" in taken:  # a launch of one query head per program sets them (``block.bwd``)
+        meta.update(GROUP_PROGRAMS=0, GROUP_SUMS=False)
     if "OVERLAP" in taken:
         meta["OVERLAP"] = overlap_products(meta, variant, backward)
     if "SPLIT_GROUPS" in taken:

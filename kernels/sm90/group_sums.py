@@ -1,10 +1,10 @@
 """The sums of grouped query heads' dK and dV inside the backward launch (sm_90, Gluon).
 
 A backward of grouped query heads run one query head per program (``Variant.group_partials``)
-writes each head's dK and dV of a block to a ``[T, G, D]`` buffer. With ``GROUP_SUMS`` the G
-programs of a block are adjacent in launch order (``group_program``), so they run at the same
-time and their partials are still in L2 when the last of them to finish arrives at the block's
-counter (``last_to_arrive``) and adds them up (``sum_group_rows``): in float32, heads in order
+writes each head's dK and dV of a block to a ``[T, G, D]`` buffer. The G programs of a block
+are adjacent in launch order (``group_program``), so they run at the same time, and with
+``GROUP_SUMS`` their partials are still in L2 when the last of them to finish arrives at the
+block's counter (``last_to_arrive``) and adds them up (``sum_group_rows``): in float32, heads in order
 0 .. G - 1 whichever program sums, rounded once, the same values as the separate pass
 ``common.head_sums`` (which reads the partials back from HBM in a launch of its own).
 

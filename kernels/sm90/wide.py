@@ -22,9 +22,10 @@ Every product is one ``wgmma`` of the whole block:
 
 Grouped query heads run as one query head per kv head (``Variant.group_partials``): the launch sees
 one kv head's group of query heads against its k and v repeated by a zero head stride, each program
-stores its query head's dK and dV, and with ``GROUP_SUMS`` the last of a block's programs to finish
-adds them up over the group while they are in L2 (``group_sums``; the group's programs adjacent in
-launch order, which also reads each k and v tile from HBM once for the group). Summed inside one
+stores its query head's dK and dV, the group's programs adjacent in launch order (``GROUP_PROGRAMS``:
+they run side by side and read each k and v tile from HBM once for the group), and with
+``GROUP_SUMS`` the last of a block's programs to finish adds them up over the group while they are
+in L2 (``group_sums``; else ``common.head_sums`` after the launch). Summed inside one
 program they would be two more 128 x 256 float32 accumulators live across the heads; summed in a
 float32 buffer in global memory by the programs (session 29) they were no faster than the flash
 kernels.
@@ -169,15 +170,17 @@ def _hopper_wide_bwd_kernel(
     Counts, DK_SUM, DV_SUM, stride_dkst, stride_dvst,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, ROT_DIM: gl.constexpr,
     INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-    INT64: gl.constexpr, GROUP_SUMS: gl.constexpr,
+    INT64: gl.constexpr, GROUP_PROGRAMS: gl.constexpr, GROUP_SUMS: gl.constexpr,
 ):
-    """``block.bwd``'s kernel's positional arguments, then those of the sums over the group
-    (``GROUP_SUMS`` heads, 0 without: the block counters ``Counts`` and the summed ``DK_SUM``,
-    ``DV_SUM`` ``[T, D]`` with their row strides; ``group_sums``). One program per (block, kv head),
-    each kv head with one query head (grouped ones come as k and v repeated by a zero head stride)."""
+    """``block.bwd``'s kernel's positional arguments, then those of the sums over a group of query
+    heads (the block counters ``Counts`` and the summed ``DK_SUM``, ``DV_SUM`` ``[T, D]`` with their
+    row strides; ``group_sums``). One program per (block, kv head), each kv head with one query head
+    (grouped ones come as k and v repeated by a zero head stride); ``GROUP_PROGRAMS`` (the group's
+    size, 0 for none) takes the programs with the head fastest, a block's adjacent, and with
+    ``GROUP_SUMS`` the last of them to finish sums their dK and dV."""
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
-    if GROUP_SUMS > 0:
-        block, head = group_program(GROUP_SUMS)
+    if GROUP_PROGRAMS > 0:
+        block, head = group_program(GROUP_PROGRAMS)
     else:
         block, head = gl.program_id(0), gl.program_id(1)
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, block, INLINE_SEQS, WARPS)
@@ -189,12 +192,13 @@ def _hopper_wide_bwd_kernel(
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                         HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL)
-        if GROUP_SUMS > 0:
-            if last_to_arrive(Counts, block, GROUP_SUMS, WARPS):
+        if GROUP_SUMS:
+            gl.static_assert(GROUP_PROGRAMS > 0, "the group's sums need its programs adjacent")
+            if last_to_arrive(Counts, block, GROUP_PROGRAMS, WARPS):
                 sum_group_rows(DK, DK_SUM, start, n, stride_dkt, stride_dkh, stride_dkst, HEAD_DIM, BLOCK_M, BLOCK_D,
-                               GROUP_SUMS, WARPS)
+                               GROUP_PROGRAMS, WARPS)
                 sum_group_rows(DV, DV_SUM, start, n, stride_dvt, stride_dvh, stride_dvst, HEAD_DIM, BLOCK_M, BLOCK_D,
-                               GROUP_SUMS, WARPS)
+                               GROUP_PROGRAMS, WARPS)
 
 
 launch_bwd = Launcher(_hopper_wide_bwd_kernel)
