@@ -684,10 +684,11 @@ def test_hopper_wide_backward_kernel(name):
 
 class _ShimLauncher:
     """A stand-in for a variant's backward launcher: the Gluon kernel run by the shim, its
-    positional arguments named by the kernel's parameters; every launch recorded."""
+    positional arguments named by the kernel's parameters; every launch recorded (``launches``: grid,
+    k's head stride, dK's shape; ``runs``: the arguments and the shim's ``Launch``)."""
 
     def __init__(self, launcher):
-        self.real, self.launches = launcher, []
+        self.real, self.launches, self.runs = launcher, [], []
 
     def constexpr_names(self) -> list:
         return self.real.constexpr_names()
@@ -696,13 +697,14 @@ class _ShimLauncher:
         names = [p.name for p in self.real.kernel.params if not p.is_constexpr]
         values = dict(zip(names, args), **meta)
         self.launches.append((tuple(grid), values["K"].stride(1), values["DK"].shape))
-        gs.launch(self.real.kernel, grid, **values)
+        self.runs.append((values, gs.launch(self.real.kernel, grid, **values)))
 
 
 GROUPED_BY_HEAD_CASES = {
     # name: (variant, heads, kv_heads, dim, block, rotary, causal, dtype)
     "wide_gqa_d256_block128_causal": ("hopper_wide", 4, 2, 256, 128, False, True, torch.float16),
     "wide_mqa_d192_rope_block100_bf16": ("hopper_wide", 3, 1, 192, 100, True, False, torch.bfloat16),
+    "wide_gqa3_d192_block100": ("hopper_wide", 6, 2, 192, 100, False, False, torch.float16),
     "heads_gqa_d96_rope_block128_causal": ("hopper_heads", 4, 2, 96, 128, True, True, torch.float16),
     "heads_mqa_d128_rope_block100_bf16": ("hopper_heads", 2, 1, 128, 100, True, False, torch.bfloat16),
 }
@@ -719,8 +721,8 @@ def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
     from blockattn_layers.kernels.block import bwd, variants
 
     kind, heads, kv_heads, dim, block, rotary, causal, dtype = GROUPED_BY_HEAD_CASES[name]
-    case = _Case([0, 1, block - 1, block, block + 1, 2 * block + 3, 5], heads, kv_heads, dim, rotary, False, causal,
-                 block_size=block, dtype=dtype)
+    lengths = [0, 1, block - 1, block, block + 1, 2 * block + 3, 5]
+    case = _Case(lengths, heads, kv_heads, dim, rotary, False, causal, block_size=block, dtype=dtype)
     if kind == "hopper_wide":
         launcher = _ShimLauncher(sm90_wide.launch_bwd)
         variant = variants.HOPPER_WIDE._replace(kernels=lambda: (None, launcher), verified_on=None)
@@ -739,6 +741,16 @@ def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
     want = reference.attention_backward(case.do, case.q, case.k, case.v, *case.reference)
     for label, g, ref in zip(("DQ", "DK", "DV"), got, want):
         _assert_close(g, ref, label)
+    if kind == "hopper_wide" and not rotary:
+        # One arrival per program at its block's counter, one sum by the last: every row of each kv
+        # head's dK and dV written once.
+        blocks = sum(-(-n // block) for n in lengths)
+        for values, run in launcher.runs:
+            assert values["GROUP_PROGRAMS"] == groups and values["GROUP_SUMS"]
+            counts = values["Counts"]
+            assert int((counts == groups).sum()) == blocks and int((counts != 0).sum()) == blocks
+            for name in ("DK_SUM", "DV_SUM"):
+                assert torch.equal(run.writes(name), torch.ones(values[name].shape, dtype=torch.int32)), name
 
 
 WIDE_ROTARY_FORWARD_CASES = {

@@ -659,9 +659,12 @@ WIDE_CASES = [
     dict(heads=1, kv_heads=1, dim=192, block_size=100, rope_theta=500.0, positions="float"),
     dict(heads=2, kv_heads=2, dim=256, block_size=128, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
     dict(heads=1, kv_heads=1, dim=160, block_size=128, causal=True, rope_theta=1e4, rotary_dim=64, positions="int"),
-    # Grouped query heads (one by one, dK and dV summed over the group after): MQA, causal; two kv
-    # heads with rotary in interleaved pairs over part of the channels; three with given positions.
+    # Grouped query heads (one by one, a block's programs adjacent; dK and dV summed over the group in
+    # the launch without rotary, after it with): MQA, causal; three heads a group at D192 (channels
+    # past the head masked in the sums); two kv heads with rotary in interleaved pairs over part of
+    # the channels; three with given positions.
     dict(heads=4, kv_heads=1, dim=256, block_size=128, causal=True),
+    dict(heads=6, kv_heads=2, dim=192, block_size=100),
     dict(heads=8, kv_heads=2, dim=192, block_size=100, rope_theta=1e4, rotary_dim=128, rotary_interleaved=True),
     dict(heads=6, kv_heads=3, dim=144, block_size=65, rope_theta=500.0, positions="float"),
 ]
