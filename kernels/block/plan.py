@@ -128,8 +128,9 @@ def group_sums_in_launch(variant: Variant, rot: int) -> bool:
     launch; the first and last in one process, each twice, bitwise the same gradients; the middle in
     another): D256 4x1 7.78 / 7.40 / 7.35, 8x2 17.05 / 15.64 / 14.91; split rotary 4x1 9.00 / 8.47 /
     9.80, 8x2 20.85 / 19.53 / 21.46; interleaved 4x1 10.02 / 9.50 / 10.27, 8x2 22.29 / 20.94 /
-    24.84; D192 4x1 6.61 / - / 6.73, causal 6.63 / - / 6.47. (With rotary the summing build spills
-    more: not profiled further.)"""
+    24.84; D192 4x1 6.61 / - / 6.73, causal 6.63 / - / 6.47. (Not from spills: ptxas, D256 with the
+    adjacent order, bytes spilled without / with the sums: 392 / 600, split rotary 464 / 580; not
+    profiled further.)"""
     return variant.sums_in_launch and rot == 0
 
 
