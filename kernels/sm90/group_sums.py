@@ -17,6 +17,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .block import _row_layout
+
 
 @gluon.jit
 def group_program(GROUPS: gl.constexpr):
@@ -52,7 +54,7 @@ def sum_group_rows(Parts, Out, start, n, stride_pt, stride_pg, stride_ot, HEAD_D
     ``HEAD_DIM``), in float32 over the heads in order, 32 rows at a time."""
     _fence_each_thread(WARPS)
     ROWS: gl.constexpr = 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_D // 8), BLOCK_D // 8], [WARPS, 1], [1, 0])
+    layout: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     cols = gl.expand_dims(gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, layout)), 0)
     for c in gl.static_range(BLOCK_M // ROWS):
         offs = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
