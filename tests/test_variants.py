@@ -99,7 +99,7 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert not any(name.startswith("backward: ") for name in explain_variants(mha)["triton"])
     assert bl.dispatch.describe(mha, "triton") == "triton, hopper kernels"
     # Blocks over 64 tokens with heads over 128 wide: no block kernel's backward but hopper_wide's fits
-    # one program (grouped query heads one by one, their dK and dV summed after).
+    # one program (grouped query heads one by one, their dK and dV summed over the group).
     wide = dataclasses.replace(gqa, block_size=128)
     reasons = explain_variants(wide)["triton"]
     assert reasons["backward: hopper_wide"] == [] and reasons["backward: flash"] == ["a variant before it runs"]

@@ -34,8 +34,9 @@ without rotary and the transpose rotation of dq and dk (``block.rotation``); on 
 for grouped query heads at D over 64 on blocks over 32 wherever the fused backward would be simple's,
 keys' or the flash kernels' (``_rotated_auto_reasons``): 1.0-2.1x faster there, keys' region included.
 Grouped query heads can also run one query head per program, each head's dK and dV summed over the
-group after (``Variant.group_partials``): ``hopper_wide`` takes them so (block-128 D256 backwards
-1.4-1.7x faster than the flash kernels, session 32), and ``hopper_heads`` (hopper's kernels so) the
+group (``Variant.group_partials``; in the launch where ``plan.group_sums_in_launch`` says, else
+after it): ``hopper_wide`` takes them so (block-128 D256 backwards 1.4-1.7x faster than the flash
+kernels, session 32), and ``hopper_heads`` (hopper's kernels so) the
 rotary backward on blocks over 64 at D 65-128 where it beat hopper's group loop and the rotation
 pass (``_hopper_heads_auto_reasons``).
 """
@@ -104,8 +105,8 @@ class Variant(NamedTuple):
     fits in one program (those calls' backward runs on the flash kernels otherwise, or a rotation
     pass around them);
     ``group_partials``: its backward takes grouped query heads as one query head per kv head, k and
-    v repeated by a zero head stride, each head's dK and dV summed over the group after the launch
-    (``block.bwd._by_query_heads``); ``kernels_of``: the variant whose kernels and backward launch
+    v repeated by a zero head stride, each head's dK and dV summed over the group (after the launch,
+    or in it: ``sums_in_launch``; ``block.bwd._by_query_heads``); ``kernels_of``: the variant whose kernels and backward launch
     plan (register caps, warps) it launches, where it differs only in how it splits a call;
     ``rotation_pass``: a rotary backward run as a rotation pass, the backward without rotary
     (the variant ``auto`` takes for it) and the transpose rotation (``block.rotation``); ``kernels``
@@ -634,7 +635,8 @@ KEYS = Variant(
 HOPPER_WIDE = Variant(
     "hopper_wide", "Gluon for sm_90, backward of blocks of 65-128 tokens at head dims 144-256: the whole block of "
     "one query head in one program (q, k, dO tiles in shared memory, v by column halves, P and dS in v's dead half "
-    "tile); grouped query heads one by one, their dK and dV summed after; its forward: hopper's", frozenset({9}),
+    "tile); grouped query heads one by one, a block's programs side by side, their dK and dV summed over the group "
+    "(without rotary by the last of them to finish); its forward: hopper's", frozenset({9}),
     False, _hopper_wide_call_reasons, _hopper_layout_reasons, _hopper_wide_kernels, warpgroup_tiles=True,
     verified_on=frozenset({9}), wide_backward=True, group_partials=True, forward_of="hopper", sums_in_launch=True)
 
