@@ -222,7 +222,7 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
         if split_groups(constexprs, variant, False):
             constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
     if kind == "bwd":
-        constexprs["OVERLAP"] = overlap_products(constexprs, variant, True)
+        constexprs.update(OVERLAP=overlap_products(constexprs, variant, True), GROUP_PROGRAMS=0)
     rope = "" if not rotary else "_rope" if rot == head_dim else f"_rope{rot}"
     rope += "i" if interleaved else ""
     name = (f"{kind}_{dtype}_b{block}_d{head_dim}{rope}{'_causal' if causal else ''}"
@@ -260,6 +260,11 @@ def _hopper_builds(capability: int) -> Iterator[Build]:
     # Interleaved rotary pairs.
     for kind, (block, dim, rot, groups) in itertools.product(("fwd", "bwd"), ((64, 64, 64, 1), (128, 96, 64, 2))):
         yield _hopper_build(kind, "bf16", block, dim, True, False, groups, False, rot_dim=rot, interleaved=True)
+    # hopper_heads' launches: one query head per kv head, a group of 4 programs adjacent.
+    for dim, interleaved in ((96, False), (128, True)):
+        build = _hopper_build("bwd", "bf16", 128, dim, True, True, 1, False, interleaved=interleaved)
+        yield build._replace(name=build.name.replace("_hopper", "_group4_hopper"),
+                             constexprs=dict(build.constexprs, GROUP_PROGRAMS=4))
 
 
 # Name ending of the hopper_packed builds (not ``_hopper``: ``--only _hopper`` selects the hopper variant's).

@@ -519,7 +519,7 @@ class _Case:
             block_size=block_size, scale=scale, qk_scale=scale * LOG2E, log2_theta=math.log2(theta) if rotary else 0.0,
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
             BLOCK_D=tile_extent(dim), ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=has_pos, IS_CAUSAL=causal,
-            INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False,
+            INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False, GROUP_PROGRAMS=0,
         )
         self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, rot, interleaved)
 
@@ -679,7 +679,7 @@ def test_hopper_wide_backward_kernel(name):
     case = _Case(*args, **keywords)
     unused = torch.zeros(1, dtype=torch.int32)  # no sums over a group here (``GROUP_SUMS`` 0)
     case.backward(WIDE_BWD, (case.sched.programs, case.kv_heads), Counts=unused, DK_SUM=unused, DV_SUM=unused,
-                  stride_dkst=0, stride_dvst=0, GROUP_PROGRAMS=0, GROUP_SUMS=False)
+                  stride_dkst=0, stride_dvst=0, GROUP_SUMS=False)
 
 
 class _ShimLauncher:
@@ -741,16 +741,46 @@ def test_backward_of_grouped_heads_one_by_one(monkeypatch, name):
     want = reference.attention_backward(case.do, case.q, case.k, case.v, *case.reference)
     for label, g, ref in zip(("DQ", "DK", "DV"), got, want):
         _assert_close(g, ref, label)
+    assert all(values["GROUP_PROGRAMS"] == groups for values, _ in launcher.runs)
     if kind == "hopper_wide" and not rotary:
         # One arrival per program at its block's counter, one sum by the last: every row of each kv
         # head's dK and dV written once.
         blocks = sum(-(-n // block) for n in lengths)
         for values, run in launcher.runs:
-            assert values["GROUP_PROGRAMS"] == groups and values["GROUP_SUMS"]
+            assert values["GROUP_SUMS"]
             counts = values["Counts"]
             assert int((counts == groups).sum()) == blocks and int((counts != 0).sum()) == blocks
             for name in ("DK_SUM", "DV_SUM"):
                 assert torch.equal(run.writes(name), torch.ones(values[name].shape, dtype=torch.int32)), name
+
+
+def test_in_launch_group_sums_are_self_checked(monkeypatch):
+    """Where ``hopper_wide`` runs unverified (self-checked at first use, ``block.self_check``), the sums
+    it makes in the launch are compared too, not only its partials: sums gone wrong disable it with a
+    warning naming them, and the gradients are the simple kernels' partials summed after."""
+    from blockattn_layers.kernels.block import bwd, self_check, variants
+
+    monkeypatch.setattr(self_check, "_DISABLED", {})
+    monkeypatch.setattr(self_check, "_PASSED", set())
+    block, heads, kv_heads, dim = 100, 4, 2, 192
+    case = _Case([0, 1, block + 1, 5], heads, kv_heads, dim, False, False, False, block_size=block)
+    launcher = _ShimLauncher(sm90_wide.launch_bwd)
+
+    def wrong_sums(grid, args, meta, q, meta_key=None):
+        launcher(grid, args, meta, q, meta_key)
+        values = launcher.runs[-1][0]
+        assert values["GROUP_SUMS"]
+        values["DK_SUM"].add_(1.0)  # the partials stay right
+
+    wrong_sums.constexpr_names = launcher.constexpr_names
+    variant = variants.HOPPER_WIDE._replace(kernels=lambda: (None, wrong_sums), verified_on=frozenset())
+    offsets, _, scale, _, theta, pos, rot, interleaved = case.reference
+    with pytest.warns(RuntimeWarning, match="dk sums"):
+        got = bwd.block_attention_bwd(case.do, case.q, case.k, case.v, offsets, block, scale, False, theta, pos, rot,
+                                      interleaved, None, variant)
+    want = reference.attention_backward(case.do, case.q, case.k, case.v, *case.reference)
+    for label, g, ref in zip(("DQ", "DK", "DV"), got, want):
+        _assert_close(g, ref, label)
 
 
 WIDE_ROTARY_FORWARD_CASES = {

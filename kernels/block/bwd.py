@@ -234,21 +234,24 @@ def block_attention_bwd(
 
 def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, v, dq, dk, dv) -> tuple:
     """The backward of grouped query heads as one of a query head per kv head, kv head by kv head:
-    its ``groups`` query heads against k and v repeated by a zero head stride (no copy), each query
-    head's dK and dV into a ``[T, groups, D]`` buffer, then summed over the group: float32 sums of
-    the rounded terms, one more rounding than a kernel summing in registers, in the launch where the
+    its ``groups`` query heads against k and v repeated by a zero head stride (no copy), a block's
+    programs adjacent in launch order where the kernel takes ``GROUP_PROGRAMS``, each query head's
+    dK and dV into a ``[T, groups, D]`` buffer, then summed over the group: float32 sums of the
+    rounded terms, one more rounding than a kernel summing in registers, in the launch where the
     variant's kernel does them (``plan.group_sums_in_launch``), else by ``common.head_sums`` after it.
-    Buffers: two of q's size over the kv heads, kept from one kv head to the next."""
+    Buffers: two of q's size over the kv heads, kept from one kv head to the next, and the blocks'
+    arrival counters of every kv head, zeroed once."""
     groups = q.shape[1] // k.shape[1]
     dk_parts, dv_parts = (torch.empty((q.shape[0], groups, x.shape[2]), dtype=x.dtype, device=x.device)
                           for x in (k, v))
+    counts = torch.zeros((k.shape[1], sched.programs), dtype=torch.int32, device=q.device)
     for hk in range(k.shape[1]):
         heads = slice(hk * groups, (hk + 1) * groups)
         kh, vh = (x[:, hk:hk + 1].expand(-1, groups, -1) for x in (k, v))
         dq_heads = dq[:, heads]
         dq_h, _, _ = _launch_checked(variant, major, sched, positions, flags, scalars,
                                      (q[:, heads], kh, vh, do[:, heads], dq_heads, dk_parts, dv_parts),
-                                     sums=(dk[:, hk], dv[:, hk]))
+                                     sums=(dk[:, hk], dv[:, hk], counts[hk]))
         if dq_h is not dq_heads:
             # A self-check disagreed: the simple kernels' result, and theirs for the other kv heads.
             dq_heads.copy_(dq_h)
@@ -259,9 +262,9 @@ def _by_query_heads(variant, major, sched, positions, flags, scalars, do, q, k, 
 def _launch_checked(variant, major, sched, positions, flags, scalars, tensors, sums=None) -> tuple:
     """Launch ``variant``'s backward over ``tensors`` (``q, k, v, do`` and the gradient buffers
     ``dq, dk, dv``) and return the gradients: those buffers, or where a self-check of the variant
-    (``block.self_check``) disagreed, the simple kernels' in new ones. ``sums``: ``(dk_sum, dv_sum)``
-    ``[T, D]``, where dk and dv are ``[T, G, D]`` partials of one query head each, to receive their
-    sums over G (in the launch or after it)."""
+    (``block.self_check``) disagreed, the simple kernels' in new ones. ``sums``: ``(dk_sum, dv_sum,
+    counts)``, ``[T, D]`` each and zeroed ``[programs]`` int32, where dk and dv are ``[T, G, D]``
+    partials of one query head each, to receive their sums over G (in the launch or after it)."""
     q, k, v, do, dq, dk, dv = tensors
     block_size, rot, interleaved, has_pos, causal = flags[:5]
     scale, log2_theta = scalars
@@ -273,43 +276,48 @@ def _launch_checked(variant, major, sched, positions, flags, scalars, tensors, s
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *(stride for g in grads for stride in g.stride()),
         )
 
-    launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
+    launcher, meta, key, grid, tail, summed = _grouped_plan(variant, q, k, sched, flags, sums, dk, dv)
     if self_check.pending(variant, major, key) and self_check.capturing():
         variant = SIMPLE  # no host sync while capturing: the verified kernels run
-        launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
-    tail = ()
-    summed = sums is not None and group_sums_in_launch(variant, rot)
-    if variant.sums_in_launch:
-        tail, meta, key = _group_sums_args(sums, summed, sched, dk, dv, meta, key)
+        launcher, meta, key, grid, tail, summed = _grouped_plan(variant, q, k, sched, flags, sums, dk, dv)
     launcher(grid, args((dq, dk, dv)) + tail, meta, q, key)
     if self_check.pending(variant, major, key):
         want = empty_grads(q, k, v)
         simple, simple_meta, simple_key, simple_grid = _plan(SIMPLE, q, k, sched.programs, *flags)
         simple(simple_grid, args(want), simple_meta, q, simple_key)
+        got, names = (dq, dk, dv), ("dq", "dk", "dv")
+        if summed:  # the sums the launch made, against those of the simple kernels' partials
+            want_sums = tuple(torch.empty_like(x) for x in sums[:2])
+            sum_head_groups(want[1], want_sums[0], want[2], want_sums[1])
+            got, want, names = got + tuple(sums[:2]), want + want_sums, names + ("dk sums", "dv sums")
         described = self_check.describe(q, k, block_size, rot, interleaved, has_pos, causal, True)
-        if not self_check.agrees(variant, key, described, (dq, dk, dv), want, ("dq", "dk", "dv")):
-            dq, dk, dv = want
+        if not self_check.agrees(variant, key, described, got, want, names):
+            dq, dk, dv = want[:3]
             summed = False
     if sums is not None and not summed:
         sum_head_groups(dk, sums[0], dv, sums[1])
     return dq, dk, dv
 
 
-def _group_sums_args(sums, summed, sched, dk, dv, meta, key) -> tuple:
-    """``(tail, meta, key)`` of a launch of a kernel that can sum a group's dK and dV itself
-    (``Variant.sums_in_launch``): the arguments past ``block.bwd``'s (the blocks' arrival counters,
-    zeroed, and the sums' tensors with their row strides, where it sums them: ``summed``; else
-    unused placeholders) and the plan with the group's programs adjacent in launch order
-    (``GROUP_PROGRAMS``, where ``sums`` are asked for: one query head per program) and ``GROUP_SUMS``."""
-    if sums is None:
-        return (sched.table, dk, dv, 0, 0), meta, key
-    groups = dk.shape[1]
-    meta = {**meta, "GROUP_PROGRAMS": groups, "GROUP_SUMS": summed}
-    key = key + ("group_programs", groups, summed)
-    if not summed:
-        return (sched.table, dk, dv, 0, 0), meta, key
-    counts = torch.zeros(sched.programs, dtype=torch.int32, device=dk.device)
-    return (counts, sums[0], sums[1], sums[0].stride(0), sums[1].stride(0)), meta, key
+def _grouped_plan(variant, q, k, sched, flags, sums, dk, dv) -> tuple:
+    """``(launcher, meta, key, grid, tail, summed)``: ``_plan``'s, where ``sums`` are asked for (one
+    query head per program) with the group's programs adjacent in launch order (``GROUP_PROGRAMS``,
+    kernels that take it) and the sums in the launch where ``plan.group_sums_in_launch`` says
+    (``summed``); ``tail``: the arguments past ``block.bwd``'s of a kernel that can sum
+    (``Variant.sums_in_launch`` of the variant whose kernels launch: the blocks' arrival counters and
+    the sums' tensors with their row strides, or unused placeholders)."""
+    launcher, meta, key, grid = _plan(variant, q, k, sched.programs, *flags)
+    owner = variants.VARIANTS[variant.kernels_of] if variant.kernels_of is not None else variant
+    summed = sums is not None and group_sums_in_launch(owner, flags[1])
+    if sums is not None and "GROUP_PROGRAMS" in meta and not meta.get("SLOT"):
+        groups = dk.shape[1]
+        meta = {**meta, "GROUP_PROGRAMS": groups, **({"GROUP_SUMS": summed} if "GROUP_SUMS" in meta else {})}
+        key = key + ("group_programs", groups, summed)
+    tail = ()
+    if owner.sums_in_launch:
+        tail = ((sums[2], sums[0], sums[1], sums[0].stride(0), sums[1].stride(0)) if summed
+                else (sched.table, dk, dv, 0, 0))
+    return launcher, meta, key, grid, tail, summed
 
 
 def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal, inline_seqs, int64) -> tuple:
@@ -485,8 +493,10 @@ def _template(q, k, v, sched, block_size, scale, causal, rope_theta, positions, 
     # (dO and the gradients: contiguous and aligned, rows copyable where q's are.)
     facts = call_facts(q, k, block_size, rot, rotary_interleaved, False, positions is not None, backward=True)
     variant = choose(facts, q, (q, k, v))
-    if variant.rotation_pass or splits_groups(variant, q, k):
-        return _UNPREPARED  # its passes, launches and sums run on the ordinary path
+    if variant.rotation_pass or splits_groups(variant, q, k) or variant.sums_in_launch:
+        # Its passes, launches and sums run on the ordinary path (and a kernel that can sum takes
+        # arguments past these).
+        return _UNPREPARED
     launcher, meta, key, _ = _plan(variant, q, k, sched.programs, block_size, rot, rotary_interleaved,
                                    positions is not None, causal, sched.inline_seqs, False)
     if self_check.pending(variant, facts.major, key):

@@ -271,8 +271,11 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)
-    if "GROUP_SUMS" in taken:  # a launch of one query head per program sets them (``block.bwd``)
-        meta.update(GROUP_PROGRAMS=0, GROUP_SUMS=False)
+    # A launch of one query head per program sets these (``block.bwd``).
+    if "GROUP_PROGRAMS" in taken:
+        meta["GROUP_PROGRAMS"] = 0
+    if "GROUP_SUMS" in taken:
+        meta["GROUP_SUMS"] = False
     if "OVERLAP" in taken:
         meta["OVERLAP"] = overlap_products(meta, variant, backward)
     if "SPLIT_GROUPS" in taken:

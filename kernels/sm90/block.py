@@ -55,6 +55,14 @@ def _block_of(Sched, slots, num_seqs, block_size, pid, INLINE_SEQS: gl.constexpr
 
 
 @gluon.jit
+def group_program(GROUPS: gl.constexpr):
+    """``(block, head)`` of this program over a ``(blocks, GROUPS)`` grid taken in launch order with
+    the head fastest: the G programs of a block adjacent."""
+    linear = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
+    return linear // GROUPS, linear % GROUPS
+
+
+@gluon.jit
 def _inline_counts(Offsets, num_seqs, block_size, INLINE_SEQS: gl.constexpr, WARPS: gl.constexpr):
     """``(i, seq_start, seq_end, blocks, cum)`` of all ``num_seqs <= INLINE_SEQS`` sequences: their
     index, bounds, block counts and the counts' inclusive prefix sums (``schedule._inline_counts``)."""
@@ -1174,11 +1182,19 @@ def _hopper_bwd_kernel(
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     INT64: gl.constexpr, SLOT: gl.constexpr, OVERLAP: gl.constexpr = False, INTERLEAVED: gl.constexpr = False,
+    GROUP_PROGRAMS: gl.constexpr = 0,
 ):
-    hk = gl.program_id(1)
+    """``GROUP_PROGRAMS`` (one query head per kv head launched for a group of that many query heads,
+    ``Variant.group_partials``): the programs taken with the head fastest, a block's adjacent, so that
+    they run side by side and read each k and v tile from HBM once (``group_program``)."""
     WARPS: gl.constexpr = _tile_warps(BLOCK_M)
     ld: gl.constexpr = _row_layout(BLOCK_D, WARPS)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    if GROUP_PROGRAMS > 0:
+        gl.static_assert(SLOT == 0, "a group's programs adjacent: blocks one per program")
+        block, hk = group_program(GROUP_PROGRAMS)
+    else:
+        block, hk = gl.program_id(0), gl.program_id(1)
     if SLOT > 0:
         gl.static_assert(BLOCK_M == 64, "tiles of blocks: 64 rows")
         rows, row_ok, prow, n = _packed_rows(Sched, slots, num_seqs, block_size, gl.program_id(0), offs_m, SLOT,
@@ -1200,7 +1216,7 @@ def _hopper_bwd_kernel(
                                      stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, GROUPS, HEAD_DIM,
                                      BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, INT64, SLOT, OVERLAP)
     else:
-        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, gl.program_id(0), INLINE_SEQS, WARPS)
+        start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, block, INLINE_SEQS, WARPS)
         if INT64:
             start = start.to(gl.int64)
         if n > 0:

@@ -2,7 +2,7 @@
 
 A backward of grouped query heads run one query head per program (``Variant.group_partials``)
 writes each head's dK and dV of a block to a ``[T, G, D]`` buffer. The G programs of a block
-are adjacent in launch order (``group_program``), so they run at the same time, and with
+are adjacent in launch order (``block.group_program``), so they run at the same time, and with
 ``GROUP_SUMS`` their partials are still in L2 when the last of them to finish arrives at the
 block's counter (``last_to_arrive``) and adds them up (``sum_group_rows``): in float32, heads in order
 0 .. G - 1 whichever program sums, rounded once, the same values as the separate pass
@@ -18,14 +18,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .block import _row_layout
-
-
-@gluon.jit
-def group_program(GROUPS: gl.constexpr):
-    """``(block, head)`` of this program over a ``(blocks, GROUPS)`` grid taken in launch order with
-    the head fastest: the G programs of a block adjacent."""
-    linear = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
-    return linear // GROUPS, linear % GROUPS
 
 
 @gluon.jit

@@ -44,9 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..common.launch import Launcher
 from .block import (
     _acc_layout, _block_of, _channel_mask, _copy_halves, _copy_rows, _landed, _probs, _row_layout, _smem_layout,
-    _store_tile_via, _tile_warps, _unrotate_store,
+    _store_tile_via, _tile_warps, _unrotate_store, group_program,
 )
-from .group_sums import group_program, last_to_arrive, sum_group_rows
+from .group_sums import last_to_arrive, sum_group_rows
 from .rotary import rotate_rows_in_place
 
 
