@@ -456,7 +456,7 @@ def required_copies(build: Build) -> Tuple[str, ...]:
     blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
     if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
-    if build.name.startswith("flash_gluon_"):
+    if build.name.startswith(("flash_gluon_", "fp8_ws_")):
         return (TMA_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
     if build.name.startswith("sm100_"):
         return SM100_REQUIRED
@@ -488,12 +488,29 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
         options = dict(num_warps=4 if block * dim <= 128 * 128 else 8, num_stages=1)
         name = (f"fp8_fwd_b{block}_d{dim}{'_rope' if rot else ''}{'_gqa_causal_per_sequence' if batched else ''}")
         yield Build(name, _fp8_fwd_kernel, "fp8", _kernel_constexprs(_fp8_fwd_kernel, constexprs), options)
+    yield from _fp8_ws_builds(capability)
     from .fp8_linear import _linear_e4m3_kernel, linear_meta
 
     for in_dim, out_dim, dtype in ((256, 768, "bf16"), (256, 384, "fp16"), (64, 192, "bf16")):
         meta = linear_meta(in_dim, out_dim, True, False)
         options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
         yield Build(f"fp8_linear_e{in_dim}_n{out_dim}_{dtype}", _linear_e4m3_kernel, dtype, meta, options)
+
+
+def _fp8_ws_builds(capability: int) -> Iterator[Build]:
+    """The warp-specialized e4m3 forward for sm_90 (``sm90.fp8_fwd``): D 64 / 128, one query head
+    per kv head with per-head factors, or two (causal) with per-sequence factors; bf16 output."""
+    if capability // 10 != 9 or gluon_import_error() is not None:
+        return
+    from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, consumers_of, stages
+
+    for dim, groups, consumers in itertools.product((64, 128), (1, 2), (2, 3)):
+        batched = groups > 1
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, consumers), CONSUMERS=consumers,
+                          IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched)
+        name = (f"fp8_ws_fwd_d{dim}{'_gqa_causal_per_sequence' if batched else ''}"
+                f"{'' if consumers == consumers_of(dim) else f'_{consumers}_consumers'}")
+        yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
 
 
 def _pass_builds(capability: int) -> Iterator[Build]:

@@ -236,6 +236,77 @@ def test_fp8_kernel_on_the_gpu(monkeypatch, kw, out_dtype, unverified):
     assert rel_err(out, want) < (2e-2 if out_dtype == torch.bfloat16 or out_dtype == torch.float32 else 3e-3)
 
 
+HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="needs an sm_90 GPU")
+WS_CASES = [
+    dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=False, granularity="head"),
+    dict(heads=4, kv_heads=1, dim=64, block_size=64, causal=True, granularity="sequence_head"),
+    dict(heads=8, kv_heads=2, dim=128, block_size=40, causal=True, granularity="sequence_head"),
+    dict(heads=4, kv_heads=4, dim=64, block_size=33, causal=False, granularity="tensor"),
+]
+
+
+def _ws_call(monkeypatch, heads, kv_heads, dim, block_size, causal, granularity, out_dtype, lengths=LENGTHS,
+             poison=None):
+    """The fp8 call through the warp-specialized sm_90 kernel (unverified kernels allowed, its
+    launches counted); ``poison``: rows set to NaN in q, k, v before the call."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    launches = []
+    launch = ws.launch
+    monkeypatch.setattr(ws, "launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    g = torch.Generator().manual_seed(heads * dim + block_size)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=g) * torch.logspace(-1, 0.5, heads).view(1, heads, 1)
+    k = torch.randn(total, kv_heads, dim, generator=g) * 0.5
+    v = torch.randn(total, kv_heads, dim, generator=g) * torch.logspace(-1, 1, kv_heads).view(1, kv_heads, 1)
+    q, k, v, offsets = (x.cuda() for x in (q, k, v, _offsets(lengths)))
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x, granularity, offsets=offsets, kv_heads=kv_heads)
+                                    for x in (q, k, v))
+    if poison is not None:
+        for x in (q8, k8, v8):
+            x.view(torch.uint8)[poison] = 0x7F  # e4m3fn's NaN
+    out = bl.block_attention(q8, k8, v8, offsets, block_size, causal=causal, q_descale=qd, k_descale=kd,
+                             v_descale=vd, out_dtype=out_dtype)
+    assert launches == [1], "the warp-specialized kernel did not take the call"
+    deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
+           for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
+    return out, oracle_attention(*deq, offsets, block_size, causal=causal)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype):
+    """The warp-specialized sm_90 e4m3 forward (``kernels.sm90.fp8_fwd``) against the float64 oracle
+    of the descaled inputs: zero-length and 1-token sequences, lengths around the block, GQA,
+    causal, per-tensor, per-head and per-sequence factors, both 16-bit outputs."""
+    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, **case)
+    assert out.dtype == out_dtype and torch.isfinite(out).all()
+    assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch):
+    """Over 512 sequences (the block table, per-sequence factors searched over 2,000 offsets), a
+    NaN sequence between ragged ones: its rows are NaN, every other row is finite and right (the
+    ragged blocks' tiles hold the NaN rows past their ends)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 150, (2000,), generator=g).tolist()
+    lengths[700] = 90
+    lo = sum(lengths[:700])
+    out, want = _ws_call(monkeypatch, 4, 2, 128, 64, False, "sequence_head", torch.bfloat16, lengths,
+                         poison=slice(lo, lo + 90))
+    assert torch.isnan(out[lo:lo + 90]).all()
+    keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+    keep[lo:lo + 90] = False
+    assert torch.isfinite(out[keep]).all() and rel_err(out[keep], want[keep.to(want.device)]) < 1e-2
+
+
 def test_fp8_call_compiles_fullgraph():
     """``torch.compile(fullgraph=True)`` traces the fp8 call (its descaled-copies path) and
     gives the eager result."""

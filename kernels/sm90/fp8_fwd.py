@@ -1,0 +1,297 @@
+"""Warp-specialized e4m3 block-attention forward for Hopper (sm_90) in Gluon (inference only).
+
+The Triton fp8 forward (``block.fp8_fwd``) runs one program per (block, kv head): each copies,
+multiplies and stores in turn, and at four programs per SM the H200 keeps its memory only 68 %
+busy (1.18x the floor at prod D128). Here the copies run on their own:
+
+- ``min(#SMs, items)`` persistent programs; an item is a (block, query head) pair, the head
+  fastest, so a block's grouped query heads are taken together and read its k and v from L2.
+  Program ``p`` takes the items ``p, p + P, p + 2P, ...``;
+- in each program a one-warp loader copies each item's q, k and v tiles (``BLOCK_M`` rows from
+  the block's first, one byte per element) by TMA into a ring of ``STAGES`` slots, from tensor
+  maps over the whole ``[T, heads * D]`` row views made in the kernel (rows past ``T`` read as
+  zeros; rows past a ragged block are the next block's and are masked below);
+- two or three consumer warpgroups (``consumers_of``) take the program's items in turn (consumer
+  ``c`` of ``C`` its items ``c, c + C, ...``; each ring slot serves one consumer, ``stages``).
+  Per item: ``S = Q K^T`` by an e4m3 ``wgmma`` straight from the slot; v converted to 16
+  bits into the consumer's own tile with the rows past the block zeroed (so a NaN or infinity in
+  the next block cannot reach this one through ``0 * x``); the slot released; the exact softmax
+  over the block's keys with ``scale * q_descale * k_descale`` on the scores; ``O = P V`` (16-bit
+  ``wgmma``, ``P`` from registers) times ``v_descale / rowsum``; the output stored through the
+  consumer's tile (dead by then) in 16-byte row chunks, rows past the block masked.
+
+v enters the product as stored (e4m3 values are exact in 16 bits), its factor applied to the
+output. Descales are ``[H_kv]`` or ``[B, H_kv]`` (``*_BATCH``: the block's sequence is found by a
+binary search over the offsets, ``_sequence_of``).
+
+Admitted calls (``fp8_ws_reasons``): sm_90, head dims 64 and 128, blocks of 33-64 tokens, no
+rotary, a 16-bit output, rows of ``H * D`` contiguous elements with 16-byte aligned rows, 32-bit
+offsets.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from ..common.launch import Launcher
+from ..common.meta import needs_int64
+from .block import _acc_layout, _block_of, _probs, _smem_layout, _store_via
+from .persistent import drop_ring, init_ring
+
+# The generations whose GPU tests this kernel passed; elsewhere it runs only with
+# ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1, the Triton fp8 forward otherwise.
+VERIFIED_ON = frozenset({9})  # the H200, 2026-12-04 (tests/test_fp8.py, 2 and 3 consumers)
+BLOCK_M = 64  # rows per item: one consumer warpgroup's wgmma tile
+HEAD_DIMS = (64, 128)
+BLOCKS = (33, 64)
+LOADER_REGS = gl.constexpr(40)
+CONSUMER_REGS = gl.constexpr(232)
+CONSUMER_REGS_OF_3 = gl.constexpr(160)  # three consumer warpgroups and the loader in 64 K registers
+
+
+def consumers_of(head_dim: int) -> int:
+    """Consumer warpgroups per program (``CONSUMERS``), as measured faster on the H200 (prod lengths,
+    one process, ms, 2 / 3 consumers, Triton fp8 forward beside): D 64 H4 1.014-1.026 / 0.860-0.868
+    (0.947); D 128 H2 0.806-0.812 / 0.815 (0.840-0.845). Their outputs are bitwise equal."""
+    return 3 if head_dim <= 64 else 2
+
+
+SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
+
+
+def stages(head_dim: int, consumers: int) -> int:
+    """Ring slots: about ``SLOT_BYTES`` of items in flight, a multiple of ``consumers`` (2: 4 at D 128,
+    8 at D 64; 3: 3 and 9). Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot
+    serves one consumer only and its waits on the slot's phase parity come in order: a slot shared
+    by two consumers lets one wait on the parity of a phase two uses back (the GPU then ran past
+    unloaded slots and failed; the CPU shim does not model it)."""
+    return max(round(SLOT_BYTES / (3 * BLOCK_M * head_dim) / consumers), 1) * consumers
+
+
+@gluon.constexpr_function
+def _e4m3_layout(width):
+    """Shared layout of e4m3 tiles ``width`` bytes wide, as TMA writes and ``wgmma`` reads them."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(width, 128), element_bitwidth=8, rank=2)
+
+
+@gluon.constexpr_function
+def _e4m3_acc_layout(width):
+    """Accumulator layout of an e4m3 ``wgmma`` product ``[64, width]`` (its instructions reduce
+    over 32 channels, 16-bit ones over 16: ``block._acc_layout``)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 32])
+
+
+@gluon.constexpr_function
+def _byte_rows(width, warps=4):
+    """Register layout of an e4m3 row tile ``width`` wide in 16-byte row chunks."""
+    return gl.BlockedLayout([1, 16], [32 // (width // 16), width // 16], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _rows_map(ptr, total, heads, stride_t, HEAD_DIM: gl.constexpr):
+    """Tensor map of the ``[total, heads * HEAD_DIM]`` e4m3 row view, ``[BLOCK_M, HEAD_DIM]`` boxes."""
+    return tma.make_tensor_descriptor(ptr, [total, heads * HEAD_DIM], [stride_t, 1], [64, HEAD_DIM],
+                                      _e4m3_layout(HEAD_DIM))
+
+
+@gluon.jit
+def _sequence_of(Offsets, row, num_seqs, search_top, search_steps):
+    """The sequence holding token ``row``: the largest ``s < num_seqs`` with ``offsets[s] <= row``
+    (empty sequences share their neighbour's offset and are passed over; ``common.schedule.search_prefix``)."""
+    s = row * 0
+    for i in range(search_steps):
+        cand = s + (search_top >> i)
+        c = gl.load(Offsets + gl.minimum(cand, num_seqs))
+        s = gl.where((cand < num_seqs) & (c <= row), cand, s)
+    return s
+
+
+@gluon.jit
+def _items_of_program(items):
+    """How many items this program takes (``p, p + P, ...`` below ``items``)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    return (items - pid + nprog - 1) // nprog
+
+
+@gluon.jit
+def _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j, INLINE_SEQS: gl.constexpr,
+                   WARPS: gl.constexpr):
+    """``(start, n, h)`` of this program's item ``j`` (past its last: the last item's, unused)."""
+    item = gl.minimum(gl.program_id(0) + j * gl.num_programs(0), items - 1)
+    start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, item // heads, INLINE_SEQS, WARPS)
+    return start.to(gl.int32), n.to(gl.int32), item % heads
+
+
+@gluon.jit
+def _loader(q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads, kv_heads, items,
+            stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr,
+            INLINE_SEQS: gl.constexpr):
+    """Loader partition (one warp): each item's q, k, v tiles into the next free slot; an empty
+    block's slot gets a bare arrival. The next item's block is read from the table while this
+    one waits for its slot (one item ahead: the table's latency off the copies' path)."""
+    q_map = _rows_map(Q, total, heads, stride_qt, HEAD_DIM)
+    k_map = _rows_map(K, total, kv_heads, stride_kt, HEAD_DIM)
+    v_map = _rows_map(V, total, kv_heads, stride_vt, HEAD_DIM)
+    start, n, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, 0, INLINE_SEQS, 1)
+    for j in range(_items_of_program(items)):
+        next_start, next_n, next_h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j + 1,
+                                                    INLINE_SEQS, 1)
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        if n > 0:
+            mbarrier.expect(bar, 3 * 64 * HEAD_DIM)
+            tma.async_copy_global_to_shared(q_map, [start, h * HEAD_DIM], bar, q_s.index(s))
+            tma.async_copy_global_to_shared(k_map, [start, (h // GROUPS) * HEAD_DIM], bar, k_s.index(s))
+            tma.async_copy_global_to_shared(v_map, [start, (h // GROUPS) * HEAD_DIM], bar, v_s.index(s))
+        else:
+            mbarrier.arrive(bar)
+        start, n, h = next_start, next_n, next_h
+
+
+@gluon.jit
+def _descale(D, seq, hk, kv_heads, BATCH: gl.constexpr):
+    if BATCH:
+        return gl.load(D + seq * kv_heads + hk)
+    else:
+        return gl.load(D + hk)
+
+
+@gluon.jit
+def _item_of_consumer(Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale,
+                      search_top, search_steps, j, GROUPS: gl.constexpr, INLINE_SEQS: gl.constexpr,
+                      QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
+    """``(start, n, h, score_scale, out_scale)`` of this program's item ``j``: its block, query head,
+    the scores' factor (``qk_scale`` times q's and k's descales) and the output's (v's descale)."""
+    start, n, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j, INLINE_SEQS, 4)
+    hk = h // GROUPS
+    seq = 0
+    if QD_BATCH or KD_BATCH or VD_BATCH:
+        seq = _sequence_of(Offsets, start, num_seqs, search_top, search_steps)
+    score_scale = qk_scale * _descale(QD, seq, hk, kv_heads, QD_BATCH) * _descale(KD, seq, hk, kv_heads, KD_BATCH)
+    return start, n, h, score_scale, _descale(VD, seq, hk, kv_heads, VD_BATCH)
+
+
+@gluon.jit
+def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads,
+              kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
+              GROUPS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
+    """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
+    and store (through its tile of ``o_s``); each next item's block and factors read while this one
+    is computed."""
+    o_s = o_s.index(c)
+    dtype: gl.constexpr = O.dtype.element_ty
+    acc_s: gl.constexpr = _e4m3_acc_layout(64)
+    acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    vl: gl.constexpr = _byte_rows(HEAD_DIM)
+    offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, vl))
+    zero_s = gl.zeros([64, 64], gl.float32, acc_s)
+    zero_d = gl.zeros([64, HEAD_DIM], gl.float32, acc_d)
+    start, n, h, score_scale, out_scale = _item_of_consumer(
+        Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale, search_top,
+        search_steps, c, GROUPS, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)
+    for j in range(c, _items_of_program(items), CONSUMERS):
+        next_start, next_n, next_h, next_score_scale, next_out_scale = _item_of_consumer(
+            Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale, search_top,
+            search_steps, j + CONSUMERS, GROUPS, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        if n > 0:
+            scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s)
+            v = v_s.index(s).load(vl).to(gl.float32)
+            v = gl.where(gl.expand_dims(offs_m < n, 1), v, 0.0)
+            gl.thread_barrier()  # every warp is done with the slot, and with o_s's last store
+            mbarrier.arrive(empty.index(s))
+            o_s.store(v.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            p, inv = _probs(scores, n, score_scale, IS_CAUSAL, 64, acc_s)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), o_s, zero_d)
+            o = o * gl.expand_dims(gl.convert_layout(inv * out_scale, gl.SliceLayout(1, acc_d)), 1)
+            _store_via(o_s, O + h * stride_oh, o, start, n, stride_ot, 64, HEAD_DIM)
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s))
+        start, n, h, score_scale, out_scale = next_start, next_n, next_h, next_score_scale, next_out_scale
+
+
+@gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "total", "heads", "kv_heads", "items", "qk_scale",
+                              "search_top", "search_steps"])
+def _fp8_ws_fwd_kernel(
+    Q, K, V, O, Sched, Offsets, QD, KD, VD,
+    slots, num_seqs, block_size, total, heads, kv_heads, items, qk_scale, search_top, search_steps,
+    stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr,
+    VD_BATCH: gl.constexpr,
+):
+    gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
+    dtype: gl.constexpr = O.dtype.element_ty
+    e4m3: gl.constexpr = Q.dtype.element_ty
+    tiles: gl.constexpr = _e4m3_layout(HEAD_DIM)
+    q_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
+    k_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
+    v_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
+    o_s = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, HEAD_DIM], _smem_layout(HEAD_DIM))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    init_ring(ready, empty, STAGES, 1)
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
+                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
+                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
+                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
+                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+            (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
+                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
+                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
+                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
+        ], [4, 4, 1], [CONSUMER_REGS_OF_3, CONSUMER_REGS_OF_3, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
+                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
+                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
+                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
+                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
+                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    drop_ring(ready, empty, STAGES)
+
+
+launch = Launcher(_fp8_ws_fwd_kernel, scratch=True)
+
+
+def fp8_ws_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: Optional[int], rot: int,
+                   out_dtype: torch.dtype) -> List[str]:
+    """Why this kernel cannot take the call (empty: it can); the Triton fp8 forward takes it then."""
+    reasons = []
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        reasons.append("an sm_90 GPU")
+    if q.shape[-1] not in HEAD_DIMS:
+        reasons.append(f"head dim 64 or 128 (got {q.shape[-1]})")
+    if block_size is None or not BLOCKS[0] <= block_size <= BLOCKS[1]:
+        reasons.append(f"blocks of {BLOCKS[0]}-{BLOCKS[1]} tokens (got {block_size})")
+    if rot:
+        reasons.append("no rotary")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        reasons.append("a bf16 or fp16 output")
+    if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):
+        reasons.append("rows of H * D contiguous elements")
+    if any(x.stride(0) % 16 or x.data_ptr() % 16 for x in (q, k, v)):
+        reasons.append("16-byte aligned rows")
+    if needs_int64(q, k, v):
+        reasons.append("32-bit offsets")
+    return reasons
