@@ -456,7 +456,7 @@ def required_copies(build: Build) -> Tuple[str, ...]:
     blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
     if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
-    if build.name.startswith(("flash_gluon_", "fp8_ws_")):
+    if build.name.startswith(("flash_gluon_", "fp8_gluon_")):
         return (TMA_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
     if build.name.startswith("sm100_"):
         return SM100_REQUIRED
@@ -502,14 +502,13 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
     per kv head with per-head factors, or two (causal) with per-sequence factors; bf16 output."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
-    from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, consumers_of, stages
+    from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, stages
 
-    for dim, groups, consumers in itertools.product((64, 128), (1, 2), (2, 3)):
+    for dim, groups in itertools.product((64, 128), (1, 2)):
         batched = groups > 1
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, consumers), CONSUMERS=consumers,
-                          IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched)
-        name = (f"fp8_ws_fwd_d{dim}{'_gqa_causal_per_sequence' if batched else ''}"
-                f"{'' if consumers == consumers_of(dim) else f'_{consumers}_consumers'}")
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim), IS_CAUSAL=batched, INLINE_SEQS=0,
+                          QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched)
+        name = f"fp8_gluon_fwd_d{dim}{'_gqa_causal_per_sequence' if batched else ''}"
         yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
 
 

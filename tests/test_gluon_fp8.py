@@ -29,9 +29,8 @@ from tests.oracle import offsets_from_lengths, oracle_attention, rel_err  # noqa
 LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5, 40]
 
 
-def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None, consumers=2):
-    """The kernel on ``programs`` persistent programs with ``consumers`` consumer partitions;
-    ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``."""
+def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None):
+    """The kernel on ``programs`` persistent programs; ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``."""
     total, heads, dim = q8.shape
     kv_heads = k8.shape[1]
     sched = Schedule(offsets, total, block_size, cpu_offsets)
@@ -45,7 +44,7 @@ def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offset
         kv_heads=kv_heads, items=items, qk_scale=dim ** -0.5 * LOG2E, search_top=1 << (num_seqs.bit_length() - 1),
         search_steps=num_seqs.bit_length(), stride_qt=q8.stride(0), stride_kt=k8.stride(0), stride_vt=v8.stride(0),
         stride_ot=o.stride(0), stride_oh=o.stride(1), HEAD_DIM=dim, GROUPS=heads // kv_heads,
-        STAGES=ws.stages(dim, consumers), CONSUMERS=consumers, IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
+        STAGES=ws.stages(dim), IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
         QD_BATCH=qd.dim() == 2, KD_BATCH=kd.dim() == 2, VD_BATCH=vd.dim() == 2,
     )
     return o, run
@@ -68,17 +67,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_ws_forward_matches_the_oracle(name, consumers):
+def test_fp8_ws_forward_matches_the_oracle(name):
     """Zero-length and length-1 sequences, lengths around the block size, more items than
-    programs (each program's items taken in turn by its two or three consumers), grouped-query heads,
+    programs (each program's items taken in turn by its three consumers), grouped-query heads,
     causal, per-head and per-sequence factors (the block's sequence found by the kernel's search)."""
     dim, heads, kv_heads, block_size, causal, granularity, programs = CASES[name]
     q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim)
     (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, granularity, offsets=offsets, kv_heads=kv_heads),
                                     bl.quantize_fp8(k, granularity, offsets=offsets), bl.quantize_fp8(v, "head"))
-    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, programs, consumers=consumers)
+    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, programs)
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
            for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
     want = oracle_attention(*deq, offsets, block_size, causal=causal)
@@ -114,4 +112,4 @@ def test_fp8_ws_forward_keeps_non_finite_values_in_their_sequence():
 def test_fp8_ws_stages_give_each_slot_one_consumer():
     """About ``SLOT_BYTES`` of e4m3 q, k and v tiles in flight, a multiple of the consumers (a slot
     shared by two consumers lets one pass a wait on a phase two uses back)."""
-    assert [ws.stages(d, c) for d in (64, 128) for c in (2, 3)] == [8, 9, 4, 3]
+    assert ws.stages(64) == 9 and ws.stages(128) == 3 and ws.CONSUMERS == 3

@@ -199,9 +199,8 @@ def _fp8_ws(q, k, v, o, sched: Schedule, offsets, qd, kd, vd, batched, block_siz
     kv_heads = k.shape[1]
     num_seqs = offsets.numel() - 1
     items = sched.programs * heads
-    consumers = ws.consumers_of(dim)
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim, consumers), CONSUMERS=consumers,
-                IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1],
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim), IS_CAUSAL=causal,
+                INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1],
                 VD_BATCH=batched[2], num_warps=4)
     args = (q, k, v, o, sched.table, offsets, qd, kd, vd, sched.programs, num_seqs, block_size, total, heads,
             kv_heads, items, scale * LOG2E, 1 << (num_seqs.bit_length() - 1), num_seqs.bit_length(),

@@ -11,8 +11,8 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   the block's first, one byte per element) by TMA into a ring of ``STAGES`` slots, from tensor
   maps over the whole ``[T, heads * D]`` row views made in the kernel (rows past ``T`` read as
   zeros; rows past a ragged block are the next block's and are masked below);
-- two or three consumer warpgroups (``consumers_of``) take the program's items in turn (consumer
-  ``c`` of ``C`` its items ``c, c + C, ...``; each ring slot serves one consumer, ``stages``).
+- three consumer warpgroups (``CONSUMERS``) take the program's items in turn (consumer ``c`` its
+  items ``c, c + 3, ...``; each ring slot serves one consumer, ``stages``).
   Per item: ``S = Q K^T`` by an e4m3 ``wgmma`` straight from the slot; v converted to 16
   bits into the consumer's own tile with the rows past the block zeroed (so a NaN or infinity in
   the next block cannot reach this one through ``0 * x``); the slot released; the exact softmax
@@ -44,31 +44,28 @@ from .persistent import drop_ring, init_ring
 
 # The generations whose GPU tests this kernel passed; elsewhere it runs only with
 # ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1, the Triton fp8 forward otherwise.
-VERIFIED_ON = frozenset({9})  # the H200, 2026-12-04 (tests/test_fp8.py, 2 and 3 consumers)
+VERIFIED_ON = frozenset({9})  # the H200, 2026-12-04 (tests/test_fp8.py, with two and three consumers)
 BLOCK_M = 64  # rows per item: one consumer warpgroup's wgmma tile
 HEAD_DIMS = (64, 128)
 BLOCKS = (33, 64)
+# Consumer warpgroups per program. H200, prod lengths, one process, ms, two / three consumers (outputs
+# bitwise equal; the Triton fp8 forward beside): D 64 H4 1.014-1.026 / 0.860-0.868 (0.947), D 128 H2
+# 0.806-0.812 / 0.815 (0.840-0.845): three, within 1 % of two at D 128.
+CONSUMERS = gl.constexpr(3)
 LOADER_REGS = gl.constexpr(40)
-CONSUMER_REGS = gl.constexpr(232)
-CONSUMER_REGS_OF_3 = gl.constexpr(160)  # three consumer warpgroups and the loader in 64 K registers
-
-
-def consumers_of(head_dim: int) -> int:
-    """Consumer warpgroups per program (``CONSUMERS``), as measured faster on the H200 (prod lengths,
-    one process, ms, 2 / 3 consumers, Triton fp8 forward beside): D 64 H4 1.014-1.026 / 0.860-0.868
-    (0.947); D 128 H2 0.806-0.812 / 0.815 (0.840-0.845). Their outputs are bitwise equal."""
-    return 3 if head_dim <= 64 else 2
+CONSUMER_REGS = gl.constexpr(160)  # three consumer warpgroups and the loader in 64 K registers
 
 
 SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
 
 
-def stages(head_dim: int, consumers: int) -> int:
-    """Ring slots: about ``SLOT_BYTES`` of items in flight, a multiple of ``consumers`` (2: 4 at D 128,
-    8 at D 64; 3: 3 and 9). Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot
-    serves one consumer only and its waits on the slot's phase parity come in order: a slot shared
-    by two consumers lets one wait on the parity of a phase two uses back (the GPU then ran past
-    unloaded slots and failed; the CPU shim does not model it)."""
+def stages(head_dim: int) -> int:
+    """Ring slots: about ``SLOT_BYTES`` of items in flight, a multiple of ``CONSUMERS`` (3 at D 128, 9
+    at D 64). Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one
+    consumer only and its waits on the slot's phase parity come in order: a slot shared by two
+    consumers lets one wait on the parity of a phase two uses back (on the H200 the kernel then ran
+    past unloaded slots and failed; the CPU shim does not model it)."""
+    consumers = CONSUMERS.value
     return max(round(SLOT_BYTES / (3 * BLOCK_M * head_dim) / consumers), 1) * consumers
 
 
@@ -180,8 +177,8 @@ def _item_of_consumer(Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, h
 @gluon.jit
 def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads,
               kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
-              GROUPS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
+              GROUPS: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
+              QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
     and store (through its tile of ``o_s``); each next item's block and factors read while this one
     is computed."""
@@ -228,9 +225,8 @@ def _fp8_ws_fwd_kernel(
     Q, K, V, O, Sched, Offsets, QD, KD, VD,
     slots, num_seqs, block_size, total, heads, kv_heads, items, qk_scale, search_top, search_steps,
     stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr,
-    VD_BATCH: gl.constexpr,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr,
 ):
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     dtype: gl.constexpr = O.dtype.element_ty
@@ -243,31 +239,19 @@ def _fp8_ws_fwd_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     init_ring(ready, empty, STAGES, 1)
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
-                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
-                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
-                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
-                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-            (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
-                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
-                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
-                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
-        ], [4, 4, 1], [CONSUMER_REGS_OF_3, CONSUMER_REGS_OF_3, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
-                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
-                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs,
-                         block_size, heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh,
-                         HEAD_DIM, GROUPS, STAGES, CONSUMERS, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
-                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
+                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
+                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+        (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
+                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
+                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+        (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
+                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
+                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+        (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads, kv_heads,
+                   items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     drop_ring(ready, empty, STAGES)
 
 
