@@ -156,8 +156,11 @@ def fp8_attention_fwd(
     batched = [d is not None and d.dim() == 2 for d in (q_descale, k_descale, v_descale)]
     num_seqs = offsets.numel() - 1
     rot = rotary_dim if rope_theta is not None else 0
-    dot = out_dtype if out_dtype in _TORCH_TO_TL else torch.bfloat16
     int64 = needs_int64(q, k, v, o)
+    if not int64 and _ws_taken(q, k, v, block_size, rot, out_dtype):
+        _fp8_ws(q, k, v, o, sched, offsets, qd, kd, vd, batched, block_size, scale, causal)
+        return o
+    dot = out_dtype if out_dtype in _TORCH_TO_TL else torch.bfloat16
     meta = dict(
         HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=tile_extent(block_size), BLOCK_D=tile_extent(dim),
         BLOCK_R=tile_extent(rot // 2), BLOCK_P=tile_extent(dim - rot), ROT_DIM=rot, INTERLEAVED=rotary_interleaved,
@@ -167,9 +170,6 @@ def fp8_attention_fwd(
         E4M3_SCORES=e4m3_scores(rot, dim) and taken_on(q.device, E4M3_SCORES_VERIFIED_ON),
         num_warps=num_warps(tile_extent(block_size), tile_extent(dim), False), num_stages=1,
     )
-    if _ws_taken(q, k, v, o, block_size, rot, out_dtype):
-        _fp8_ws(q, k, v, o, sched, offsets, qd, kd, vd, batched, block_size, scale, causal)
-        return o
     pos = positions if positions is not None else sched.table
     args = (q, k, v, o, sched.table, pos, offsets, qd, kd, vd, sched.programs, num_seqs, block_size,
             scale * LOG2E, math.log2(rope_theta) if rope_theta is not None else 0.0,
@@ -179,15 +179,15 @@ def fp8_attention_fwd(
     return o
 
 
-def _ws_taken(q, k, v, o, block_size: int, rot: int, out_dtype: torch.dtype) -> bool:
-    """Whether the warp-specialized sm_90 kernel (``sm90.fp8_fwd``) takes the call: it admits it,
-    and it is verified on this GPU generation or unverified kernels are allowed."""
+def _ws_taken(q, k, v, block_size: int, rot: int, out_dtype: torch.dtype) -> bool:
+    """Whether the warp-specialized sm_90 kernel (``sm90.fp8_fwd``) takes a call whose tensors, the
+    output's included, take 32-bit offsets (the caller's check): it admits it, and it is verified on
+    this GPU generation or unverified kernels are allowed."""
     if not q.is_cuda or gluon_import_error() is not None:
         return False
     from ..sm90 import fp8_fwd as ws
 
-    return (not ws.fp8_ws_reasons(q, k, v, block_size, rot, out_dtype) and not needs_int64(o)
-            and taken_on(q.device, ws.VERIFIED_ON))
+    return not ws.fp8_ws_reasons(q, k, v, block_size, rot, out_dtype) and taken_on(q.device, ws.VERIFIED_ON)
 
 
 def _fp8_ws(q, k, v, o, sched: Schedule, offsets, qd, kd, vd, batched, block_size: int, scale: float,
