@@ -243,20 +243,30 @@ WS_CASES = [
     dict(heads=4, kv_heads=1, dim=64, block_size=64, causal=True, granularity="sequence_head"),
     dict(heads=8, kv_heads=2, dim=128, block_size=40, causal=True, granularity="sequence_head"),
     dict(heads=4, kv_heads=4, dim=64, block_size=33, causal=False, granularity="tensor"),
+    dict(heads=2, kv_heads=2, dim=128, block_size=64, causal=False, granularity="head", rope_theta=1e4),
+    dict(heads=8, kv_heads=2, dim=64, block_size=48, causal=True, granularity="sequence_head", rope_theta=500.0,
+         positions="float"),
 ]
 
 
 def _ws_call(monkeypatch, heads, kv_heads, dim, block_size, causal, granularity, out_dtype, lengths=LENGTHS,
-             poison=None):
+             poison=None, programs=None, **rotary):
     """The fp8 call through the warp-specialized sm_90 kernel (unverified kernels allowed, its
-    launches counted); ``poison``: rows set to NaN in q, k, v before the call."""
+    launches counted); ``poison``: rows set to NaN in q, k, v before the call; ``rotary``: ``rope_theta``
+    and ``positions`` ("float": random ones); ``programs``: the persistent grid (else one per SM), so
+    few programs take many items each (every consumer, the ring's slots reused and wrapped)."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import fp8_fwd as ws
 
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    monkeypatch.setattr(ws, "ROTARY_SLOWER_AT", ())  # tested where the Triton kernel is taken too
     launches = []
     launch = ws.launch
     monkeypatch.setattr(ws, "launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    if programs is not None:
+        from blockattn_layers.kernels.block import fp8_fwd
+
+        monkeypatch.setattr(fp8_fwd, "sm_count", lambda device: programs)
     g = torch.Generator().manual_seed(heads * dim + block_size)
     total = sum(lengths)
     q = torch.randn(total, heads, dim, generator=g) * torch.logspace(-1, 0.5, heads).view(1, heads, 1)
@@ -268,23 +278,31 @@ def _ws_call(monkeypatch, heads, kv_heads, dim, block_size, causal, granularity,
     if poison is not None:
         for x in (q8, k8, v8):
             x.view(torch.uint8)[poison] = 0x7F  # e4m3fn's NaN
+    if rotary.get("positions") == "float":
+        rotary["positions"] = torch.rand(total, generator=g).cuda() * 3000
     out = bl.block_attention(q8, k8, v8, offsets, block_size, causal=causal, q_descale=qd, k_descale=kd,
-                             v_descale=vd, out_dtype=out_dtype)
+                             v_descale=vd, out_dtype=out_dtype, **rotary)
     assert launches == [1], "the warp-specialized kernel did not take the call"
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
            for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
-    return out, oracle_attention(*deq, offsets, block_size, causal=causal)
+    return out, oracle_attention(*deq, offsets, block_size, causal=causal, **rotary)
 
 
 @pytest.mark.gpu
 @HOPPER
+@pytest.mark.parametrize("out_tma", [False, True], ids=["stores", "tma-stores"])
+@pytest.mark.parametrize("programs", [None, 2], ids=["one-per-SM", "two-programs"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype):
+def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tma):
     """The warp-specialized sm_90 e4m3 forward (``kernels.sm90.fp8_fwd``) against the float64 oracle
     of the descaled inputs: zero-length and 1-token sequences, lengths around the block, GQA,
-    causal, per-tensor, per-head and per-sequence factors, both 16-bit outputs."""
-    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, **case)
+    causal, per-tensor, per-head and per-sequence factors, rotary (split halves over every channel,
+    implicit or given positions), both 16-bit outputs, full blocks' outputs stored by TMA or not."""
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    monkeypatch.setattr(ws, "OUT_TMA", out_tma)
+    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, programs=programs, **case)
     assert out.dtype == out_dtype and torch.isfinite(out).all()
     assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
 

@@ -6,6 +6,7 @@ sequence kept to itself although the tiles of a ragged block read the next block
 the shim does not model is in its docstring; the kernel's GPU tests are in ``tests/test_fp8.py``."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -29,8 +30,10 @@ from tests.oracle import offsets_from_lengths, oracle_attention, rel_err  # noqa
 LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5, 40]
 
 
-def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None):
-    """The kernel on ``programs`` persistent programs; ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``."""
+def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None, rope_theta=None,
+         positions=None, out_tma=False):
+    """The kernel on ``programs`` persistent programs; ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``;
+    ``rope_theta``: rotary over every channel in split halves, at ``positions`` or implicit ones."""
     total, heads, dim = q8.shape
     kv_heads = k8.shape[1]
     sched = Schedule(offsets, total, block_size, cpu_offsets)
@@ -38,13 +41,17 @@ def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offset
     num_seqs = len(offsets) - 1
     items = sched.programs * heads
     qd, kd, vd = descales
+    rotary = rope_theta is not None
     run = gs.launch(
-        ws._fp8_ws_fwd_kernel, (programs,), Q=q8, K=k8, V=v8, O=o, Sched=sched.table, Offsets=offsets, QD=qd,
-        KD=kd, VD=vd, slots=sched.programs, num_seqs=num_seqs, block_size=block_size, total=total, heads=heads,
-        kv_heads=kv_heads, items=items, qk_scale=dim ** -0.5 * LOG2E, search_top=1 << (num_seqs.bit_length() - 1),
+        ws._fp8_ws_fwd_kernel, (programs,), Q=q8, K=k8, V=v8, O=o, Sched=sched.table, Offsets=offsets,
+        Pos=positions if positions is not None else sched.table, QD=qd, KD=kd, VD=vd, slots=sched.programs,
+        num_seqs=num_seqs, block_size=block_size, total=total, heads=heads, kv_heads=kv_heads, items=items,
+        qk_scale=dim ** -0.5 * LOG2E, log2_theta=math.log2(rope_theta) if rotary else 0.0,
+        search_top=1 << (num_seqs.bit_length() - 1),
         search_steps=num_seqs.bit_length(), stride_qt=q8.stride(0), stride_kt=k8.stride(0), stride_vt=v8.stride(0),
         stride_ot=o.stride(0), stride_oh=o.stride(1), HEAD_DIM=dim, GROUPS=heads // kv_heads,
-        STAGES=ws.stages(dim), IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
+        STAGES=ws.stages(dim, rotary), ROTARY=rotary, HAS_POS=positions is not None, IS_CAUSAL=causal,
+        INLINE_SEQS=sched.inline_seqs, OUT_TMA=out_tma,
         QD_BATCH=qd.dim() == 2, KD_BATCH=kd.dim() == 2, VD_BATCH=vd.dim() == 2,
     )
     return o, run
@@ -67,8 +74,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("out_tma", [False, True], ids=["stores", "tma-stores"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_ws_forward_matches_the_oracle(name):
+def test_fp8_ws_forward_matches_the_oracle(name, out_tma):
     """Zero-length and length-1 sequences, lengths around the block size, more items than
     programs (each program's items taken in turn by its three consumers), grouped-query heads,
     causal, per-head and per-sequence factors (the block's sequence found by the kernel's search)."""
@@ -76,10 +84,39 @@ def test_fp8_ws_forward_matches_the_oracle(name):
     q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim)
     (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, granularity, offsets=offsets, kv_heads=kv_heads),
                                     bl.quantize_fp8(k, granularity, offsets=offsets), bl.quantize_fp8(v, "head"))
-    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, programs)
+    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, programs, out_tma=out_tma)
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
            for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
     want = oracle_attention(*deq, offsets, block_size, causal=causal)
+    assert rel_err(o, want) < 2e-3
+    assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
+
+
+ROTARY_CASES = {
+    "d128-implicit-positions": (128, 2, 2, 64, False, None),
+    "d64-gqa-causal-float-positions": (64, 4, 2, 40, True, "float"),
+    "d128-gqa-int-positions": (128, 4, 1, 64, False, "int"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROTARY_CASES))
+def test_fp8_ws_rotary_forward_matches_the_oracle(name):
+    """Rotary over every channel in split halves: the stored q and k rotated in float32 into the
+    consumer's 16-bit halves (their factors on the scores, as without rotary), at implicit positions
+    (each block's rows from its first row in its sequence) or given int or float ones."""
+    dim, heads, kv_heads, block_size, causal, kind = ROTARY_CASES[name]
+    q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim, seed=3)
+    total = q.shape[0]
+    g = torch.Generator().manual_seed(4)
+    positions = {None: None, "int": torch.randint(0, 5000, (total,), generator=g, dtype=torch.int32),
+                 "float": torch.rand(total, generator=g) * 3000}[kind]
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x, "sequence_head", offsets=offsets, kv_heads=kv_heads)
+                                    for x in (q, k, v))
+    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, 3, rope_theta=1e4, positions=positions)
+    deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
+           for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
+    want = oracle_attention(*deq, offsets, block_size, causal=causal, rope_theta=1e4,
+                            positions=None if positions is None else positions.double())
     assert rel_err(o, want) < 2e-3
     assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
 
@@ -113,3 +150,23 @@ def test_fp8_ws_stages_give_each_slot_one_consumer():
     """About ``SLOT_BYTES`` of e4m3 q, k and v tiles in flight, a multiple of the consumers (a slot
     shared by two consumers lets one pass a wait on a phase two uses back)."""
     assert ws.stages(64) == 9 and ws.stages(128) == 3 and ws.CONSUMERS == 3
+    assert ws.stages(64, rotary=True) == 9 and ws.stages(128, rotary=True) == 3
+    for dim in ws.HEAD_DIMS:
+        for rotary in (False, True):
+            ring = ws.stages(dim, rotary) * 3 * ws.BLOCK_M * dim
+            assert ring + ws.consumer_tile_bytes(dim, rotary) <= 227 * 1024
+
+
+def test_fp8_ws_reasons_name_what_the_kernel_needs():
+    """Calls it cannot take fall to the Triton fp8 forward, each reason in the user's terms:
+    interleaved or partial rotary, other head dims and blocks, float32 output, overlapping rows."""
+    q = torch.zeros(10, 2, 64).to(fp8.FP8_DTYPE)
+    assert not [r for r in ws.fp8_ws_reasons(q, q, q, 64, 64, False, torch.bfloat16) if "sm_90" not in r]
+    reasons = ws.fp8_ws_reasons(q, q, q, 64, 64, True, torch.float32)
+    assert any("rotary" in r for r in reasons) and any("16-bit output" in r or "fp16 output" in r for r in reasons)
+    assert any("rotary" in r for r in ws.fp8_ws_reasons(q, q, q, 64, 32, False, torch.bfloat16))
+    assert any("head dim" in r for r in ws.fp8_ws_reasons(q[..., :32], q[..., :32], q[..., :32], 64, 0, False,
+                                                           torch.bfloat16))
+    assert any("blocks of" in r for r in ws.fp8_ws_reasons(q, q, q, 128, 0, False, torch.bfloat16))
+    row = torch.zeros(1, 2, 64).to(fp8.FP8_DTYPE).expand(10, 2, 64)  # every token the same row
+    assert any("overlap" in r for r in ws.fp8_ws_reasons(row, row, row, 64, 0, False, torch.bfloat16))

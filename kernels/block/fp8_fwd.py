@@ -10,7 +10,8 @@ dtype. Bytes moved per token and head: 3 read (q, k, v) + the output's 2 or 4 wr
 bfloat16's 6 + 2.
 
 On sm_90 the warp-specialized Gluon kernel (``sm90.fp8_fwd``) takes the calls it admits (head dims 64
-and 128, blocks of 33-64 tokens, no rotary, a 16-bit output): 4-9 % faster than this one there.
+and 128, blocks of 33-64 tokens, no rotary or split-halves rotary over every channel at D 128, a
+16-bit output): 3-13 % faster than this one there (2-3 % with rotary).
 
 Descale pointers always point at a float32 tensor (``QD``, ``KD``, ``VD``; ones ``[H_kv]`` stand
 in for factors not given).
@@ -157,8 +158,9 @@ def fp8_attention_fwd(
     num_seqs = offsets.numel() - 1
     rot = rotary_dim if rope_theta is not None else 0
     int64 = needs_int64(q, k, v, o)
-    if not int64 and _ws_taken(q, k, v, block_size, rot, out_dtype):
-        _fp8_ws(q, k, v, o, sched, offsets, qd, kd, vd, batched, block_size, scale, causal)
+    if not int64 and _ws_taken(q, k, v, block_size, rot, rotary_interleaved, out_dtype):
+        _fp8_ws(q, k, v, o, sched, offsets, positions, qd, kd, vd, batched, block_size, scale, causal, rot,
+                rope_theta)
         return o
     dot = out_dtype if out_dtype in _TORCH_TO_TL else torch.bfloat16
     meta = dict(
@@ -179,19 +181,23 @@ def fp8_attention_fwd(
     return o
 
 
-def _ws_taken(q, k, v, block_size: int, rot: int, out_dtype: torch.dtype) -> bool:
+def _ws_taken(q, k, v, block_size: int, rot: int, interleaved: bool, out_dtype: torch.dtype) -> bool:
     """Whether the warp-specialized sm_90 kernel (``sm90.fp8_fwd``) takes a call whose tensors, the
     output's included, take 32-bit offsets (the caller's check): it admits it, and it is verified on
-    this GPU generation or unverified kernels are allowed."""
+    this GPU generation (for rotary calls: ``ROTARY_VERIFIED_ON``) or unverified kernels are allowed,
+    and for rotary calls it is not the slower kernel at their head dim (``ROTARY_SLOWER_AT``)."""
     if not q.is_cuda or gluon_import_error() is not None:
         return False
     from ..sm90 import fp8_fwd as ws
 
-    return not ws.fp8_ws_reasons(q, k, v, block_size, rot, out_dtype) and taken_on(q.device, ws.VERIFIED_ON)
+    if rot and q.shape[-1] in ws.ROTARY_SLOWER_AT:
+        return False
+    return (not ws.fp8_ws_reasons(q, k, v, block_size, rot, interleaved, out_dtype)
+            and taken_on(q.device, ws.ROTARY_VERIFIED_ON if rot else ws.VERIFIED_ON))
 
 
-def _fp8_ws(q, k, v, o, sched: Schedule, offsets, qd, kd, vd, batched, block_size: int, scale: float,
-            causal: bool) -> None:
+def _fp8_ws(q, k, v, o, sched: Schedule, offsets, positions, qd, kd, vd, batched, block_size: int, scale: float,
+            causal: bool, rot: int, rope_theta: Optional[float]) -> None:
     """The forward by the warp-specialized sm_90 kernel, into ``o``."""
     from ..sm90 import fp8_fwd as ws
 
@@ -199,11 +205,13 @@ def _fp8_ws(q, k, v, o, sched: Schedule, offsets, qd, kd, vd, batched, block_siz
     kv_heads = k.shape[1]
     num_seqs = offsets.numel() - 1
     items = sched.programs * heads
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim), IS_CAUSAL=causal,
-                INLINE_SEQS=sched.inline_seqs, QD_BATCH=batched[0], KD_BATCH=batched[1],
-                VD_BATCH=batched[2], num_warps=4)
-    args = (q, k, v, o, sched.table, offsets, qd, kd, vd, sched.programs, num_seqs, block_size, total, heads,
-            kv_heads, items, scale * LOG2E, 1 << (num_seqs.bit_length() - 1), num_seqs.bit_length(),
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim, rot > 0), ROTARY=rot > 0,
+                HAS_POS=rot > 0 and positions is not None, IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
+                QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2], OUT_TMA=ws.OUT_TMA, num_warps=4)
+    pos = positions if positions is not None else sched.table
+    log2_theta = math.log2(rope_theta) if rot else 0.0
+    args = (q, k, v, o, sched.table, offsets, pos, qd, kd, vd, sched.programs, num_seqs, block_size, total, heads,
+            kv_heads, items, scale * LOG2E, log2_theta, 1 << (num_seqs.bit_length() - 1), num_seqs.bit_length(),
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), o.stride(1))
     ws.launch((min(items, sm_count(q.device)),), args, meta, q)
 

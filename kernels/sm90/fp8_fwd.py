@@ -20,13 +20,20 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   ``wgmma``, ``P`` from registers) times ``v_descale / rowsum``; the output stored through the
   consumer's tile (dead by then) in 16-byte row chunks, rows past the block masked.
 
+With rotary (split halves over every channel, ``ROTARY``) each consumer first rotates the item's
+stored q and k in float32 into its own 16-bit half tiles, 32 rows at a time with those rows' angles
+(implicit positions from the block's first row in its sequence, or given ones), releases the slot,
+and takes the scores as the sum of two 16-bit products of the halves; the factors stay on the
+scores (the rotation is linear and they are per kv head or per sequence).
+
 v enters the product as stored (e4m3 values are exact in 16 bits), its factor applied to the
 output. Descales are ``[H_kv]`` or ``[B, H_kv]`` (``*_BATCH``: the block's sequence is found by a
 binary search over the offsets, ``_sequence_of``).
 
 Admitted calls (``fp8_ws_reasons``): sm_90, head dims 64 and 128, blocks of 33-64 tokens, no
-rotary, a 16-bit output, rows of ``H * D`` contiguous elements with 16-byte aligned rows, 32-bit
-offsets.
+rotary or rotary over every channel in split halves, a 16-bit output, rows of ``H * D``
+contiguous elements with 16-byte aligned rows, 32-bit offsets. Rotary calls are taken where
+``ROTARY_VERIFIED_ON`` says, except at the head dims of ``ROTARY_SLOWER_AT``.
 """
 from __future__ import annotations
 
@@ -39,12 +46,20 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..common.launch import Launcher
 from ..common.meta import needs_int64
-from .block import _acc_layout, _block_of, _probs, _smem_layout, _store_via
+from .block import _acc_layout, _block_of, _probs, _row_layout, _smem_layout, _store_via
 from .persistent import drop_ring, init_ring
+from .rotary import sin_cos_rows
 
 # The generations whose GPU tests this kernel passed; elsewhere it runs only with
 # ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1, the Triton fp8 forward otherwise.
 VERIFIED_ON = frozenset({9})  # the H200, 2026-12-04 (tests/test_fp8.py, with two and three consumers)
+# ... and those where its rotary calls passed them (the H200, 2026-12-04, on one program per SM and
+# on two).
+ROTARY_VERIFIED_ON = frozenset({9})
+# Head dims whose rotary calls the Triton fp8 forward takes although this kernel admits them, as it
+# is slower there. H200, prod lengths, rope_theta 1e4, one process, ms, this kernel / the Triton one
+# (two rounds): D 64 H4 1.581-1.593 / 1.248-1.257; D 128 H2 1.238-1.246 / 1.257-1.258 (taken).
+ROTARY_SLOWER_AT = (64,)
 BLOCK_M = 64  # rows per item: one consumer warpgroup's wgmma tile
 HEAD_DIMS = (64, 128)
 BLOCKS = (33, 64)
@@ -54,19 +69,32 @@ BLOCKS = (33, 64)
 CONSUMERS = gl.constexpr(3)
 LOADER_REGS = gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(160)  # three consumer warpgroups and the loader in 64 K registers
+# Whether full blocks' outputs leave by TMA stores (``OUT_TMA``). H200, prod lengths, one process,
+# ms, masked stores / TMA stores (two rounds, outputs bitwise equal): D 128 H2 0.822-0.824 /
+# 0.816; D 64 H4 0.860-0.871 / 0.834-0.837; rotary D 128 H2 1.238-1.246 / 1.223-1.231.
+OUT_TMA = True
 
 
 SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
+SHARED_BYTES = 220 * 1024  # the ring and the consumers' 16-bit tiles together
 
 
-def stages(head_dim: int) -> int:
-    """Ring slots: about ``SLOT_BYTES`` of items in flight, a multiple of ``CONSUMERS`` (3 at D 128, 9
-    at D 64). Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one
+def consumer_tile_bytes(head_dim: int, rotary: bool) -> int:
+    """The consumers' 16-bit tiles: each one's output tile (v's 16-bit copy first), and with rotary
+    its rotated q and k halves."""
+    return CONSUMERS.value * BLOCK_M * head_dim * 2 * (3 if rotary else 1)
+
+
+def stages(head_dim: int, rotary: bool = False) -> int:
+    """Ring slots: about ``SLOT_BYTES`` of items in flight (less where the consumers' tiles leave less
+    of ``SHARED_BYTES``), a multiple of ``CONSUMERS``: 3 at D 128, 9 at D 64, with rotary too.
+    Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one
     consumer only and its waits on the slot's phase parity come in order: a slot shared by two
     consumers lets one wait on the parity of a phase two uses back (on the H200 the kernel then ran
     past unloaded slots and failed; the CPU shim does not model it)."""
     consumers = CONSUMERS.value
-    return max(round(SLOT_BYTES / (3 * BLOCK_M * head_dim) / consumers), 1) * consumers
+    ring = min(SLOT_BYTES, SHARED_BYTES - consumer_tile_bytes(head_dim, rotary))
+    return max(round(ring / (3 * BLOCK_M * head_dim) / consumers), 1) * consumers
 
 
 @gluon.constexpr_function
@@ -80,6 +108,13 @@ def _e4m3_acc_layout(width):
     """Accumulator layout of an e4m3 ``wgmma`` product ``[64, width]`` (its instructions reduce
     over 32 channels, 16-bit ones over 16: ``block._acc_layout``)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 32])
+
+
+@gluon.constexpr_function
+def _scores_layout(rotary):
+    """The scores' accumulator layout: e4m3 products of the stored q and k, or with rotary 16-bit
+    products of the rotated halves."""
+    return _acc_layout(64) if rotary else _e4m3_acc_layout(64)
 
 
 @gluon.constexpr_function
@@ -118,10 +153,11 @@ def _items_of_program(items):
 @gluon.jit
 def _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j, INLINE_SEQS: gl.constexpr,
                    WARPS: gl.constexpr):
-    """``(start, n, h)`` of this program's item ``j`` (past its last: the last item's, unused)."""
+    """``(start, n, first_row, h)`` of this program's item ``j``: its block's first token, length and
+    first row in its sequence, and its query head (past the program's last item: the last item's, unused)."""
     item = gl.minimum(gl.program_id(0) + j * gl.num_programs(0), items - 1)
     start, n, first_row = _block_of(Sched, slots, num_seqs, block_size, item // heads, INLINE_SEQS, WARPS)
-    return start.to(gl.int32), n.to(gl.int32), item % heads
+    return start.to(gl.int32), n.to(gl.int32), first_row.to(gl.int32), item % heads
 
 
 @gluon.jit
@@ -134,10 +170,10 @@ def _loader(q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_
     q_map = _rows_map(Q, total, heads, stride_qt, HEAD_DIM)
     k_map = _rows_map(K, total, kv_heads, stride_kt, HEAD_DIM)
     v_map = _rows_map(V, total, kv_heads, stride_vt, HEAD_DIM)
-    start, n, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, 0, INLINE_SEQS, 1)
+    start, n, first_row, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, 0, INLINE_SEQS, 1)
     for j in range(_items_of_program(items)):
-        next_start, next_n, next_h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j + 1,
-                                                    INLINE_SEQS, 1)
+        next_start, next_n, next_first_row, next_h = _block_of_item(Sched, slots, num_seqs, block_size, heads,
+                                                                    items, j + 1, INLINE_SEQS, 1)
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         bar = ready.index(s)
@@ -148,7 +184,7 @@ def _loader(q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_
             tma.async_copy_global_to_shared(v_map, [start, (h // GROUPS) * HEAD_DIM], bar, v_s.index(s))
         else:
             mbarrier.arrive(bar)
-        start, n, h = next_start, next_n, next_h
+        start, n, first_row, h = next_start, next_n, next_first_row, next_h
 
 
 @gluon.jit
@@ -163,72 +199,124 @@ def _descale(D, seq, hk, kv_heads, BATCH: gl.constexpr):
 def _item_of_consumer(Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale,
                       search_top, search_steps, j, GROUPS: gl.constexpr, INLINE_SEQS: gl.constexpr,
                       QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
-    """``(start, n, h, score_scale, out_scale)`` of this program's item ``j``: its block, query head,
-    the scores' factor (``qk_scale`` times q's and k's descales) and the output's (v's descale)."""
-    start, n, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j, INLINE_SEQS, 4)
+    """``(start, n, first_row, h, score_scale, out_scale)`` of this program's item ``j``: its block,
+    query head, the scores' factor (``qk_scale`` times q's and k's descales) and the output's (v's descale)."""
+    start, n, first_row, h = _block_of_item(Sched, slots, num_seqs, block_size, heads, items, j, INLINE_SEQS, 4)
     hk = h // GROUPS
     seq = 0
     if QD_BATCH or KD_BATCH or VD_BATCH:
         seq = _sequence_of(Offsets, start, num_seqs, search_top, search_steps)
     score_scale = qk_scale * _descale(QD, seq, hk, kv_heads, QD_BATCH) * _descale(KD, seq, hk, kv_heads, KD_BATCH)
-    return start, n, h, score_scale, _descale(VD, seq, hk, kv_heads, VD_BATCH)
+    return start, n, first_row, h, score_scale, _descale(VD, seq, hk, kv_heads, VD_BATCH)
 
 
 @gluon.jit
-def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads,
-              kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
-              GROUPS: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
-              QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr):
+def _rotate_rows(src, dst_a, dst_b, sin, cos, ROW0: gl.constexpr, HALF: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rows ``ROW0 .. ROW0 + 32`` of the stored e4m3 tile ``src`` (split halves of ``HALF`` channels)
+    rotated in float32 into the 16-bit half tiles ``dst_a``, ``dst_b``."""
+    rows = src.slice(ROW0, 32, 0)
+    a = rows.slice(0, HALF, 1).load(LAYOUT).to(gl.float32)
+    b = rows.slice(HALF, HALF, 1).load(LAYOUT).to(gl.float32)
+    dst_a.slice(ROW0, 32, 0).store((a * cos - b * sin).to(dst_a.dtype))
+    dst_b.slice(ROW0, 32, 0).store((a * sin + b * cos).to(dst_b.dtype))
+
+
+@gluon.jit
+def _rotate_item(q, k, qa, qb, ka, kb, Pos, start, n, first_row, log2_theta, HALF: gl.constexpr,
+                 HAS_POS: gl.constexpr):
+    """The item's stored q and k tiles rotated into the consumer's 16-bit halves ``qa, qb, ka, kb``,
+    32 rows at a time with those rows' angles (``rotary.sin_cos_rows``)."""
+    layout: gl.constexpr = _row_layout(HALF)
+    for c in gl.static_range(2):
+        sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * 32, 32, HALF, HALF, HAS_POS, layout)
+        _rotate_rows(q, qa, qb, sin, cos, c * 32, HALF, layout)
+        _rotate_rows(k, ka, kb, sin, cos, c * 32, HALF, layout)
+
+
+@gluon.jit
+def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+              block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps, stride_ot,
+              stride_oh,
+              HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr,
+              HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr,
+              KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
-    and store (through its tile of ``o_s``); each next item's block and factors read while this one
-    is computed."""
+    and store (through its tile of ``o_s``; with ``ROTARY`` q and k rotated first into its halves of
+    ``r_s``, the scores their 16-bit products); each next item's block and factors read while this
+    one is computed. ``OUT_TMA``: a full block's output leaves by a TMA store from the tile (waited
+    for before the tile's next use), a ragged one's by masked stores."""
+    HALF: gl.constexpr = HEAD_DIM // 2
     o_s = o_s.index(c)
+    qa, qb, ka, kb = r_s.index(4 * c), r_s.index(4 * c + 1), r_s.index(4 * c + 2), r_s.index(4 * c + 3)
     dtype: gl.constexpr = O.dtype.element_ty
-    acc_s: gl.constexpr = _e4m3_acc_layout(64)
+    acc_s: gl.constexpr = _scores_layout(ROTARY)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     vl: gl.constexpr = _byte_rows(HEAD_DIM)
     offs_m = gl.arange(0, 64, layout=gl.SliceLayout(1, vl))
     zero_s = gl.zeros([64, 64], gl.float32, acc_s)
     zero_d = gl.zeros([64, HEAD_DIM], gl.float32, acc_d)
-    start, n, h, score_scale, out_scale = _item_of_consumer(
+    if OUT_TMA:
+        o_map = tma.make_tensor_descriptor(O, [total, heads * HEAD_DIM], [stride_ot, 1], [64, HEAD_DIM],
+                                           _smem_layout(HEAD_DIM))
+    start, n, first_row, h, score_scale, out_scale = _item_of_consumer(
         Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale, search_top,
         search_steps, c, GROUPS, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)
     for j in range(c, _items_of_program(items), CONSUMERS):
-        next_start, next_n, next_h, next_score_scale, next_out_scale = _item_of_consumer(
+        next_start, next_n, next_first_row, next_h, next_score_scale, next_out_scale = _item_of_consumer(
             Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, heads, kv_heads, items, qk_scale, search_top,
             search_steps, j + CONSUMERS, GROUPS, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         if n > 0:
-            scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s)
+            if ROTARY:
+                _rotate_item(q_s.index(s), k_s.index(s), qa, qb, ka, kb, Pos, start, n, first_row, log2_theta, HALF,
+                             HAS_POS)
+            else:
+                scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s)
             v = v_s.index(s).load(vl).to(gl.float32)
             v = gl.where(gl.expand_dims(offs_m < n, 1), v, 0.0)
             gl.thread_barrier()  # every warp is done with the slot, and with o_s's last store
             mbarrier.arrive(empty.index(s))
+            if OUT_TMA:
+                tma.store_wait(0)  # the tile's last output has left
             o_s.store(v.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
+            if ROTARY:
+                scores = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
+                scores = warpgroup_mma(qb, kb.permute((1, 0)), scores)
             p, inv = _probs(scores, n, score_scale, IS_CAUSAL, 64, acc_s)
             o = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), o_s, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv * out_scale, gl.SliceLayout(1, acc_d)), 1)
-            _store_via(o_s, O + h * stride_oh, o, start, n, stride_ot, 64, HEAD_DIM)
+            if OUT_TMA and n == 64:
+                o_s.store(o.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(o_map, [start, h * HEAD_DIM], o_s)
+            else:
+                _store_via(o_s, O + h * stride_oh, o, start, n, stride_ot, 64, HEAD_DIM)
         else:
             gl.thread_barrier()
             mbarrier.arrive(empty.index(s))
-        start, n, h, score_scale, out_scale = next_start, next_n, next_h, next_score_scale, next_out_scale
+        start, n, first_row, h = next_start, next_n, next_first_row, next_h
+        score_scale, out_scale = next_score_scale, next_out_scale
+    if OUT_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "total", "heads", "kv_heads", "items", "qk_scale",
-                              "search_top", "search_steps"])
+                              "log2_theta", "search_top", "search_steps"])
 def _fp8_ws_fwd_kernel(
-    Q, K, V, O, Sched, Offsets, QD, KD, VD,
-    slots, num_seqs, block_size, total, heads, kv_heads, items, qk_scale, search_top, search_steps,
+    Q, K, V, O, Sched, Offsets, Pos, QD, KD, VD,
+    slots, num_seqs, block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
     stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
-    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr, HAS_POS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr,
+    VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr,
 ):
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
+    HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = O.dtype.element_ty
     e4m3: gl.constexpr = Q.dtype.element_ty
     tiles: gl.constexpr = _e4m3_layout(HEAD_DIM)
@@ -236,19 +324,26 @@ def _fp8_ws_fwd_kernel(
     k_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
     v_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
     o_s = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, HEAD_DIM], _smem_layout(HEAD_DIM))
+    if ROTARY:
+        r_s = gl.allocate_shared_memory(dtype, [4 * CONSUMERS, 64, HALF], _smem_layout(HALF))
+    else:
+        r_s = gl.allocate_shared_memory(dtype, [4 * CONSUMERS, 8, 16], _smem_layout(16))  # (unused)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     init_ring(ready, empty, STAGES, 1)
     gl.warp_specialize([
-        (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
-                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
-                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-        (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
-                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
-                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
-        (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, O, Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size,
-                     heads, kv_heads, items, qk_scale, search_top, search_steps, stride_ot, stride_oh, HEAD_DIM,
-                     GROUPS, STAGES, IS_CAUSAL, INLINE_SEQS, QD_BATCH, KD_BATCH, VD_BATCH)),
+        (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                     block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                     stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS, QD_BATCH,
+                     KD_BATCH, VD_BATCH, OUT_TMA)),
+        (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                     block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                     stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS, QD_BATCH,
+                     KD_BATCH, VD_BATCH, OUT_TMA)),
+        (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                     block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                     stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS, QD_BATCH,
+                     KD_BATCH, VD_BATCH, OUT_TMA)),
         (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads, kv_heads,
                    items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -259,7 +354,7 @@ launch = Launcher(_fp8_ws_fwd_kernel, scratch=True)
 
 
 def fp8_ws_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: Optional[int], rot: int,
-                   out_dtype: torch.dtype) -> List[str]:
+                   interleaved: bool, out_dtype: torch.dtype) -> List[str]:
     """Why this kernel cannot take the call (empty: it can); the Triton fp8 forward takes it then."""
     reasons = []
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -268,14 +363,16 @@ def fp8_ws_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
         reasons.append(f"head dim 64 or 128 (got {q.shape[-1]})")
     if block_size is None or not BLOCKS[0] <= block_size <= BLOCKS[1]:
         reasons.append(f"blocks of {BLOCKS[0]}-{BLOCKS[1]} tokens (got {block_size})")
-    if rot:
-        reasons.append("no rotary")
+    if rot and (rot != q.shape[-1] or interleaved):
+        reasons.append("no rotary, or rotary over every channel in split halves")
     if out_dtype not in (torch.bfloat16, torch.float16):
         reasons.append("a bf16 or fp16 output")
     if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):
         reasons.append("rows of H * D contiguous elements")
     if any(x.stride(0) % 16 or x.data_ptr() % 16 for x in (q, k, v)):
         reasons.append("16-byte aligned rows")
+    if any(x.stride(0) < x.shape[1] * x.shape[2] for x in (q, k, v)):
+        reasons.append("rows that do not overlap (a token stride of at least H * D)")
     if needs_int64(q, k, v):
         reasons.append("32-bit offsets")
     return reasons
