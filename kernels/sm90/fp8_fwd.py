@@ -18,7 +18,8 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   the next block cannot reach this one through ``0 * x``); the slot released; the exact softmax
   over the block's keys with ``scale * q_descale * k_descale`` on the scores; ``O = P V`` (16-bit
   ``wgmma``, ``P`` from registers) times ``v_descale / rowsum``; the output stored through the
-  consumer's tile (dead by then) in 16-byte row chunks, rows past the block masked.
+  consumer's tile (dead by then): a full block's by a TMA store (``OUT_TMA``), a ragged one's in
+  16-byte row chunks, rows past the block masked.
 
 With rotary (split halves over every channel, ``ROTARY``) each consumer first rotates the item's
 stored q and k in float32 into its own 16-bit half tiles, 32 rows at a time with those rows' angles
