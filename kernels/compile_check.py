@@ -499,19 +499,20 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
 
 def _fp8_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 forward for sm_90 (``sm90.fp8_fwd``): D 64 / 128, rotary (split
-    halves over every channel) or none, one query head per kv head with per-head factors, or two
-    (causal, rotary at given positions) with per-sequence factors; bf16 output."""
+    halves over every channel) or none, one query head per kv head with per-head factors and
+    64-token blocks' outputs by TMA stores (the default, ``OUT_TMA``), or two (causal, rotary at
+    given positions) with per-sequence factors and masked stores only; bf16 output."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, stages
 
     for dim, groups, rotary in itertools.product((64, 128), (1, 2), (False, True)):
         batched = groups > 1
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, rotary), ROTARY=rotary, HAS_POS=batched,
-                          IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched, KD_BATCH=batched, VD_BATCH=batched,
-                          OUT_TMA=batched)
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, rotary), ROTARY=rotary,
+                          HAS_POS=batched and rotary, IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched,
+                          KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched)
         name = (f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else ''}{'_gqa_causal_per_sequence' if batched else ''}"
-                f"{'_tma_out' if batched else ''}")
+                f"{'_masked_out' if batched else ''}")
         yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
 
 

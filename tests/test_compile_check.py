@@ -300,8 +300,12 @@ def test_fp8_kernels_compile(tmp_path):
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
         for name, text in ws.items():
+            # Rotary: 16-bit products of the rotated halves only; else e4m3 scores.
             scores = "m64n64k16.f32.bf16.bf16" if "_rope" in name else "m64n64k32.f32.e4m3.e4m3"
             assert all(x in text for x in (scores, "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg")), name
+            assert ("e4m3.e4m3" in text) != ("_rope" in name), name
+            # 64-token blocks' outputs by TMA stores unless built with masked stores only.
+            assert ("cp.async.bulk.tensor.2d.global.shared" in text) != ("_masked_out" in name), name
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
            str(tmp_path / "sm_80"), "--only", "fp8_"]

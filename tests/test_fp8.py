@@ -298,7 +298,7 @@ def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tm
     """The warp-specialized sm_90 e4m3 forward (``kernels.sm90.fp8_fwd``) against the float64 oracle
     of the descaled inputs: zero-length and 1-token sequences, lengths around the block, GQA,
     causal, per-tensor, per-head and per-sequence factors, rotary (split halves over every channel,
-    implicit or given positions), both 16-bit outputs, full blocks' outputs stored by TMA or not."""
+    implicit or given positions), both 16-bit outputs, 64-token blocks' outputs stored by TMA or not."""
     from blockattn_layers.kernels.sm90 import fp8_fwd as ws
 
     monkeypatch.setattr(ws, "OUT_TMA", out_tma)
@@ -323,6 +323,31 @@ def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch)
     keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
     keep[lo:lo + 90] = False
     assert torch.isfinite(out[keep]).all() and rel_err(out[keep], want[keep.to(want.device)]) < 1e-2
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("dim, gluon", [(128, True), (64, False)], ids=["d128-gluon", "d64-triton"])
+def test_fp8_rotary_calls_run_the_kernel_measured_faster(monkeypatch, dim, gluon):
+    """With the defaults (verified kernels only), split-half rotary over every channel runs the
+    warp-specialized kernel at D128 and the Triton fp8 forward at D64 (``ROTARY_SLOWER_AT``: the
+    Gluon kernel was slower there), each matching the float64 oracle."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    monkeypatch.setattr(variants, "_UNVERIFIED", [False])
+    launches = []
+    launch = ws.launch
+    monkeypatch.setattr(ws, "launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    g = torch.Generator().manual_seed(dim)
+    total = sum(LENGTHS)
+    q, k, v = (torch.randn(total, 2, dim, generator=g).cuda() for _ in range(3))
+    offsets = _offsets(LENGTHS).cuda()
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x) for x in (q, k, v))
+    out = bl.block_attention(q8, k8, v8, offsets, 64, q_descale=qd, k_descale=kd, v_descale=vd, rope_theta=1e4)
+    assert launches == ([1] if gluon else [])
+    deq = [fp8.dequantize(x, d, offsets, 1, torch.float64) for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+    assert rel_err(out, oracle_attention(*deq, offsets, 64, rope_theta=1e4)) < 1e-2
 
 
 def test_fp8_call_compiles_fullgraph():

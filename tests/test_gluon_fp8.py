@@ -99,11 +99,13 @@ ROTARY_CASES = {
 }
 
 
+@pytest.mark.parametrize("out_tma", [False, True], ids=["stores", "tma-stores"])
 @pytest.mark.parametrize("name", list(ROTARY_CASES))
-def test_fp8_ws_rotary_forward_matches_the_oracle(name):
+def test_fp8_ws_rotary_forward_matches_the_oracle(name, out_tma):
     """Rotary over every channel in split halves: the stored q and k rotated in float32 into the
     consumer's 16-bit halves (their factors on the scores, as without rotary), at implicit positions
-    (each block's rows from its first row in its sequence) or given int or float ones."""
+    (each block's rows from its first row in its sequence) or given int or float ones; 64-token
+    blocks' outputs by masked or TMA stores."""
     dim, heads, kv_heads, block_size, causal, kind = ROTARY_CASES[name]
     q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim, seed=3)
     total = q.shape[0]
@@ -112,7 +114,8 @@ def test_fp8_ws_rotary_forward_matches_the_oracle(name):
                  "float": torch.rand(total, generator=g) * 3000}[kind]
     (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x, "sequence_head", offsets=offsets, kv_heads=kv_heads)
                                     for x in (q, k, v))
-    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, 3, rope_theta=1e4, positions=positions)
+    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, 3, rope_theta=1e4, positions=positions,
+                  out_tma=out_tma)
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
            for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
     want = oracle_attention(*deq, offsets, block_size, causal=causal, rope_theta=1e4,

@@ -18,7 +18,7 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   the next block cannot reach this one through ``0 * x``); the slot released; the exact softmax
   over the block's keys with ``scale * q_descale * k_descale`` on the scores; ``O = P V`` (16-bit
   ``wgmma``, ``P`` from registers) times ``v_descale / rowsum``; the output stored through the
-  consumer's tile (dead by then): a full block's by a TMA store (``OUT_TMA``), a ragged one's in
+  consumer's tile (dead by then): a 64-token block's by a TMA store (``OUT_TMA``), a shorter one's in
   16-byte row chunks, rows past the block masked.
 
 With rotary (split halves over every channel, ``ROTARY``) each consumer first rotates the item's
@@ -33,8 +33,8 @@ binary search over the offsets, ``_sequence_of``).
 
 Admitted calls (``fp8_ws_reasons``): sm_90, head dims 64 and 128, blocks of 33-64 tokens, no
 rotary or rotary over every channel in split halves, a 16-bit output, rows of ``H * D``
-contiguous elements with 16-byte aligned rows, 32-bit offsets. Rotary calls are taken where
-``ROTARY_VERIFIED_ON`` says, except at the head dims of ``ROTARY_SLOWER_AT``.
+contiguous elements that do not overlap, 16-byte aligned, 32-bit offsets. Rotary calls are taken
+where ``ROTARY_VERIFIED_ON`` says, except at the head dims of ``ROTARY_SLOWER_AT``.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ BLOCKS = (33, 64)
 CONSUMERS = gl.constexpr(3)
 LOADER_REGS = gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(160)  # three consumer warpgroups and the loader in 64 K registers
-# Whether full blocks' outputs leave by TMA stores (``OUT_TMA``). H200, prod lengths, one process,
+# Whether 64-token blocks' outputs leave by TMA stores (``OUT_TMA``). H200, prod lengths, one process,
 # ms, masked stores / TMA stores (two rounds, outputs bitwise equal): D 128 H2 0.822-0.824 /
 # 0.816; D 64 H4 0.860-0.871 / 0.834-0.837; rotary D 128 H2 1.238-1.246 / 1.223-1.231.
 OUT_TMA = True
@@ -244,7 +244,7 @@ def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, 
     """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
     and store (through its tile of ``o_s``; with ``ROTARY`` q and k rotated first into its halves of
     ``r_s``, the scores their 16-bit products); each next item's block and factors read while this
-    one is computed. ``OUT_TMA``: a full block's output leaves by a TMA store from the tile (waited
+    one is computed. ``OUT_TMA``: a 64-token block's output leaves by a TMA store from the tile (waited
     for before the tile's next use), a ragged one's by masked stores."""
     HALF: gl.constexpr = HEAD_DIM // 2
     o_s = o_s.index(c)
@@ -365,7 +365,7 @@ def fp8_ws_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     if block_size is None or not BLOCKS[0] <= block_size <= BLOCKS[1]:
         reasons.append(f"blocks of {BLOCKS[0]}-{BLOCKS[1]} tokens (got {block_size})")
     if rot and (rot != q.shape[-1] or interleaved):
-        reasons.append("no rotary, or rotary over every channel in split halves")
+        reasons.append("no rotary, or rotary over every channel in split halves (rotary_dim equal to the head dim, rotary_interleaved=False)")
     if out_dtype not in (torch.bfloat16, torch.float16):
         reasons.append("a bf16 or fp16 output")
     if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):
