@@ -150,8 +150,8 @@ def test_fp8_ws_forward_keeps_non_finite_values_in_their_sequence():
 
 
 def test_fp8_ws_stages_give_each_slot_one_consumer():
-    """About ``SLOT_BYTES`` of e4m3 q, k and v tiles in flight, a multiple of the consumers (a slot
-    shared by two consumers lets one pass a wait on a phase two uses back)."""
+    """About ``SLOT_BYTES`` of e4m3 q, k and v tiles in flight, a multiple of the consumers (each
+    slot serves one consumer: the form that passed on the H200, ``stages``)."""
     assert ws.stages(64) == 9 and ws.stages(128) == 3 and ws.CONSUMERS == 3
     assert ws.stages(64, rotary=True) == 9 and ws.stages(128, rotary=True) == 3
     for dim in ws.HEAD_DIMS:

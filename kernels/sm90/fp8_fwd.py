@@ -89,10 +89,12 @@ def consumer_tile_bytes(head_dim: int, rotary: bool) -> int:
 def stages(head_dim: int, rotary: bool = False) -> int:
     """Ring slots: about ``SLOT_BYTES`` of items in flight (less where the consumers' tiles leave less
     of ``SHARED_BYTES``), a multiple of ``CONSUMERS``: 3 at D 128, 9 at D 64, with rotary too.
-    Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one
-    consumer only and its waits on the slot's phase parity come in order: a slot shared by two
-    consumers lets one wait on the parity of a phase two uses back (on the H200 the kernel then ran
-    past unloaded slots and failed; the CPU shim does not model it)."""
+    Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one consumer.
+    That is the form that passed on the H200: a first build with three consumers on a 4-slot ring
+    failed there ("unspecified launch failure", session 34). Why is not established: with the
+    loader copying items in order, no parity wait on a shared slot can pass a phase early (a
+    consumer at item ``j`` has seen item ``j - CONSUMERS`` loaded, hence every earlier one; a
+    simulation of the ring with random interleavings agrees, session 35)."""
     consumers = CONSUMERS.value
     ring = min(SLOT_BYTES, SHARED_BYTES - consumer_tile_bytes(head_dim, rotary))
     return max(round(ring / (3 * BLOCK_M * head_dim) / consumers), 1) * consumers
