@@ -5,8 +5,10 @@ Every check names the argument it rejects, in the caller's terms: a wrong type r
 ``TypeError``, a wrong value ``ValueError``. Checks of tensor *values* (offsets that start at
 0, never decrease and end at T) need the values on the host: they always run for CPU
 tensors, and for device tensors only when the caller passes ``validate=True`` (that costs one
-device-to-host copy). The other checks read only types, shapes, dtypes and devices, so they
-cost no device sync and trace under ``torch.compile(fullgraph=True)``.
+device-to-host copy). Under ``torch.compile`` they become an assert inside the graph
+(:func:`assert_offsets_in_graph`), and under ``torch.export`` too where ``validate=True``. The
+other checks read only types, shapes, dtypes and devices, so they cost no device sync and trace
+under ``torch.compile(fullgraph=True)``.
 """
 from __future__ import annotations
 
@@ -188,8 +190,22 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
-def check_offsets_values(name: str, offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """Raise unless ``offsets`` starts at 0, never decreases and ends at ``total``; return the host copy."""
+def check_offsets_tensor(name: str, offsets: Any, total: int) -> torch.Tensor:
+    """``offsets`` is a 1-D, non-empty int32 / int64 tensor (int64 where ``total`` needs it)."""
+    _check_tensor(name, offsets)
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D tensor [B+1], got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dtype == torch.int32 and total >= 2**31:
+        raise ValueError(f"{name} must be int64 when T ({total}) >= 2**31")
+    return offsets
+
+
+def check_offsets_values(name: str, offsets: torch.Tensor, total: int,
+                         rows: str = "q.shape[0]; a module's: its input's rows") -> torch.Tensor:
+    """Raise unless ``offsets`` starts at 0, never decreases and ends at ``total`` (the ``rows`` of
+    the packed tensor, as the message names them); return the host copy."""
     host = offsets.detach().to("cpu", torch.int64)
     if host.numel() == 0:
         raise ValueError(f"{name} must have at least one element (offsets[0] == 0)")
@@ -202,8 +218,25 @@ def check_offsets_values(name: str, offsets: torch.Tensor, total: int) -> torch.
             f"< {name}[{bad - 1}] = {int(host[bad - 1])}"
         )
     if int(host[-1]) != total:
-        raise ValueError(f"{name}[-1] must equal T = {total} (q.shape[0]), got {int(host[-1])}")
+        raise ValueError(f"{name}[-1] must equal T = {total} ({rows}), got {int(host[-1])}")
     return host
+
+
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
+
+
+def assert_offsets_in_graph(name: str, offsets: torch.Tensor, total) -> None:
+    """Under ``torch.compile`` / ``torch.export``, where the values cannot be read on the host:
+    the same conditions as :func:`check_offsets_values` as an assert inside the graph (it raises
+    when the graph runs on CPU; on a GPU it is a device-side assert, which leaves the CUDA context
+    unusable, as any device assert does)."""
+    # (Its shape is checked before: 1-D, non-empty. Non-decreasing as "equal to its running maximum":
+    # no slice of B elements, whose size 1 would specialize a dynamic batch size.)
+    good = (offsets[0] == 0) & (offsets[-1] == total) & (offsets.cummax(0).values == offsets).all()
+    torch._assert_async(good, f"{name} must start at 0, never decrease and end at T (q.shape[0]); "
+                              f"checked inside the compiled graph: call eagerly for which element is wrong")
 
 
 def _check_max_seqlen(max_seqlen: int, host: torch.Tensor) -> None:
@@ -246,14 +279,9 @@ def validate_attention_args(
             raise TypeError(f"{name} dtype {x.dtype} must match q dtype {dtype}")
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but q is on {device}")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"offsets must be a 1-D tensor [B+1], got shape {tuple(offsets.shape)}")
-    if offsets.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    check_offsets_tensor("offsets", offsets, T)
     if offsets.device != device:
         raise ValueError(f"offsets is on {offsets.device} but q is on {device}")
-    if offsets.dtype == torch.int32 and T >= 2**31:
-        raise ValueError(f"offsets must be int64 when T ({T}) >= 2**31")
 
     block_size = check_block_size(block_size)
     scale = 1.0 / math.sqrt(D) if scale is None else check_real("scale", scale, "a finite real number or None")
@@ -296,8 +324,12 @@ def validate_attention_args(
         raise TypeError(f"validate must be a bool or None, got {validate!r}")
     compiling = torch.compiler.is_compiling()
     host = None
-    if not compiling and (validate or (validate is None and device.type == "cpu")):
-        host = check_offsets_values("offsets", offsets, T)
+    if validate or (validate is None and device.type == "cpu"):
+        if not compiling:
+            host = check_offsets_values("offsets", offsets, T)
+        elif validate or not _exporting():
+            # (An exported graph may be served on a GPU: it checks only where validate=True asks.)
+            assert_offsets_in_graph("offsets", offsets, T)
     if not compiling and cpu_offsets is not None and validate is not False:
         host_cpu = check_offsets_values("cpu_offsets", cpu_offsets, T)
         # ``host`` holds offsets' values wherever reading them cost no sync (CPU) or was asked for.

@@ -16,12 +16,13 @@ output), the output cast to ``out_dtype``.
 from __future__ import annotations
 
 import enum
+import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ._validation import validate_attention_args
+from ._validation import check_offsets_tensor, check_offsets_values, validate_attention_args
 from .reference import sequence_ids
 from .kernels.block.fp8_fwd import fp8_attention_fwd, fp8_kernel_reasons
 
@@ -43,8 +44,9 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
     head: descale ``[H_kv]``) or ``"sequence_head"`` (per sequence and kv head: ``[B, H_kv]``,
     needs ``offsets``). ``kv_heads``: the heads the factors are shared by (default ``H``); pass
     ``H_kv`` to quantize q of grouped-query attention, whose group shares its kv head's factor.
-    Each factor is the absolute maximum of its part over 448 (e4m3's largest finite value), 1 where
-    the part is all zeros or empty.
+    Each factor is the absolute maximum of its part's finite values over 448 (e4m3's largest finite
+    value), 1 where the part is all zeros or empty; NaN stays NaN. ``offsets`` is checked as
+    ``block_attention`` checks it (its values where it is a CPU tensor).
     """
     if not isinstance(x, Tensor) or x.dim() != 3 or not x.is_floating_point() or is_fp8(x):
         got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
@@ -53,12 +55,22 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
         raise ValueError(f"quantize_fp8: granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     total, heads, dim = x.shape
     kv_heads = heads if kv_heads is None else kv_heads
-    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, numbers.Integral):
+        raise TypeError(f"quantize_fp8: kv_heads must be an int, got {type(kv_heads).__name__}")
+    kv_heads = int(kv_heads)
+    if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"quantize_fp8: kv_heads must divide x's {heads} heads, got {kv_heads}")
-    grouped = x.detach().float().abs().reshape(total, kv_heads, (heads // kv_heads) * dim)
+    width = (heads // kv_heads) * dim
+    magnitude = x.detach().float().abs().reshape(total, kv_heads, width)
+    # The factors come from the finite values: a NaN or infinity stays where it is (NaN, or +-448)
+    # instead of setting its whole part's factor.
+    grouped = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
     if granularity == "sequence_head":
         if offsets is None:
             raise ValueError("quantize_fp8: granularity 'sequence_head' needs offsets")
+        check_offsets_tensor("offsets", offsets, total)
+        if offsets.device.type == "cpu":
+            check_offsets_values("offsets", offsets, total, "x.shape[0]")
         batch = offsets.numel() - 1
         seq = sequence_ids(offsets.to(x.device), total)
         amax = torch.zeros(batch, kv_heads, device=x.device, dtype=torch.float32)
@@ -71,7 +83,7 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
         per_token = amax.expand(total, kv_heads)
     descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     scale = torch.where(per_token > 0, FP8_MAX / per_token, torch.ones_like(per_token))
-    scaled = x.detach().float().reshape(total, kv_heads, -1) * scale.unsqueeze(-1)
+    scaled = x.detach().float().reshape(total, kv_heads, width) * scale.unsqueeze(-1)
     quantized = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(total, heads, dim).to(FP8_DTYPE)
     return quantized, descale
 

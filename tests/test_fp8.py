@@ -1,5 +1,6 @@
 """FP8 (e4m3) inputs: the quantizer, the descale factors' shapes and meaning, the forward-only
 contract, and bad inputs named in the user's terms. CPU (the reference on descaled float32 copies)."""
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,42 @@ def test_fp8_is_forward_only_and_bad_inputs_are_named():
     with pytest.raises(TypeError, match="wider than fp8"):
         bl.quantize_fp8(q8)
     assert call().dtype == torch.bfloat16  # and the unchanged call runs
+
+
+def test_quantize_fp8_checks_offsets_and_kv_heads_as_block_attention_does():
+    """Offsets as ``block_attention`` checks them (values on CPU tensors; T named as x.shape[0]);
+    kv_heads any integer but a bool; an empty x quantizes (factors 1)."""
+    q = torch.randn(10, 4, 8)
+    bad = {
+        "offsets must be non-decreasing": torch.tensor([0, 7, 3, 10]),
+        r"offsets\[-1\] must equal T = 10 \(x\.shape\[0\]\)": torch.tensor([0, 3, 5]),
+        r"offsets\[0\] must be 0": torch.tensor([2, 3, 10]),
+        "offsets must be int32 or int64": torch.tensor([0.0, 3.0, 10.0]),
+        "offsets must be a torch.Tensor": [0, 3, 10],
+        r"offsets must be a 1-D tensor \[B\+1\]": torch.tensor([[0, 3, 10]]),
+    }
+    for message, offsets in bad.items():
+        with pytest.raises((TypeError, ValueError), match=message):
+            bl.quantize_fp8(q, "sequence_head", offsets=offsets)
+    with pytest.raises(TypeError, match="kv_heads must be an int, got bool"):
+        bl.quantize_fp8(q, kv_heads=True)
+    assert bl.quantize_fp8(q, kv_heads=np.int64(2))[1].shape == (2,)
+    x8, descale = bl.quantize_fp8(torch.randn(0, 4, 8), "sequence_head", offsets=torch.tensor([0, 0]))
+    assert x8.shape == (0, 4, 8) and torch.equal(descale, torch.ones(1, 4))
+
+
+def test_quantize_fp8_keeps_a_nan_to_its_element():
+    """A NaN (or infinity) does not set its part's factor: the finite values quantize as without it
+    and the NaN stays NaN, so it is not clamped away into a finite value."""
+    x = torch.randn(10, 2, 8) * 1000
+    poisoned = x.clone()
+    poisoned[3, 0, 1] = float("nan")
+    poisoned[5, 1, 2] = float("inf")
+    x8, descale = bl.quantize_fp8(poisoned)
+    clean8, clean_descale = bl.quantize_fp8(torch.where(torch.isfinite(poisoned), poisoned, 0.0))
+    assert torch.equal(descale, clean_descale) and torch.isnan(x8[3, 0, 1].float())
+    keep = torch.isfinite(poisoned)
+    assert torch.equal(x8.float()[keep], clean8.float()[keep])
 
 
 def test_fp8_without_factors_means_descale_one():

@@ -152,8 +152,9 @@ def test_conversion_errors_and_the_gradient_guard():
         bl.to_fp8_inference(torch.nn.Linear(4, 4), [torch.randn(2, 4)])
     with pytest.raises(ValueError, match="calibration gave no batches"):
         bl.to_fp8_inference(layer, [])
-    with pytest.raises(ValueError, match="margin must be a number >= 1"):
-        bl.to_fp8_inference(layer, [(values, offsets)], margin=0.5)
+    for margin in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="margin must be a finite number >= 1"):
+            bl.to_fp8_inference(layer, [(values, offsets)], margin=margin)
     model = torch.nn.ModuleDict(dict(used=bl.BlockSelfAttention(64, 4), unused=bl.BlockSelfAttention(64, 4)))
     with pytest.raises(ValueError, match="no calibration batch reached BlockSelfAttention"):
         bl.to_fp8_inference(_Only(model), [(values, offsets)])
@@ -162,6 +163,27 @@ def test_conversion_errors_and_the_gradient_guard():
         layer(values.clone().requires_grad_(), offsets)
     with torch.no_grad():
         assert layer(values, offsets).shape == values.shape
+
+
+def test_a_converted_model_cast_to_another_dtype_keeps_float32_factors():
+    """Calibrated in float32, then cast for serving: the descales and the folded bias keep their
+    float32 values (``.to`` moves them, never rounds them), and the layer runs in bf16 and float64;
+    a float64 model converts too (the fp8 attention writes float32, cast to the layer's dtype)."""
+    torch.manual_seed(0)
+    attn = bl.RotaryBlockAttention(64, 4, block_size=64).eval()
+    values, offsets = _batch(64)
+    served = bl.to_fp8_inference(copy.deepcopy(attn), [(values, offsets)])
+    with torch.no_grad():
+        want = served(values, offsets)
+        for dtype, tol in ((torch.bfloat16, 0.05), (torch.float64, 1e-5)):
+            cast = copy.deepcopy(served).to(dtype)
+            assert cast.fp8.descales.dtype == cast.fp8.bias.dtype == torch.float32
+            assert torch.equal(cast.fp8.descales, served.fp8.descales) and cast.fp8.weight.dtype == dtype
+            got = cast(values.to(dtype), offsets)
+            assert got.dtype == dtype and _rel(got.double(), want.double()) < tol
+        wide = bl.to_fp8_inference(copy.deepcopy(attn).double(), [(values.double(), offsets)])
+        got = wide(values.double(), offsets)
+        assert got.dtype == torch.float64 and _rel(got, want.double()) < 1e-5
 
 
 class _Only(torch.nn.Module):

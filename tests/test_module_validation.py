@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import blockattn_layers as bl
 from blockattn_layers import (
     BlockSelfAttention, JaggedTransformerEncoder, JaggedTransformerEncoderLayer, RotaryBlockAttention,
     from_torch_encoder,
@@ -247,6 +248,35 @@ def test_checks_trace_under_compile():
         assert compiled(torch.randn(T, E), OFFSETS).shape == (T, E)
         with pytest.raises(exc, match=message):
             compiled(torch.randn(T, 8), OFFSETS)
+
+
+def test_offset_values_are_checked_inside_compiled_and_validated_exported_graphs():
+    """Offsets that do not start at 0, decrease or end short of T: under torch.compile on CPU (as
+    eagerly) and under torch.export with validate=True, an assert inside the graph raises when it
+    runs; an export without validate=True (it may be served on a GPU) has none."""
+    torch._dynamo.reset()
+    q = torch.randn(13, 2, 8)
+    good = torch.tensor([0, 5, 13])
+    compiled = torch.compile(lambda o: bl.block_attention(q, q, q, o, 4), fullgraph=True)
+    assert compiled(good).shape == q.shape
+    for bad in ([0, 5, 12], [0, 14, 13], [1, 5, 13]):  # ends short of T, decreases, starts past 0
+        with pytest.raises(RuntimeError, match="offsets must start at 0, never decrease and end at T"):
+            compiled(torch.tensor(bad))
+
+    class Attend(torch.nn.Module):
+        def __init__(self, validate):
+            super().__init__()
+            self.validate = validate
+
+        def forward(self, q, offsets):
+            return bl.block_attention(q, q, q, offsets, 4, validate=self.validate)
+
+    checked = torch.export.export(Attend(True), (q, good)).module()
+    unchecked = torch.export.export(Attend(None), (q, good)).module()
+    torch.testing.assert_close(checked(q, good), unchecked(q, good))
+    with pytest.raises(RuntimeError, match="offsets must start at 0"):
+        checked(q, torch.tensor([0, 14, 13]))
+    assert unchecked(q, torch.tensor([0, 6, 13])).shape == q.shape
 
 
 def test_encoder_leaves_the_dtype_check_to_each_layer():

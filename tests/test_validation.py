@@ -77,11 +77,11 @@ TENSOR_CASES = {
     "offsets_first": (ValueError, r"^offsets\[0\] must be 0, got 1", dict(offsets=torch.tensor([1, 5, 5, 12]))),
     "offsets_decreasing": (ValueError, r"^offsets must be non-decreasing, but offsets\[2\] = 4 < offsets\[1\] = 5",
                            dict(offsets=torch.tensor([0, 5, 4, 12]))),
-    "offsets_last_short": (ValueError, r"^offsets\[-1\] must equal T = 12 \(q\.shape\[0\]\), got 11",
+    "offsets_last_short": (ValueError, r"^offsets\[-1\] must equal T = 12 \(q\.shape\[0\]; a module's: its input's rows\), got 11",
                            dict(offsets=torch.tensor([0, 5, 5, 11], dtype=torch.int32))),
     "offsets_last_long": (ValueError, r"^offsets\[-1\] must equal T = 12", dict(offsets=torch.tensor([0, 13]))),
     "offsets_only_nonzero": (ValueError, r"^offsets\[0\] must be 0", dict(offsets=torch.tensor([12]))),
-    "offsets_B0_nonempty_T": (ValueError, r"^offsets\[-1\] must equal T = 12 \(q\.shape\[0\]\), got 0",
+    "offsets_B0_nonempty_T": (ValueError, r"^offsets\[-1\] must equal T = 12 \(q\.shape\[0\]; a module's: its input's rows\), got 0",
                               dict(offsets=torch.tensor([0]))),
 }
 

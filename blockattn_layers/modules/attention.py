@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from .._validation import check_attention_args, check_module_input, check_rotary_args
 from ..dispatch import Backend
+from ..fp8 import OUT_DTYPES as FP8_OUT_DTYPES
 from ..functional import block_attention
 from ..jagged import to_values_offsets
 
@@ -93,8 +94,10 @@ class BlockSelfAttention(nn.Module):
                 raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): no gradient reaches its input; "
                                    "call it under torch.no_grad() or torch.inference_mode()")
             q, k, v, q_descale, k_descale, v_descale = self.fp8(values)
+            dtype = self.out_proj.weight.dtype
             out = block_attention(q, k, v, offsets, self.block_size, q_descale=q_descale, k_descale=k_descale,
-                                  v_descale=v_descale, out_dtype=self.out_proj.weight.dtype, **kwargs)
+                                  v_descale=v_descale, out_dtype=dtype if dtype in FP8_OUT_DTYPES else torch.float32,
+                                  **kwargs).to(dtype)
         else:
             q, k, v = self._qkv(values)
             out = block_attention(q, k, v, offsets, self.block_size, **kwargs)

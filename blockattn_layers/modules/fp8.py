@@ -61,6 +61,18 @@ class FP8QKVProjection(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float() / columns
         return cls(weight, bias, descales, num_heads, num_kv_heads, head_dim)
 
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module._apply``, but ``descales`` and ``bias`` keep their float32 values through a
+        dtype cast of the model (``.to(torch.bfloat16)`` after calibrating in float32): they follow
+        device moves only."""
+        kept = {name: getattr(self, name) for name in ("descales", "bias") if getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after.dtype != torch.float32:
+                setattr(self, name, before.to(after.device))
+        return self
+
     def project(self, x: Tensor) -> Tensor:
         """e4m3 ``[T, N]``: ``clamp(x @ weight.T + bias, -448, 448)``, by the fused kernel where it
         takes the call (``linear_e4m3_reasons``), else in float32 and cast."""
@@ -110,8 +122,8 @@ def to_fp8_inference(model: nn.Module, calibration: Iterable[Any], *, margin: fl
     every calibrated range. Returns ``model``, converted in place (set to eval mode)."""
     from .attention import BlockSelfAttention
 
-    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 1.0:
-        raise ValueError(f"margin must be a number >= 1, got {margin!r}")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 1.0 <= margin < float("inf"):
+        raise ValueError(f"margin must be a finite number >= 1, got {margin!r}")
     layers = [m for m in model.modules() if isinstance(m, BlockSelfAttention)]
     if not layers:
         raise ValueError("to_fp8_inference: the model holds no BlockSelfAttention layer")
