@@ -136,11 +136,19 @@ def check_heads(embed_dim: Any, num_heads: Any, num_kv_heads: Any, names: Tuple[
     return int(num_kv_heads)
 
 
+def check_param_dtype(dtype: Any) -> None:
+    """A module's ``dtype`` argument: None or a floating dtype its parameters can take."""
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be None or one of torch.float32, torch.bfloat16, torch.float16, torch.float64, "
+                        f"got {dtype!r} (for fp8 serving, convert a trained model with to_fp8_inference)")
+
+
 def check_attention_args(
     embed_dim: Any, num_heads: Any, block_size: Any, num_kv_heads: Any, bias: Any, causal: Any, backend: Any,
-    names: Tuple[str, str, str] = _HEAD_NAMES,
+    names: Tuple[str, str, str] = _HEAD_NAMES, dtype: Any = None,
 ) -> Tuple[Optional[int], int]:
     """The arguments of an attention layer; returns ``(block_size, num_kv_heads)`` normalized."""
+    check_param_dtype(dtype)
     num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads, names)
     block_size = check_block_size(block_size)
     check_bool("bias", bias)

@@ -139,6 +139,8 @@ def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
     """
     import yaml
 
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a preset name or a YAML path (str or os.PathLike), got {type(name_or_path).__name__}")
     text = os.fspath(name_or_path)
     if os.sep in text or text.endswith((".yaml", ".yml")):
         with open(text, encoding="utf-8") as f:
@@ -151,8 +153,11 @@ def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
     return EncoderConfig.from_dict(data)
 
 
-def build_encoder(config: Union[EncoderConfig, str, os.PathLike]) -> JaggedTransformerEncoder:
-    """A new :class:`~blockattn_layers.JaggedTransformerEncoder` from a config, preset name or YAML path."""
-    if not isinstance(config, EncoderConfig):
+def build_encoder(config: Union[EncoderConfig, Mapping[str, Any], str, os.PathLike]) -> JaggedTransformerEncoder:
+    """A new :class:`~blockattn_layers.JaggedTransformerEncoder` from a config, its dict form
+    (:meth:`EncoderConfig.from_dict`), a preset name or a YAML path."""
+    if isinstance(config, Mapping):
+        config = EncoderConfig.from_dict(config)
+    elif not isinstance(config, EncoderConfig):
         config = load_config(config)
     return config.build()

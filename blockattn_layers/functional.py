@@ -51,7 +51,8 @@ def block_attention(
         scale: score scale, default ``1/sqrt(D)``.
         causal: causal masking inside each block.
         rope_theta: if set, rotary embeddings on q and k (fused into the kernel on GPU).
-        positions: ``[T]`` int or float positions for rotary (e.g. event timestamps);
+        positions: ``[T]`` int or float positions for rotary (e.g. event times relative to each
+            sequence's first: the angles are float32, so absolute epoch timestamps lose the differences);
             default: each token's index inside its sequence.
         rotary_dim: rotate only the first ``rotary_dim`` channels (even, <= D); default D.
         rotary_interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rotary_dim/2])``.
@@ -76,6 +77,9 @@ def block_attention(
         >>> block_attention(q, k, v, offsets, block_size=64, causal=True).shape
         torch.Size([70, 4, 32])
     """
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        raise RuntimeError("block_attention does not run under TorchScript (torch.jit.trace / torch.jit.script): "
+                           "use torch.compile, or torch.export for a graph to serve")
     if is_fp8(q):
         return fp8_block_attention(
             q, k, v, offsets, block_size, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,

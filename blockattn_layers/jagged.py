@@ -19,12 +19,14 @@ learn a size from the data say so and take that size as an optional argument ins
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ._validation import check_offsets_values
 from .reference import sequence_ids
 
 _TORCHREC_JT_MODULE = "torchrec.sparse.jagged_tensor"
@@ -100,6 +102,7 @@ def padded_to_jagged(
             )
         valid = ~key_padding_mask
         offsets = lengths_to_offsets(valid.sum(1))
+        _check_total_length(total_length, offsets)
         flat = valid.flatten()
         index = flat.nonzero().flatten() if total_length is None else flat.nonzero_static(size=total_length).flatten()
         return x.flatten(0, 1).index_select(0, index), offsets
@@ -109,9 +112,21 @@ def padded_to_jagged(
         if bool(((lengths < 0) | (lengths > x.shape[1])).any()):
             raise ValueError(f"lengths must lie in [0, N={x.shape[1]}], got {lengths.tolist()}")
     offsets = lengths_to_offsets(lengths)
+    _check_total_length(total_length, offsets)
     total = int(offsets[-1]) if total_length is None else total_length
     seq, pos = _token_coords(offsets, total)
     return x[seq, pos], offsets
+
+
+def _check_total_length(total_length: Any, offsets: Tensor) -> None:
+    """``total_length`` is None or a non-negative int, equal to the tokens' count where that is on
+    the host (no device sync)."""
+    if total_length is None:
+        return
+    if isinstance(total_length, bool) or not isinstance(total_length, numbers.Integral) or total_length < 0:
+        raise ValueError(f"total_length must be a non-negative int or None, got {total_length!r}")
+    if offsets.device.type == "cpu" and not torch.compiler.is_compiling() and int(offsets[-1]) != total_length:
+        raise ValueError(f"total_length ({total_length}) must equal the number of valid tokens ({int(offsets[-1])})")
 
 
 def jagged_to_padded(
@@ -127,6 +142,11 @@ def jagged_to_padded(
     """
     if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype not in _INDEX_DTYPES:
         raise ValueError(f"offsets must be int32/int64 [B+1], got {offsets.dtype} {tuple(offsets.shape)}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)
+                                   or max_length < 0):
+        raise ValueError(f"max_length must be a non-negative int or None, got {max_length!r}")
+    if offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_offsets_values("offsets", offsets, values.shape[0], "values.shape[0]")
     batch, rest = offsets.numel() - 1, values.shape[1:]
     if key_padding_mask is not None:
         if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch:
@@ -188,6 +208,13 @@ def _rebuild_jt(jt: Any, values: Tensor) -> Any:
     )
 
 
+def _short(offsets: Tensor) -> str:
+    """``offsets`` for a message: its values where it is a short host tensor, else its shape."""
+    if offsets.device.type == "cpu" and offsets.numel() <= 8 and not torch.compiler.is_compiling():
+        return str(offsets.tolist())
+    return f"of shape {tuple(offsets.shape)}"
+
+
 def _rebuild_kjt(kjt: Any, values: Tensor) -> Any:
     vbe = kjt.variable_stride_per_key()
     return type(kjt)(
@@ -203,13 +230,15 @@ class JaggedLayout:
     """How to turn flat ``values`` back into the kind the caller gave (see :func:`to_values_offsets`).
 
     ``kind`` is ``"tensor"``, ``"jagged_tensor"``, ``"keyed_jagged_tensor"`` or ``"dict"``;
-    ``sizes`` holds the token count of each part (one per dict key, else one); ``keys`` is set for dicts.
+    ``sizes`` holds the token count of each part (one per dict key, else one); ``keys`` is set for dicts;
+    ``offsets`` are the input's (for a torchrec input).
     """
 
-    __slots__ = ("kind", "source", "keys", "sizes")
+    __slots__ = ("kind", "source", "keys", "sizes", "offsets")
 
-    def __init__(self, kind: str, source: Any = None, keys: Tuple[str, ...] = (), sizes: Tuple[int, ...] = ()):
-        self.kind, self.source, self.keys, self.sizes = kind, source, keys, sizes
+    def __init__(self, kind: str, source: Any = None, keys: Tuple[str, ...] = (), sizes: Tuple[int, ...] = (),
+                 offsets: Optional[Tensor] = None):
+        self.kind, self.source, self.keys, self.sizes, self.offsets = kind, source, keys, sizes, offsets
 
     def wrap(self, values: Tensor) -> Any:
         """``values [T, ...]`` (new values for the same tokens) in the caller's kind, lengths unchanged.
@@ -227,21 +256,39 @@ class JaggedLayout:
         parts = torch.split(values, list(self.sizes)) if len(self.keys) > 1 else (values,)
         return {key: _rebuild_jt(self.source[key], part) for key, part in zip(self.keys, parts)}
 
-    def flatten(self, other: Any) -> Tensor:
-        """Values of ``other``, a batch of the same kind and lengths, in this layout's token order.
+    def flatten(self, other: Any, name: str = "positions") -> Tensor:
+        """Values of ``other`` (the argument ``name``), a batch of the same kind and lengths, in this
+        layout's token order.
 
         Used for per-token side inputs such as rotary positions (event times): a ``[T]`` tensor
         passes through; a JaggedTensor/KeyedJaggedTensor gives its values; a dict gives its
-        values concatenated in this layout's key order.
+        values concatenated in this layout's key order. Its lengths must be the input's (checked
+        where both are on the host; the batch size always).
         """
         if isinstance(other, Tensor):
             return other
+        if self.kind == "tensor":
+            raise TypeError(f"{name} must be a [T] tensor when the input is a tensor of packed values, "
+                            f"got {type(other).__name__}")
         if self.kind == "dict" and isinstance(other, Mapping):
             missing = [k for k in self.keys if k not in other]
             if missing:
                 raise ValueError(f"the dict lacks keys {missing} of the input")
             other = {k: other[k] for k in self.keys}
-        return to_values_offsets(other)[0]
+        try:
+            values, offsets, _ = to_values_offsets(other)
+        except TypeError:
+            raise TypeError(f"{name} must be a [T] tensor or a batch of the input's kind ({self.kind}) and lengths, "
+                            f"got {type(other).__name__}") from None
+        mine = self.offsets
+        # The batch sizes always; the lengths where both are on the host (no device sync).
+        same = offsets.shape == mine.shape
+        if same and offsets.device.type == mine.device.type == "cpu" and not torch.compiler.is_compiling():
+            same = torch.equal(offsets.to(torch.int64), mine.to(torch.int64))
+        if not same:
+            raise ValueError(f"{name} must have the input's lengths: offsets {_short(offsets)} against the "
+                             f"input's {_short(mine)}")
+        return values
 
 
 def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, JaggedLayout]:
@@ -275,9 +322,12 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
         raise TypeError(f"offsets must be None when x is a {type(x).__name__}: it carries its own lengths")
     jt_type, kjt_type = _torchrec_types()
     if kjt_type is not None and isinstance(x, kjt_type):
-        return x.values(), _offsets_of(x), JaggedLayout("keyed_jagged_tensor", x, sizes=(x.values().shape[0],))
+        offsets = _offsets_of(x)
+        return x.values(), offsets, JaggedLayout("keyed_jagged_tensor", x, sizes=(x.values().shape[0],),
+                                                 offsets=offsets)
     if jt_type is not None and isinstance(x, jt_type):
-        return x.values(), _offsets_of(x), JaggedLayout("jagged_tensor", x, sizes=(x.values().shape[0],))
+        offsets = _offsets_of(x)
+        return x.values(), offsets, JaggedLayout("jagged_tensor", x, sizes=(x.values().shape[0],), offsets=offsets)
     if isinstance(x, Mapping) and x and jt_type is not None and all(isinstance(v, jt_type) for v in x.values()):
         keys = tuple(x)
         jts = [x[k] for k in keys]
@@ -287,7 +337,7 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
             values = torch.cat([jt.values() for jt in jts])
             offsets = lengths_to_offsets(torch.cat([_lengths_of(jt) for jt in jts]))
         sizes = tuple(jt.values().shape[0] for jt in jts)
-        return values, offsets, JaggedLayout("dict", dict(x), keys, sizes)
+        return values, offsets, JaggedLayout("dict", dict(x), keys, sizes, offsets)
     raise TypeError(
         "expected packed values [T, ...] with offsets, a torchrec JaggedTensor or KeyedJaggedTensor, "
         f"a non-empty Dict[str, JaggedTensor] or a torchrec LazyAwaitable of one; got {type(x).__name__}"

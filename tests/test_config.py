@@ -23,6 +23,8 @@ def test_presets_load_by_name_and_build():
     layer = production.layers[0]
     assert (layer.self_attn.embed_dim, layer.self_attn.num_heads, layer.linear1.out_features) == (256, 2, 1024)
     assert layer.self_attn.block_size == 64
+    from_dict = build_encoder(small.to_dict())  # a config's dict form builds too
+    assert isinstance(from_dict, JaggedTransformerEncoder) and len(from_dict.layers) == 2
 
 
 def test_load_by_path_with_yaml_float_quirk(tmp_path):
@@ -112,6 +114,8 @@ def test_yaml_strings_that_are_not_numbers(tmp_path):
 def test_bad_files_and_names(tmp_path):
     with pytest.raises(ValueError, match="no preset named 'huge'"):
         load_config("huge")
+    with pytest.raises(TypeError, match=r"expected a preset name or a YAML path \(str or os.PathLike\), got int"):
+        load_config(3)
     path = tmp_path / "typo.yaml"
     path.write_text("num_layers: 1\nlayer:\n  d_model: 32\n  nhead: 4\n  n_head: 2\n")
     with pytest.raises(ValueError, match=r"unknown layer settings \['n_head'\]"):

@@ -114,6 +114,19 @@ def test_padded_bad_input():
         padded_to_jagged(x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask must be"):
         jagged_to_padded(torch.randn(2, 4), torch.tensor([0, 2]), key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    # A total_length that is not the tokens' count would drop or invent tokens: checked on the host.
+    for total in (2, 4):
+        with pytest.raises(ValueError, match=r"total_length \(\d\) must equal the number of valid tokens \(3\)"):
+            padded_to_jagged(x, torch.tensor([2, 1]), total_length=total)
+        with pytest.raises(ValueError, match="must equal the number of valid tokens"):
+            padded_to_jagged(x, key_padding_mask=torch.tensor([[False, False, True], [False, True, True]]),
+                             total_length=total)
+    with pytest.raises(ValueError, match="total_length must be a non-negative int or None, got -1"):
+        padded_to_jagged(x, torch.tensor([2, 1]), total_length=-1)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] must equal T = 4 \(values\.shape\[0\]\), got 3"):
+        jagged_to_padded(torch.randn(4, 2), torch.tensor([0, 3, 3]))
+    with pytest.raises(ValueError, match="max_length must be a non-negative int or None, got -1"):
+        jagged_to_padded(torch.randn(4, 2), torch.tensor([0, 3, 4]), max_length=-1)
 
 
 def test_sync_free_paths_run_on_meta_tensors():
@@ -261,6 +274,17 @@ def test_layout_flatten_aligns_side_inputs():
         layout.flatten({"a": times["a"]})
     with pytest.raises(ValueError, match="T = 5 rows"):
         layout.wrap(torch.randn(4, 3))
+    # Side inputs of other lengths, or of another kind, are refused in the argument's name.
+    shifted = {"a": JaggedTensor(values=torch.randn(3), lengths=torch.tensor([3])),
+               "b": JaggedTensor(values=torch.randn(2), lengths=torch.tensor([2]))}
+    with pytest.raises(ValueError, match=r"positions must have the input's lengths: offsets \[0, 3, 5\] against "
+                                         r"the input's \[0, 2, 5\]"):
+        layout.flatten(shifted)
+    with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor or a batch of the input's kind \(dict\)"):
+        layout.flatten([1.0] * 5)
+    _, _, packed = to_values_offsets(torch.randn(5, 3), torch.tensor([0, 2, 5]))
+    with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor when the input is a tensor"):
+        packed.flatten(times)
 
 
 def test_torchrec_kinds_refuse_offsets_argument():

@@ -250,6 +250,19 @@ def test_checks_trace_under_compile():
             compiled(torch.randn(T, 8), OFFSETS)
 
 
+def test_parameter_dtype_and_torchscript_are_refused_in_the_users_terms():
+    """A non-float ``dtype`` is refused at construction (not by torch's parameter init), and
+    TorchScript tracing by a message that names what to use instead."""
+    for dtype in (torch.int64, torch.float8_e4m3fn, "float32"):
+        with pytest.raises(TypeError, match="^dtype must be None or one of torch.float32"):
+            BlockSelfAttention(E, H, dtype=dtype)
+        with pytest.raises(TypeError, match="^dtype must be None or one of torch.float32"):
+            JaggedTransformerEncoderLayer(E, H, 32, dtype=dtype)
+    layer = BlockSelfAttention(E, H, block_size=4).eval()
+    with pytest.raises(RuntimeError, match="does not run under TorchScript.*use torch.compile, or torch.export"):
+        torch.jit.trace(layer, (torch.randn(T, E), OFFSETS))
+
+
 def test_offset_values_are_checked_inside_compiled_and_validated_exported_graphs():
     """Offsets that do not start at 0, decrease or end short of T: under torch.compile on CPU (as
     eagerly) and under torch.export with validate=True, an assert inside the graph raises when it

@@ -53,7 +53,7 @@ class BlockSelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         block_size, self.num_kv_heads = check_attention_args(
-            embed_dim, num_heads, block_size, num_kv_heads, bias, causal, backend)
+            embed_dim, num_heads, block_size, num_kv_heads, bias, causal, backend, dtype=dtype)
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.head_dim = self.embed_dim // self.num_heads
         self.block_size, self.causal, self.backend = block_size, causal, backend
