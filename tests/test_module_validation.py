@@ -250,6 +250,25 @@ def test_checks_trace_under_compile():
             compiled(torch.randn(T, 8), OFFSETS)
 
 
+def test_modules_take_the_validate_setting_of_block_attention(monkeypatch):
+    """``validate`` reaches block_attention from the attention layers and the encoder layer (its
+    offsets checks then run for device tensors too: here, the call's argument is recorded), is
+    shown by ``extra_repr`` when set, and must be a bool or None."""
+    import blockattn_layers.modules.attention as attention
+
+    seen = []
+    real = attention.block_attention
+    monkeypatch.setattr(attention, "block_attention", lambda *a, **k: seen.append(k["validate"]) or real(*a, **k))
+    layers = [BlockSelfAttention(E, H, validate=True), RotaryBlockAttention(E, H, validate=False),
+              JaggedTransformerEncoderLayer(E, H, 32, validate=True), BlockSelfAttention(E, H)]
+    for layer in layers:
+        layer(torch.randn(T, E), OFFSETS)
+    assert seen == [True, False, True, None]
+    assert "validate=True" in repr(layers[0]) and "validate" not in layers[3].extra_repr()
+    with pytest.raises(TypeError, match="^validate must be a bool, got 'yes'"):
+        BlockSelfAttention(E, H, validate="yes")
+
+
 def test_parameter_dtype_and_torchscript_are_refused_in_the_users_terms():
     """A non-float ``dtype`` is refused at construction (not by torch's parameter init), and
     TorchScript tracing by a message that names what to use instead."""

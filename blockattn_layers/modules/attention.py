@@ -6,7 +6,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_attention_args, check_module_input, check_rotary_args
+from .._validation import check_attention_args, check_bool, check_module_input, check_rotary_args
 from ..dispatch import Backend
 from ..fp8 import OUT_DTYPES as FP8_OUT_DTYPES
 from ..functional import block_attention
@@ -30,6 +30,9 @@ class BlockSelfAttention(nn.Module):
         bias: biases in the projections.
         causal: causal masking inside each block.
         backend: ``"auto"``, ``"reference"``, ``"triton"`` (see :func:`~blockattn_layers.block_attention`).
+        validate: check the offsets' values on every call, as ``block_attention(validate=...)``:
+            ``None`` on CPU tensors only, ``True`` on device tensors too (one device-to-host copy a
+            call: for debugging an input pipeline), ``False`` never.
 
     Forward:
         ``forward(x, offsets=None, *, cpu_offsets=None, max_seqlen=None)``: ``x`` is packed
@@ -49,11 +52,14 @@ class BlockSelfAttention(nn.Module):
     def __init__(
         self, embed_dim: int, num_heads: int, *, block_size: Optional[int] = 64, num_kv_heads: Optional[int] = None,
         bias: bool = True, causal: bool = False, backend: Union[str, Backend] = "auto",
-        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, validate: Optional[bool] = None,
     ) -> None:
         super().__init__()
         block_size, self.num_kv_heads = check_attention_args(
             embed_dim, num_heads, block_size, num_kv_heads, bias, causal, backend, dtype=dtype)
+        if validate is not None:
+            check_bool("validate", validate)
+        self.validate = validate
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.head_dim = self.embed_dim // self.num_heads
         self.block_size, self.causal, self.backend = block_size, causal, backend
@@ -68,6 +74,7 @@ class BlockSelfAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"block_size={self.block_size}, causal={self.causal}, backend={self.backend!r}"
+            + ("" if self.validate is None else f", validate={self.validate}")
         )
 
     def _qkv(self, values: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -88,7 +95,7 @@ class BlockSelfAttention(nn.Module):
     ) -> Tensor:
         check_module_input(values, offsets, kind, self.embed_dim, self.in_proj.weight.dtype)
         kwargs = dict(causal=self.causal, cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=self.backend,
-                      **self._attention_kwargs(positions))
+                      validate=self.validate, **self._attention_kwargs(positions))
         if self.fp8 is not None:
             if torch.is_grad_enabled() and values.requires_grad:
                 raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): no gradient reaches its input; "
@@ -145,11 +152,11 @@ class RotaryBlockAttention(BlockSelfAttention):
         self, embed_dim: int, num_heads: int, *, block_size: Optional[int] = 64, rope_theta: float = 10000.0,
         rotary_dim: Optional[int] = None, rotary_interleaved: bool = False, num_kv_heads: Optional[int] = None,
         bias: bool = True, causal: bool = False, backend: Union[str, Backend] = "auto",
-        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, validate: Optional[bool] = None,
     ) -> None:
         super().__init__(
             embed_dim, num_heads, block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
-            backend=backend, device=device, dtype=dtype,
+            backend=backend, device=device, dtype=dtype, validate=validate,
         )
         self.rope_theta, self.rotary_dim = check_rotary_args(rope_theta, rotary_dim, rotary_interleaved, self.head_dim)
         self.rotary_interleaved = rotary_interleaved

@@ -34,6 +34,7 @@ class JaggedTransformerEncoderLayer(nn.Module):
         num_kv_heads: key/value heads for grouped-query attention (default ``nhead``).
         causal: causal masking inside each block. layer_norm_eps: LayerNorm epsilon.
         bias: biases in the linear and LayerNorm layers. backend: attention backend.
+        validate: the attention's offset checks, as in :class:`BlockSelfAttention`.
 
     Forward:
         ``forward(x, offsets=None, positions=None, *, cpu_offsets=None, max_seqlen=None)`` with
@@ -57,6 +58,7 @@ class JaggedTransformerEncoderLayer(nn.Module):
         causal: bool = False, layer_norm_eps: float = 1e-5, bias: bool = True,
         backend: Union[str, Backend] = "auto", device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None, rotary_dim: Optional[int] = None, rotary_interleaved: bool = False,
+        validate: Optional[bool] = None,
     ) -> None:
         super().__init__()
         check_encoder_layer_args(
@@ -66,7 +68,7 @@ class JaggedTransformerEncoderLayer(nn.Module):
         )
         factory = {"device": device, "dtype": dtype}
         attn_kwargs = dict(block_size=block_size, num_kv_heads=num_kv_heads, bias=bias, causal=causal,
-                           backend=backend, **factory)
+                           backend=backend, validate=validate, **factory)
         if rope_theta is None:
             self.self_attn = BlockSelfAttention(d_model, nhead, **attn_kwargs)
         else:
