@@ -91,6 +91,9 @@ def block_attention(
         if value is not None:
             got = q.dtype if isinstance(q, Tensor) else type(q).__name__
             raise TypeError(f"{name} applies to torch.float8_e4m3fn q, k, v; q is {got}")
+    if positions is not None and getattr(positions, "requires_grad", False) and torch.is_grad_enabled():
+        raise ValueError("positions requires grad, but no gradient flows to rotary positions (every backend "
+                         "takes them as data): pass positions.detach() to rotate by their values")
     q, k, v = _autocast_inputs(q, k, v)
     params, spec = checked_call(
         q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,

@@ -256,30 +256,47 @@ class JaggedLayout:
         parts = torch.split(values, list(self.sizes)) if len(self.keys) > 1 else (values,)
         return {key: _rebuild_jt(self.source[key], part) for key, part in zip(self.keys, parts)}
 
+    def _kind_message(self, name: str, other: Any) -> str:
+        if self.kind == "jagged_tensor":
+            wanted = "a [T] tensor or a JaggedTensor, as the input"
+        else:
+            wanted = "a [T] tensor, or a dict of JaggedTensors or a KeyedJaggedTensor with the input's keys"
+        return f"{name} must be {wanted}, got {type(other).__name__}"
+
     def flatten(self, other: Any, name: str = "positions") -> Tensor:
         """Values of ``other`` (the argument ``name``), a batch of the same kind and lengths, in this
         layout's token order.
 
         Used for per-token side inputs such as rotary positions (event times): a ``[T]`` tensor
-        passes through; a JaggedTensor/KeyedJaggedTensor gives its values; a dict gives its
-        values concatenated in this layout's key order. Its lengths must be the input's (checked
-        where both are on the host; the batch size always).
+        passes through; for a JaggedTensor input, a JaggedTensor gives its values; for a keyed
+        input (a dict or a KeyedJaggedTensor), a dict of JaggedTensors or a KeyedJaggedTensor with
+        the same keys gives its values key by key in the input's key order. Its lengths must be
+        the input's (checked where both are on the host; the batch size always).
         """
+        other = resolve_awaitable(other)
         if isinstance(other, Tensor):
             return other
         if self.kind == "tensor":
             raise TypeError(f"{name} must be a [T] tensor when the input is a tensor of packed values, "
                             f"got {type(other).__name__}")
-        if self.kind == "dict" and isinstance(other, Mapping):
+        _, kjt_type = _torchrec_types()
+        keyed = self.kind in ("dict", "keyed_jagged_tensor")
+        if keyed and kjt_type is not None and isinstance(other, kjt_type):
+            other = other.to_dict()  # matched to the input by key below, whatever its key order
+        if keyed and isinstance(other, Mapping):
             missing = [k for k in self.keys if k not in other]
             if missing:
-                raise ValueError(f"the dict lacks keys {missing} of the input")
+                raise ValueError(f"{name} lacks keys {missing} of the input")
+            extra = [k for k in other if k not in self.keys]
+            if extra:
+                raise ValueError(f"{name} has keys {extra} that the input has not")
             other = {k: other[k] for k in self.keys}
+        elif keyed or isinstance(other, Mapping) or (kjt_type is not None and isinstance(other, kjt_type)):
+            raise TypeError(self._kind_message(name, other))
         try:
             values, offsets, _ = to_values_offsets(other)
         except TypeError:
-            raise TypeError(f"{name} must be a [T] tensor or a batch of the input's kind ({self.kind}) and lengths, "
-                            f"got {type(other).__name__}") from None
+            raise TypeError(self._kind_message(name, other)) from None
         mine = self.offsets
         # The batch sizes always; the lengths where both are on the host (no device sync).
         same = offsets.shape == mine.shape
@@ -323,8 +340,8 @@ def to_values_offsets(x: Any, offsets: Optional[Tensor] = None) -> Tuple[Tensor,
     jt_type, kjt_type = _torchrec_types()
     if kjt_type is not None and isinstance(x, kjt_type):
         offsets = _offsets_of(x)
-        return x.values(), offsets, JaggedLayout("keyed_jagged_tensor", x, sizes=(x.values().shape[0],),
-                                                 offsets=offsets)
+        return x.values(), offsets, JaggedLayout("keyed_jagged_tensor", x, tuple(x.keys()),
+                                                 sizes=(x.values().shape[0],), offsets=offsets)
     if jt_type is not None and isinstance(x, jt_type):
         offsets = _offsets_of(x)
         return x.values(), offsets, JaggedLayout("jagged_tensor", x, sizes=(x.values().shape[0],), offsets=offsets)

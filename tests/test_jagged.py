@@ -280,11 +280,35 @@ def test_layout_flatten_aligns_side_inputs():
     with pytest.raises(ValueError, match=r"positions must have the input's lengths: offsets \[0, 3, 5\] against "
                                          r"the input's \[0, 2, 5\]"):
         layout.flatten(shifted)
-    with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor or a batch of the input's kind \(dict\)"):
+    with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor, or a dict of JaggedTensors or a "
+                                        r"KeyedJaggedTensor with the input's keys, got list"):
         layout.flatten([1.0] * 5)
+    with pytest.raises(ValueError, match=r"positions has keys \['c'\] that the input has not"):
+        layout.flatten({**times, "c": times["a"]})
     _, _, packed = to_values_offsets(torch.randn(5, 3), torch.tensor([0, 2, 5]))
     with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor when the input is a tensor"):
         packed.flatten(times)
+
+
+def test_layout_flatten_matches_keyed_side_inputs_by_key():
+    """For a KeyedJaggedTensor or dict input, positions keyed by feature (a dict, or a
+    KeyedJaggedTensor in another key order) are taken key by key in the input's order, not in
+    their own concatenation order."""
+    JaggedTensor, KeyedJaggedTensor = _jt_types()
+    lengths = torch.tensor([3, 2, 3, 2])  # both keys' lengths alike: a mix-up would pass a lengths check
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.randn(10, 4), lengths=lengths)
+    pa, pb = torch.arange(5.0), torch.arange(5.0) + 100
+    want = torch.cat([pa, pb]).tolist()
+    by_dict = {"b": JaggedTensor(values=pb, lengths=lengths[2:]), "a": JaggedTensor(values=pa, lengths=lengths[:2])}
+    reordered = KeyedJaggedTensor(keys=["b", "a"], values=torch.cat([pb, pa]),
+                                  lengths=torch.cat([lengths[2:], lengths[:2]]))
+    for inputs in (kjt, {"a": JaggedTensor(values=torch.randn(5, 4), lengths=lengths[:2]),
+                         "b": JaggedTensor(values=torch.randn(5, 4), lengths=lengths[2:])}):
+        _, _, layout = to_values_offsets(inputs)
+        assert layout.flatten(by_dict).tolist() == want and layout.flatten(reordered).tolist() == want
+    _, _, single = to_values_offsets(JaggedTensor(values=torch.randn(5, 4), lengths=lengths[:2]))
+    with pytest.raises(TypeError, match=r"positions must be a \[T\] tensor or a JaggedTensor, as the input, got dict"):
+        single.flatten(by_dict)
 
 
 def test_torchrec_kinds_refuse_offsets_argument():

@@ -282,6 +282,22 @@ def test_parameter_dtype_and_torchscript_are_refused_in_the_users_terms():
         torch.jit.trace(layer, (torch.randn(T, E), OFFSETS))
 
 
+def test_calls_that_would_lose_gradients_are_refused():
+    """Positions that require grad (no gradient reaches them) and torch.func transforms (the op has
+    no functorch rules) raise with what to do instead; positions under no_grad or detached run."""
+    q = torch.randn(T, 2, 4, dtype=torch.float64, requires_grad=True)
+    positions = (torch.rand(T, dtype=torch.float64) * 5).requires_grad_()
+    with pytest.raises(ValueError, match=r"positions requires grad.*pass positions\.detach\(\)"):
+        bl.block_attention(q, q, q, OFFSETS, 4, rope_theta=10.0, positions=positions)
+    with pytest.raises(ValueError, match="positions requires grad"):
+        RotaryBlockAttention(E, H, block_size=4)(torch.randn(T, E), OFFSETS, positions=positions)
+    with torch.no_grad():
+        bl.block_attention(q, q, q, OFFSETS, 4, rope_theta=10.0, positions=positions)
+    bl.block_attention(q, q, q, OFFSETS, 4, rope_theta=10.0, positions=positions.detach()).sum().backward()
+    with pytest.raises(RuntimeError, match="does not run under torch.func transforms.*loss.backward"):
+        torch.func.grad(lambda x: bl.block_attention(x, x, x, OFFSETS, 4, backend="reference").sum())(q.detach())
+
+
 def test_offset_values_are_checked_inside_compiled_and_validated_exported_graphs():
     """Offsets that do not start at 0, decrease or end short of T: under torch.compile on CPU (as
     eagerly) and under torch.export with validate=True, an assert inside the graph raises when it

@@ -1,14 +1,15 @@
 """The entry point of the public functions into the op layer.
 
 :func:`attention` takes a validated call and the backend the dispatcher chose for it. While
-``torch.compile`` / ``torch.export`` trace it, under ``torch.func`` transforms and under
-dispatch modes (``FlopCounterMode``, user fake modes) it calls the registered ops
+``torch.compile`` / ``torch.export`` trace it and under dispatch modes (``FlopCounterMode``, user
+fake modes) it calls the registered ops
 (:mod:`.library`), whose autograd and FLOP formulas then apply. For plain tensors in eager mode
 it calls the backend's implementation directly through a ``torch.autograd.Function``: the
 custom-op wrappers' host work is about half the host time of a call, which is what small
 batches pay for. A backend with ``forward_prepared`` prepares its backward's launch in the
 forward, on the caller's thread; the autograd engine runs the backward on its device thread
-and launches that where it holds.
+and launches that where it holds. ``torch.func`` transforms are refused: the op's autograd
+(``register_autograd``) has no functorch rules in the torch versions tested.
 """
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: Attentio
     """Attention ``[T, H, D]`` for a validated call; ``spec`` is what the dispatcher chose for
     ``backend`` (the op, when it runs, chooses the same from the tensors)."""
     args = params.op_args()
+    if private_api.functorch_transforms_active():
+        raise RuntimeError("block_attention does not run under torch.func transforms (grad, vmap, jacrev, jvp): "
+                           "its registered op has no functorch rules; differentiate with loss.backward() or "
+                           "torch.autograd.grad")
     if not plain_eager(q, k, v):
         return library.attention_fwd(q, k, v, offsets, *args, backend_name(backend))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
