@@ -409,6 +409,9 @@ def check_module_input(
             raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
         if offsets.device != values.device:
             raise ValueError(f"offsets is on {offsets.device} but values is on {values.device}")
+    elif isinstance(offsets, torch.Tensor) and offsets.device != values.device:
+        raise ValueError(f"{_SOURCES.get(kind, 'values')} are on {values.device} but their lengths / offsets on "
+                         f"{offsets.device}: keep both on one device")
 
 
 # Device types with autocast (``torch.amp.is_autocast_available`` does not trace in torch 2.11).

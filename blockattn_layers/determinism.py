@@ -10,11 +10,12 @@ over 128) have two backwards (``kernels.flash.bwd``):
   runs in its last bits.
 
 The default is deterministic: reproducible, and on the H200 also the faster of the two today
-(seed3 3.78 ms against the fast one's 5.19: BENCHMARKS.md, session 16);
-``torch.use_deterministic_algorithms(True)`` always selects the deterministic one. Choose per process with ``use_fast_backward()`` or the environment variable
-``BLOCKATTN_BACKWARD=fast`` (``deterministic``: the default), or for a region with
-``with fast_backward(): ...``. The choice is read when the backward runs, so it applies to
-compiled and exported models too. The single-tile block kernels have one backward, deterministic.
+(seed3 3.84 ms against the fast one's 5.01: BENCHMARKS.md, session 17);
+``torch.use_deterministic_algorithms(True)`` always selects the deterministic one. Choose per
+process with ``use_fast_backward()`` or the environment variable ``BLOCKATTN_BACKWARD=fast``
+(``deterministic``: the default; read once, when the package is imported, and an unknown value
+raises there), or for a region with ``with fast_backward(): ...``. The current setting is read
+when the backward runs, so it applies to compiled and exported models too. The single-tile block kernels have one backward, deterministic.
 """
 from __future__ import annotations
 

@@ -86,6 +86,23 @@ def test_distributed_demo_without_torchrec_says_so(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_commands_that_need_a_launcher_or_a_gpu_say_how_to_run_them():
+    """demo --distributed outside torchrun, and verify-arch on a CPU without Triton's interpreter:
+    one line that says what to do, no traceback."""
+    from blockattn_layers.cli.main import parser
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TRITON_INTERPRET")}
+    result = subprocess.run([sys.executable, "-m", "blockattn_layers", "demo", "--distributed", "--steps", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0 and "start it with torchrun" in result.stderr and "Traceback" not in result.stderr
+    if not torch.cuda.is_available():
+        result = subprocess.run([sys.executable, "-m", "blockattn_layers", "verify-arch", "--quick", "--no-bench"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 2 and "run it with TRITON_INTERPRET=1" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert "verify-arch: check" in parser().description
+
+
 @pytest.mark.parametrize("args,message", [
     (["--backend", "nope"], "backend must be one of"),
     (["--config", "no/such/demo.yaml"], "No such file"),

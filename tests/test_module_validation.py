@@ -235,6 +235,10 @@ def test_torchrec_inputs_are_named():
         narrow = {"a": JaggedTensor(values=torch.randn(7, 8), lengths=torch.tensor([3, 4]))}
         with pytest.raises(ValueError, match=r"^the JaggedTensors' values must have shape " + WIDTH):
             module(narrow)
+        apart = JaggedTensor(values=torch.randn(7, E), lengths=torch.tensor([3, 4], device="meta"))
+        with pytest.raises(ValueError, match=r"^the JaggedTensor's values are on cpu but their lengths / offsets on "
+                                             r"meta: keep both on one device"):
+            module(apart)
 
 
 def test_checks_trace_under_compile():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from typing import Optional
 
@@ -24,6 +25,10 @@ from .demo_model import build_click_model, torchrec_problem
 from .demo_train import FitResult, Trainer, make_autocast, time_steps
 
 _LOSS_WINDOW = 10
+DESCRIPTION = ("Train a click model on synthetic jagged user histories (item and category ids -> "
+               "EmbeddingCollection -> JaggedTransformerEncoder -> click logit) and report the loss, held-out "
+               "AUC and tokens per second. With --distributed (started by torchrun) it trains under torchrec's "
+               "DistributedModelParallel.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         problem = torchrec_problem()
         if problem is not None:
             raise SystemExit(f"demo --distributed needs torchrec: {problem}")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise SystemExit("demo --distributed runs one process per rank: start it with torchrun, e.g. "
+                             "torchrun --nproc_per_node=2 -m blockattn_layers demo --distributed")
         from .dmp_demo import run as run_distributed
 
         return run_distributed(args)

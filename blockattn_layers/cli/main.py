@@ -16,14 +16,16 @@ from . import demo
 _DESCRIPTION = (
     "demo: train a small click model on synthetic jagged user histories; bench: time the attention "
     "backends (every later argument goes to python -m blockattn_layers.bench, see 'bench --help'); "
-    "info: versions, device and the backend that backend='auto' picks for typical inputs."
+    "info: versions, device and the backend that backend='auto' picks for typical inputs; verify-arch: check "
+    "every kernel variant of this GPU against the float64 reference and time it."
 )
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m blockattn_layers", description=_DESCRIPTION)
     commands = p.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,verify-arch}")
-    demo.add_arguments(commands.add_parser("demo", help="train a click model on synthetic data and report"))
+    demo.add_arguments(commands.add_parser("demo", help="train a click model on synthetic data and report",
+                                           description=demo.DESCRIPTION))
     commands.add_parser("bench", help="benchmark the backends (args go to python -m blockattn_layers.bench)",
                         add_help=False)
     commands.add_parser("info", help="versions, device, and what backend='auto' picks")

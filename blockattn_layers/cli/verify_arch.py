@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -223,6 +224,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("verify-arch: no CUDA device here; on the CPU it checks the Triton kernels through Triton's "
+              "interpreter: run it with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
     if args.variants:
         names = [n.strip() for n in args.variants.split(",") if n.strip()]
         unknown = [n for n in names if n not in variants.VARIANTS]
