@@ -128,6 +128,19 @@ def test_info_reports_versions_and_auto_choices():
     assert re.search(r"GPU, float64.*\n\s+auto -> reference", out), out
 
 
+def test_hypothetical_choices_keep_every_rule_but_the_machines():
+    """Judging an sm_90 call on a machine without one: "CUDA is not available" is left out, the
+    backends' own rules stay (triton_flash refuses 64-token blocks by name too)."""
+    from blockattn_layers.cli.backend_choice import auto_choice
+    from blockattn_layers.dispatch import AttentionRequest
+
+    req = AttentionRequest(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, head_dim=64, num_heads=4,
+                           num_kv_heads=4, block_size=64, causal=False, rotary=False)
+    choice, reasons = auto_choice(req, hypothetical=True)
+    assert choice == "triton" and not any("CUDA is not available" in r for why in reasons.values() for r in why)
+    assert any("block_size 64 <= 128" in r for r in reasons["triton_flash"]), reasons
+
+
 def test_bench_forwards_its_arguments(tmp_path):
     out = _run("bench", "--shapes", "tiny", "--backends", "reference", "--modes", "fwd", "--quick", "--device", "cpu",
                "--dtype", "fp32", "--quiet", "--plot", "--out", str(tmp_path))

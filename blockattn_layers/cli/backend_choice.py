@@ -1,10 +1,10 @@
 """Which backend ``backend="auto"`` picks for an :class:`~blockattn_layers.AttentionRequest`, and why."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..ops import backends as _backends  # noqa: F401  (registers the backends)
+from ..ops.backends.triton_block import CUDA_UNAVAILABLE
 from ..dispatch import AttentionRequest, explain, explain_variants, registered_backends
 
 
@@ -12,15 +12,12 @@ def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Opti
     """``(name or None, reasons)``: what ``backend="auto"`` picks for ``req`` and every backend's
     reasons to refuse it (an empty list: it can serve it; ``"auto: ..."``: only by name).
 
-    ``hypothetical=True`` judges a device this machine lacks by the backends' declared
-    capabilities only, leaving out their checks of the local machine (such as "CUDA is not available").
+    ``hypothetical=True`` judges a device this machine lacks by every check but the one of the local
+    machine ("CUDA is not available"): the backends' declared capabilities and their own rules.
     """
     reasons = explain(req)
     if hypothetical:
-        reasons = {
-            spec.name: dataclasses.replace(spec, extra_reasons=None).not_supported_reasons(req)
-            for spec in registered_backends()
-        }
+        reasons = {name: [r for r in why if r != CUDA_UNAVAILABLE] for name, why in reasons.items()}
     choice = None
     for spec in registered_backends():
         if spec.auto_devices is not None and req.device_type not in spec.auto_devices:

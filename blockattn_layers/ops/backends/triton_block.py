@@ -206,9 +206,14 @@ def _running(reasons: Dict[str, List[str]]) -> Optional[str]:
     return next((name for name, why in reasons.items() if not why), None)
 
 
+# The one reason about this machine rather than the call (``cli.backend_choice`` leaves it out when
+# it judges a device the machine lacks).
+CUDA_UNAVAILABLE = "CUDA is not available"
+
+
 def cuda_reasons(req: AttentionRequest) -> list:
     if req.device_type == "cuda" and not torch.cuda.is_available():
-        return ["CUDA is not available"]
+        return [CUDA_UNAVAILABLE]
     return []
 
 
