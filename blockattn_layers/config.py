@@ -140,7 +140,8 @@ def load_config(name_or_path: Union[str, os.PathLike]) -> EncoderConfig:
     import yaml
 
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"expected a preset name or a YAML path (str or os.PathLike), got {type(name_or_path).__name__}")
+        raise TypeError("expected a preset name or a YAML path (str or os.PathLike), got "
+                        f"{type(name_or_path).__name__}")
     text = os.fspath(name_or_path)
     if os.sep in text or text.endswith((".yaml", ".yml")):
         with open(text, encoding="utf-8") as f:

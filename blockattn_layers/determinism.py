@@ -15,7 +15,8 @@ The default is deterministic: reproducible, and on the H200 also the faster of t
 process with ``use_fast_backward()`` or the environment variable ``BLOCKATTN_BACKWARD=fast``
 (``deterministic``: the default; read once, when the package is imported, and an unknown value
 raises there), or for a region with ``with fast_backward(): ...``. The current setting is read
-when the backward runs, so it applies to compiled and exported models too. The single-tile block kernels have one backward, deterministic.
+when the backward runs, so it applies to compiled and exported models too. The single-tile block
+kernels have one backward, deterministic.
 """
 from __future__ import annotations
 

@@ -60,11 +60,10 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
     kv_heads = int(kv_heads)
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"quantize_fp8: kv_heads must divide x's {heads} heads, got {kv_heads}")
-    width = (heads // kv_heads) * dim
-    magnitude = x.detach().float().abs().reshape(total, kv_heads, width)
+    values = x.detach().float().reshape(total, kv_heads, (heads // kv_heads) * dim)
     # The factors come from the finite values: a NaN or infinity stays where it is (NaN, or +-448)
     # instead of setting its whole part's factor.
-    grouped = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
+    grouped = values.abs().nan_to_num_(nan=0.0, posinf=0.0)
     if granularity == "sequence_head":
         if offsets is None:
             raise ValueError("quantize_fp8: granularity 'sequence_head' needs offsets")
@@ -83,7 +82,7 @@ def quantize_fp8(x: Tensor, granularity: str = "head", *, offsets: Optional[Tens
         per_token = amax.expand(total, kv_heads)
     descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     scale = torch.where(per_token > 0, FP8_MAX / per_token, torch.ones_like(per_token))
-    scaled = x.detach().float().reshape(total, kv_heads, width) * scale.unsqueeze(-1)
+    scaled = values * scale.unsqueeze(-1)
     quantized = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(total, heads, dim).to(FP8_DTYPE)
     return quantized, descale
 

@@ -367,7 +367,8 @@ def fp8_ws_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     if block_size is None or not BLOCKS[0] <= block_size <= BLOCKS[1]:
         reasons.append(f"blocks of {BLOCKS[0]}-{BLOCKS[1]} tokens (got {block_size})")
     if rot and (rot != q.shape[-1] or interleaved):
-        reasons.append("no rotary, or rotary over every channel in split halves (rotary_dim equal to the head dim, rotary_interleaved=False)")
+        reasons.append("no rotary, or rotary over every channel in split halves (rotary_dim equal to the head "
+                       "dim, rotary_interleaved=False)")
     if out_dtype not in (torch.bfloat16, torch.float16):
         reasons.append("a bf16 or fp16 output")
     if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):
