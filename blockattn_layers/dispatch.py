@@ -4,7 +4,9 @@ Each backend declares what it supports in a :class:`BackendSpec`; the registry t
 call into an :class:`AttentionRequest` and asks every backend for its reasons to refuse.
 ``backend="auto"`` takes the highest-priority backend with no reasons among those that
 serve the tensors' device automatically; an explicit backend wins, and raises with its
-reasons when it cannot serve the call.
+reasons when it cannot serve the call. A dtype that ``block_attention`` serves outside the
+backends (fp8: ``blockattn_layers.fp8``) registers its own line for :func:`describe`
+(:func:`register_dtype_path`).
 """
 from __future__ import annotations
 
@@ -142,6 +144,10 @@ _REGISTRY: Dict[str, BackendSpec] = {}
 _BY_PRIORITY: List[BackendSpec] = []
 # (backend argument, call key) -> spec: a call's answer depends only on what the key holds.
 _SELECTED = caches.HostCache("backend_choices")
+# describe(req, backend) of a path outside the backends: one line, what serves the call.
+DescribePath = Callable[[AttentionRequest, Union[str, Backend]], str]
+# dtype -> its path's describe (``register_dtype_path``).
+_DTYPE_PATHS: Dict[torch.dtype, DescribePath] = {}
 
 
 def register_backend(spec: BackendSpec) -> None:
@@ -161,19 +167,37 @@ def explain(req: AttentionRequest) -> Dict[str, List[str]]:
     return {spec.name: spec.not_supported_reasons(req) for spec in registered_backends()}
 
 
-def explain_variants(req: AttentionRequest) -> Dict[str, Dict[str, List[str]]]:
+def explain_variants(req: AttentionRequest,
+                     backend_reasons: Optional[Dict[str, List[str]]] = None) -> Dict[str, Dict[str, List[str]]]:
     """For each backend whose kernels come in variants: every variant's reasons not to run
     ``req`` (empty list: that variant runs), in the order they are considered. Where a backend's
     backward chooses otherwise than its forward, the backward's reasons follow under
-    ``backward: NAME`` keys."""
-    return {spec.name: spec.variant_reasons(req) for spec in registered_backends() if spec.variant_reasons is not None}
+    ``backward: NAME`` keys.
+
+    A variant runs only where its backend serves the call: where the backend refuses ``req``, every
+    one of its variants' reasons begins with ``"the NAME backend does not serve this call: ..."``
+    (the backend's reasons), before the variant's own. ``backend_reasons``: the backends' reasons to
+    judge that by, as :func:`explain` gives them (its default); ``python -m blockattn_layers info``
+    passes them without "CUDA is not available" where it judges a GPU this machine lacks."""
+    backend_reasons = explain(req) if backend_reasons is None else backend_reasons
+    shown = {}
+    for spec in registered_backends():
+        if spec.variant_reasons is None:
+            continue
+        reasons = spec.variant_reasons(req)
+        refused = backend_reasons[spec.name]
+        if refused:
+            gate = f"the {spec.name} backend does not serve this call: {', '.join(refused)}"
+            reasons = {name: [gate] + why for name, why in reasons.items()}
+        shown[spec.name] = reasons
+    return shown
 
 
 def running_variants(reasons: Dict[str, List[str]]) -> Tuple[Optional[str], Dict[str, str]]:
     """From a backend's variant reasons (``explain_variants``): the variant that runs (the first
-    without reasons; ``None`` where the tensors' layout decides), and for each phase that chooses
-    apart (``backward: NAME`` keys) the first variant it runs where that is another, e.g.
-    ``{"backward": "flash"}``."""
+    without reasons; ``None`` where the tensors' layout decides, or the backend does not serve the
+    call), and for each phase that chooses apart (``backward: NAME`` keys) the first variant it runs
+    where that is another, e.g. ``{"backward": "flash"}``."""
     running = next((name for name, why in reasons.items() if not why and ": " not in name), None)
     phases: Dict[str, str] = {}
     for name, why in reasons.items():
@@ -184,7 +208,12 @@ def running_variants(reasons: Dict[str, List[str]]) -> Tuple[Optional[str], Dict
 
 
 def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> str:
-    """One line: the backend (and kernel variant) that serves ``req``, or why none does."""
+    """One line: the backend (and kernel variant) that serves ``req``, or why none does. Calls of a
+    dtype that ``block_attention`` serves on a path of its own (:func:`register_dtype_path`: fp8)
+    get that path's line instead."""
+    path = _DTYPE_PATHS.get(req.dtype)
+    if path is not None:
+        return path(req, backend)
     try:
         spec = select_backend(backend, req)
     except ValueError as err:
@@ -196,6 +225,13 @@ def describe(req: AttentionRequest, backend: Union[str, "Backend"] = "auto") -> 
         if phases:
             line += " (" + "; ".join(f"{phase}: {name} kernels" for phase, name in phases.items()) + ")"
     return line
+
+
+def register_dtype_path(dtype: torch.dtype, describe_path: DescribePath) -> None:
+    """Declare that ``block_attention`` serves calls of ``dtype`` on a path of its own, outside the
+    backends (which refuse that dtype); :func:`describe` hands such requests to ``describe_path``
+    (``describe_path(req, backend)``: one line, what serves the call)."""
+    _DTYPE_PATHS[dtype] = describe_path
 
 
 def _format(reasons: Dict[str, List[str]]) -> str:

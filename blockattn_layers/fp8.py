@@ -11,20 +11,26 @@ refuses inputs that require gradients. Rotary embeddings apply to the descaled v
 kernel (``kernels.block.fp8_fwd``), which reads e4m3 q, k, v and descales them in registers;
 everything else (the reference backend, CPU, longer blocks, torch.compile) runs on descaled
 copies: float32 on CPU, the 16-bit dtype ``out_dtype`` names on CUDA (bfloat16 for a float32
-output), the output cast to ``out_dtype``.
+output), the output cast to ``out_dtype``. :func:`describe` says which of these serves a request
+(``dispatch.describe`` of an fp8 request, and ``python -m blockattn_layers info``).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import numbers
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ._validation import check_offsets_tensor, check_offsets_values, validate_attention_args
+from .dispatch import AttentionRequest, Backend, describe as describe_call, register_dtype_path
 from .reference import sequence_ids
-from .kernels.block.fp8_fwd import fp8_attention_fwd, fp8_kernel_reasons
+from .kernels.block.fp8_fwd import VERIFIED_ON, fp8_attention_fwd, fp8_kernel_reasons
+from .kernels.block.variants import unverified_allowed
+from .kernels.common.meta import MAX_TILE
+from .ops.backends.triton_block import cuda_reasons
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -182,3 +188,61 @@ def fp8_block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_
     kd = dequantize(k, k_descale, offsets, 1, dtype)
     vd = dequantize(v, v_descale, offsets, 1, dtype)
     return attention(qd, kd, vd, offsets, block_size, **kwargs).to(out_dtype)
+
+
+FORWARD_ONLY = "Forward only: q, k, v or descale factors that require grad raise."
+
+
+def kernel_request_reasons(req: AttentionRequest, backend: Union[str, Backend] = "auto") -> List[str]:
+    """Why the fp8 kernels would not take a call like ``req`` with ``backend`` (empty: they take it),
+    as :func:`fp8_block_attention` and ``fp8_kernel_reasons`` decide; what only the call shows is
+    not known here (q, k or v without unit channel stride, and torch.compile, run descaled copies)."""
+    name = backend.value if isinstance(backend, enum.Enum) else backend
+    if name not in ("auto", "triton"):
+        return [f"they run with backend 'auto' (on CUDA) or 'triton', not {name!r}"]
+    reasons = []
+    if name == "auto" and req.device_type != "cuda":
+        reasons.append(f"backend='auto' takes them on CUDA only, not {req.device_type}")
+    if req.device_type == "cuda":
+        reasons += cuda_reasons(req)
+        major, minor = req.capability or (None, None)
+        if req.capability is not None and req.capability < (8, 9):
+            reasons.append(f"they need an sm_89 or newer GPU (e4m3 conversions), not sm_{major}{minor}")
+        if major is not None and major not in VERIFIED_ON and not unverified_allowed():
+            reasons.append(f"no hardware run recorded on sm_{major}x: taken only with BLOCKATTN_UNVERIFIED_KERNELS=1")
+    if req.block_size is None:
+        reasons.append(f"they take blocks of up to {MAX_TILE} tokens, not full attention (block_size=None)")
+    elif req.block_size > MAX_TILE:
+        reasons.append(f"they take blocks of up to {MAX_TILE} tokens, not {req.block_size}")
+    return reasons
+
+
+def descaled_request(req: AttentionRequest, out_dtype: torch.dtype = torch.bfloat16) -> AttentionRequest:
+    """``req`` as the call on descaled copies makes it (in ``descaled_dtype`` of ``out_dtype``)."""
+    return dataclasses.replace(req, dtype=descaled_dtype(torch.device(req.device_type), out_dtype))
+
+
+def path_line(req: AttentionRequest, kernel_reasons: List[str], descaled_choice: Optional[str] = None) -> str:
+    """One line: what serves an fp8 call like ``req`` whose fp8 kernels have ``kernel_reasons``
+    (:func:`kernel_request_reasons`): the fp8 kernels where there are none, else descaled copies
+    (served by ``descaled_choice`` where given)."""
+    if not kernel_reasons:
+        where = "" if req.device_type == "cuda" else " (through Triton's interpreter: TRITON_INTERPRET=1)"
+        sm90 = "; on sm_90 the Gluon kernel where it admits the call, else the Triton one" if (
+            req.capability is not None and req.capability[0] == 9) else ""
+        return f"fp8 kernels{where}: e4m3 q, k, v descaled in registers{sm90}. {FORWARD_ONLY}"
+    dtype = str(descaled_request(req).dtype).replace("torch.", "")
+    if req.device_type != "cpu":
+        dtype += " (float16 for out_dtype=torch.float16)"
+    served = f", then {descaled_choice}" if descaled_choice is not None else ""
+    return f"fp8 inputs descaled to {dtype}{served}. Not the fp8 kernels: {', '.join(kernel_reasons)}. {FORWARD_ONLY}"
+
+
+def describe(req: AttentionRequest, backend: Union[str, Backend] = "auto") -> str:
+    """``dispatch.describe`` of an fp8 request: what serves ``block_attention`` of e4m3 q, k, v like
+    ``req`` with ``backend`` (the default ``out_dtype``), and that it is forward only."""
+    reasons = kernel_request_reasons(req, backend)
+    return path_line(req, reasons, None if not reasons else describe_call(descaled_request(req), backend))
+
+
+register_dtype_path(FP8_DTYPE, describe)

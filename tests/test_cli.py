@@ -125,6 +125,9 @@ def test_info_reports_versions_and_auto_choices():
     if not torch.cuda.is_available():
         assert "hypothetical: not this machine" in out and "sm_90" in out
         assert re.search(r"GPU training, bf16.*\n\s+auto -> triton", out), out
+        assert re.search(r"GPU inference, fp8 e4m3.*\n\s+auto -> fp8 kernels", out), out
+        assert re.search(r"GPU, fp8 e4m3, large blocks.*\n\s+auto -> fp8 inputs descaled to bfloat16.*"
+                         r"\n\s+auto -> triton_flash", out), out
     assert re.search(r"GPU, float64.*\n\s+auto -> reference", out), out
 
 

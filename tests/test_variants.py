@@ -358,7 +358,9 @@ def test_explain_names_the_variant_that_runs_and_why_the_others_do_not(restore_a
     assert not variants.explain(_facts(major=8))["simple"]
 
 
-def test_the_dispatcher_shows_the_variants_beside_the_backends():
+def test_the_dispatcher_shows_the_variants_beside_the_backends(monkeypatch):
+    on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # sm_90 calls judged here (the backend serves them)
     req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True)
     shown = explain_variants(req)
     assert list(shown) == ["triton"] and shown["triton"]["hopper"] == []
@@ -368,7 +370,7 @@ def test_the_dispatcher_shows_the_variants_beside_the_backends():
     assert explain_variants(interleaved)["triton"]["hopper"] == []
     cpu = AttentionRequest("cpu", None, torch.float32, 64, 4, 2, 64, False, True)
     assert bl.dispatch.describe(cpu) == "reference"
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+    if on_sm90:
         assert bl.dispatch.describe(req) == "triton, hopper kernels"
 
 

@@ -3,9 +3,20 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from .. import fp8
 from ..ops import backends as _backends  # noqa: F401  (registers the backends)
 from ..ops.backends.triton_block import CUDA_UNAVAILABLE
 from ..dispatch import AttentionRequest, explain, explain_variants, registered_backends
+
+
+def _without_the_machine(reasons: List[str], hypothetical: bool) -> List[str]:
+    """``reasons``, less "CUDA is not available" where ``hypothetical`` (a device this machine lacks)."""
+    return [r for r in reasons if r != CUDA_UNAVAILABLE] if hypothetical else reasons
+
+
+def _backend_reasons(req: AttentionRequest, hypothetical: bool) -> Dict[str, List[str]]:
+    """Every backend's reasons to refuse ``req`` (``explain``), judged as :func:`auto_choice` says."""
+    return {name: _without_the_machine(why, hypothetical) for name, why in explain(req).items()}
 
 
 def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Optional[str], Dict[str, List[str]]]:
@@ -15,9 +26,7 @@ def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Opti
     ``hypothetical=True`` judges a device this machine lacks by every check but the one of the local
     machine ("CUDA is not available"): the backends' declared capabilities and their own rules.
     """
-    reasons = explain(req)
-    if hypothetical:
-        reasons = {name: [r for r in why if r != CUDA_UNAVAILABLE] for name, why in reasons.items()}
+    reasons = _backend_reasons(req, hypothetical)
     choice = None
     for spec in registered_backends():
         if spec.auto_devices is not None and req.device_type not in spec.auto_devices:
@@ -31,12 +40,20 @@ def auto_choice(req: AttentionRequest, hypothetical: bool = False) -> Tuple[Opti
 
 def format_choice(req: AttentionRequest, hypothetical: bool = False) -> List[str]:
     """Lines saying what ``auto`` picks for ``req``, then each backend's reasons to refuse it (or ok),
-    and for the chosen backend's kernel variants which one runs and why the others do not."""
+    and for the chosen backend's kernel variants which one runs and why the others do not. An fp8
+    request (``block_attention``'s own forward-only path, ``blockattn_layers.fp8``) says what serves
+    it: the fp8 kernels, or descaled copies followed by these lines for the call on them."""
+    if req.dtype == fp8.FP8_DTYPE:
+        kernel_reasons = _without_the_machine(fp8.kernel_request_reasons(req), hypothetical)
+        lines = [f"auto -> {fp8.path_line(req, kernel_reasons)}"]
+        if kernel_reasons:
+            lines += [f"  {line}" for line in format_choice(fp8.descaled_request(req), hypothetical)]
+        return lines
     choice, reasons = auto_choice(req, hypothetical)
     lines = [f"auto -> {choice or 'no backend'}"]
     for name, why in reasons.items():
         lines.append(f"  {name}: {'; '.join(why) if why else 'ok'}")
-    variants = explain_variants(req).get(choice)
+    variants = explain_variants(req, _backend_reasons(req, hypothetical)).get(choice)
     if variants:
         running = next((name for name, why in variants.items() if not why), "chosen per call")
         lines.append(f"  {choice} kernels -> {running}")

@@ -52,6 +52,8 @@ def typical_requests() -> List[Tuple[str, AttentionRequest, bool]]:
         ("GPU, rotary + GQA, fp16", req("cuda", torch.float16, 64, 64, heads=(4, 2), rotary=True)),
         ("GPU, full attention", req("cuda", torch.bfloat16, 128, None)),
         ("GPU, large blocks", req("cuda", torch.bfloat16, 128, 256)),
+        ("GPU inference, fp8 e4m3", req("cuda", torch.float8_e4m3fn, 128, 64)),
+        ("GPU, fp8 e4m3, large blocks", req("cuda", torch.float8_e4m3fn, 128, 256)),
         ("GPU, float64", req("cuda", torch.float64, 128, 64)),
         ("older GPU", req("cuda", torch.float16, 64, 64, capability=(7, 5))),
     ]

@@ -149,6 +149,9 @@ ROTATED_COPIES = "backward on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
+# Every variant's reason for a full-attention call (the backend refuses it too).
+FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
+                  "tokens (triton_flash serves full attention)")
 
 
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
@@ -163,14 +166,16 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     (where no variant's backward fits one program, ``backward: flash`` shows only where neither a
     ``wide_backward`` variant nor the rotation pass takes the call).
     float32 calls whose tile does not fit (``float32_tile_fits``): ``flash`` both ways, every variant
-    with that reason."""
+    with that reason. Full attention (``block_size=None``): every variant with ``FULL_ATTENTION``."""
     rot = (req.rotary_dim or req.head_dim) if req.rotary else 0
     groups = req.num_heads // req.num_kv_heads
     major = req.capability[0] if req.capability is not None else None
-    facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, req.block_size or 0, rot,
+    block_size = SINGLE_TILE_MAX if req.block_size is None else req.block_size
+    facts = variants.CallFacts(req.device_type, major, req.dtype, req.head_dim, groups, block_size, rot,
                                req.rotary_interleaved, False)
     forward = variants.explain(facts)
-    block_size = req.block_size or 0
+    if req.block_size is None:  # (``forward`` gives the variants' order only)
+        return {name: [FULL_ATTENTION] for name in forward}
     if not float32_tile_fits(block_size, req.head_dim, req.dtype):
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
