@@ -30,7 +30,7 @@ from .reference import sequence_ids
 from .kernels.block.fp8_fwd import VERIFIED_ON, fp8_attention_fwd, fp8_kernel_reasons
 from .kernels.block.variants import unverified_allowed
 from .kernels.common.meta import MAX_TILE
-from .ops.backends.triton_block import cuda_reasons
+from .ops.backends.triton_block import cuda_reasons, triton_devices
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -157,8 +157,11 @@ def _stand_in(x: Tensor) -> Tensor:
 
 
 def _kernel_wanted(backend, q: Tensor) -> bool:
+    """Whether ``backend`` asks for the fp8 kernel on ``q``'s device ("triton" where the Triton
+    backends run: on CUDA, or on the CPU under Triton's interpreter; elsewhere the descaled path
+    asks the backend, which refuses the call by name)."""
     name = backend.value if isinstance(backend, enum.Enum) else backend
-    return name == "triton" or (name == "auto" and q.is_cuda)
+    return (name == "triton" and q.device.type in triton_devices()) or (name == "auto" and q.is_cuda)
 
 
 def fp8_block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size, *, q_descale=None,

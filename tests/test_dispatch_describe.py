@@ -105,3 +105,14 @@ def test_fp8_kernel_reasons_match_what_runs_on_cpu(monkeypatch, backend, block_s
         assert backend == "triton" and "backend='triton' cannot serve this call" in str(err)
     req = AttentionRequest("cpu", None, q.dtype, 16, 2, 2, block_size, False, False)
     assert bool(taken) == (not fp8.kernel_request_reasons(req, backend))
+
+
+def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(monkeypatch):
+    """CPU fp8 tensors with ``backend="triton"`` and no Triton interpreter: the backend's own refusal
+    (device type), as for 16-bit tensors, not a Triton driver error from a launched kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(10, 2, 64)
+    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(t) for t in (x, x, x))
+    offsets = torch.tensor([0, 4, 10])
+    with pytest.raises(ValueError, match="backend='triton' cannot serve this call: device type 'cpu'"):
+        bl.block_attention(q8, k8, v8, offsets, 64, q_descale=qd, k_descale=kd, v_descale=vd, backend="triton")
