@@ -11,6 +11,7 @@ from ..dispatch import Backend
 from ..fp8 import OUT_DTYPES as FP8_OUT_DTYPES
 from ..functional import block_attention
 from ..jagged import to_values_offsets
+from .fp8 import FP8QKVProjection
 
 
 class BlockSelfAttention(nn.Module):
@@ -39,6 +40,9 @@ class BlockSelfAttention(nn.Module):
         ``values [T, E]`` with ``offsets [B+1]``, a torchrec ``JaggedTensor`` or a
         ``Dict[str, JaggedTensor]``; the result is the same kind with values ``[T, E]`` and the
         lengths unchanged. ``cpu_offsets``/``max_seqlen`` are optional host-side hints.
+
+    FP8 serving: :func:`~blockattn_layers.to_fp8_inference` gives the layer an e4m3 QKV projection
+    ``fp8`` (None until then); loading a converted layer's ``state_dict`` gives it one too.
 
     Example:
         >>> import torch
@@ -97,9 +101,7 @@ class BlockSelfAttention(nn.Module):
         kwargs = dict(causal=self.causal, cpu_offsets=cpu_offsets, max_seqlen=max_seqlen, backend=self.backend,
                       validate=self.validate, **self._attention_kwargs(positions))
         if self.fp8 is not None:
-            if torch.is_grad_enabled() and values.requires_grad:
-                raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): no gradient reaches its input; "
-                                   "call it under torch.no_grad() or torch.inference_mode()")
+            _check_fp8_call(values, self.training)
             q, k, v, q_descale, k_descale, v_descale = self.fp8(values)
             dtype = self.out_proj.weight.dtype
             out = block_attention(q, k, v, offsets, self.block_size, q_descale=q_descale, k_descale=k_descale,
@@ -116,6 +118,27 @@ class BlockSelfAttention(nn.Module):
     ) -> Any:
         values, offsets, layout = to_values_offsets(x, offsets)
         return layout.wrap(self._attend(values, offsets, layout.kind, None, cpu_offsets, max_seqlen))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # The state of a layer converted by to_fp8_inference restores its e4m3 projection here.
+        if self.fp8 is None and prefix + "fp8.weight" in state_dict:
+            self.fp8 = FP8QKVProjection.blank(self, bias=prefix + "fp8.bias" in state_dict)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _check_fp8_call(values: Tensor, training: bool) -> None:
+    """A layer converted by ``to_fp8_inference`` gives no gradient to its input or ``in_proj``: with
+    gradients enabled, refuse an input that requires grad, and training mode."""
+    if not torch.is_grad_enabled():
+        return
+    if values.requires_grad:
+        raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): its input requires grad, and no "
+                           "gradient reaches it; call the model under torch.no_grad() or torch.inference_mode() "
+                           "(torch.export.export it under torch.no_grad() too)")
+    if training:
+        raise RuntimeError("this layer runs fp8 inference (to_fp8_inference): it is in training mode with grad "
+                           "enabled, but it does not train (its in_proj gets no gradient); call model.eval(), or "
+                           "run it under torch.no_grad() or torch.inference_mode()")
 
 
 class RotaryBlockAttention(BlockSelfAttention):

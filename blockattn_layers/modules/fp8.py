@@ -17,7 +17,10 @@ Values past the calibrated range saturate at 448 x their factor. The input stays
 dtype: at the ranking models' widths (d_model of a few hundred) the projection moves more bytes
 than it computes, and an e4m3 input would add its own rounding and a pass to make it.
 
-Forward only: a converted layer refuses inputs that require gradients; convert a trained model.
+Forward only: a converted layer refuses inputs that require gradients, and gradient-enabled calls
+in training mode; convert a trained model. Its buffers are in its ``state_dict``: loading that into
+a freshly built model of the same architecture restores the projections without calibration data
+(``BlockSelfAttention._load_from_state_dict``).
 """
 from __future__ import annotations
 
@@ -57,20 +60,39 @@ class FP8QKVProjection(nn.Module):
         descales = torch.where(amax > 0, amax * margin / FP8_MAX, torch.ones_like(amax))
         widths = (groups * head_dim, head_dim, head_dim)  # columns per kv head of q, k, v
         columns = torch.cat([descales[i].repeat_interleave(widths[i]) for i in range(3)])
-        weight = (linear.weight.detach().float() / columns[:, None]).to(linear.weight.dtype).contiguous()
+        folded = linear.weight.detach().float() / columns[:, None]
+        _check_weight_fits(folded, linear.weight.dtype)
         bias = None if linear.bias is None else linear.bias.detach().float() / columns
-        return cls(weight, bias, descales, num_heads, num_kv_heads, head_dim)
+        return cls(folded.to(linear.weight.dtype).contiguous(), bias, descales, num_heads, num_kv_heads, head_dim)
+
+    @classmethod
+    def blank(cls, layer: nn.Module, bias: bool) -> "FP8QKVProjection":
+        """A projection shaped for ``layer`` (a ``BlockSelfAttention``), on its device and in its
+        dtype, to load a converted layer's state into: zero weight and bias, unit descales."""
+        weight = torch.zeros_like(layer.in_proj.weight)
+        factory = {"device": weight.device, "dtype": torch.float32}
+        return cls(weight, torch.zeros(weight.shape[0], **factory) if bias else None,
+                   torch.ones(3, layer.num_kv_heads, **factory), layer.num_heads, layer.num_kv_heads, layer.head_dim)
 
     def _apply(self, fn, recurse=True):
         """As ``nn.Module._apply``, but ``descales`` and ``bias`` keep their float32 values through a
         dtype cast of the model (``.to(torch.bfloat16)`` after calibrating in float32): they follow
-        device moves only."""
-        kept = {name: getattr(self, name) for name in ("descales", "bias") if getattr(self, name) is not None}
+        device moves only. A cast the folded weight overflows (``.half()`` of small calibrated
+        ranges) raises, this module's buffers left as they were."""
+        kept = {name: getattr(self, name) for name in ("weight", "descales", "bias") if getattr(self, name) is not None}
         super()._apply(fn, recurse)
+        weight, cast = kept.pop("weight"), self.weight
         for name, before in kept.items():
             after = getattr(self, name)
             if after.dtype != torch.float32:
                 setattr(self, name, before.to(after.device))
+        if cast.dtype != weight.dtype and "meta" not in (cast.device.type, weight.device.type):
+            try:
+                _check_weight_fits(weight, cast.dtype)
+            except ValueError:
+                for name, before in dict(kept, weight=weight).items():
+                    setattr(self, name, before)
+                raise
         return self
 
     def project(self, x: Tensor) -> Tensor:
@@ -95,6 +117,18 @@ class FP8QKVProjection(nn.Module):
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
 
 
+def _check_weight_fits(weight: Tensor, dtype: torch.dtype) -> None:
+    """Raise where ``weight`` (the folded QKV weight, finite) overflows ``dtype``: small calibrated
+    q, k, v ranges make it large, and an infinite weight would make every output NaN."""
+    largest = float(weight.abs().amax()) if weight.numel() else 0.0
+    limit = torch.finfo(dtype).max
+    if largest > limit:
+        raise ValueError(f"fp8 QKV projection: its folded weight (in_proj's weight over the calibrated q, k, v "
+                         f"factors) reaches {largest:.4g} and would overflow {dtype} (largest {limit:.4g}): the "
+                         f"calibrated ranges are small for its weights; serve this model in torch.bfloat16 or "
+                         f"torch.float32")
+
+
 class _Calibration:
     """Absolute maximum of each attention layer's QKV output columns, over sample batches."""
 
@@ -104,7 +138,10 @@ class _Calibration:
 
     def _hook(self, layer):
         def record(module, inputs, output):
-            amax = output.detach().abs().flatten(0, -2).amax(0).float()
+            if output.shape[0] == 0:
+                return
+            # As quantize_fp8's factors: NaN and infinite outputs are left out of the ranges.
+            amax = output.detach().abs().nan_to_num(nan=0.0, posinf=0.0).flatten(0, -2).amax(0).float()
             seen = self.stats[layer]
             self.stats[layer] = amax if seen is None else torch.maximum(seen, amax)
 
@@ -115,15 +152,33 @@ class _Calibration:
             hook.remove()
 
 
+def _check_calibration(calibration: Any) -> None:
+    """Refuse, in the caller's terms, a calibration that is no iterable of batches, or is one
+    ``(values, offsets)`` batch itself (its items would be taken as batches of their own)."""
+    if calibration is None or isinstance(calibration, (str, bytes)) or not hasattr(calibration, "__iter__"):
+        raise TypeError(f"to_fp8_inference: calibration must be an iterable of sample batches, e.g. "
+                        f"[(values, offsets)], got {type(calibration).__name__} (to restore a saved converted "
+                        f"model, load_state_dict its state into a freshly built one: no calibration needed)")
+    if (isinstance(calibration, tuple) and len(calibration) >= 2
+            and all(isinstance(x, Tensor) for x in calibration[:2])
+            and calibration[0].is_floating_point() and not calibration[1].is_floating_point()):
+        raise TypeError("to_fp8_inference: calibration is an iterable of batches, got one batch (values, offsets); "
+                        "pass [(values, offsets)]")
+
+
 def to_fp8_inference(model: nn.Module, calibration: Iterable[Any], *, margin: float = 1.0) -> nn.Module:
     """Give every ``BlockSelfAttention`` in ``model`` an e4m3 QKV projection (module docstring),
-    calibrated by running ``model`` on each item of ``calibration`` (a tuple: ``model(*item)``; a
-    dict: ``model(**item)``; else ``model(item)``) without gradients. ``margin`` (>= 1) widens
-    every calibrated range. Returns ``model``, converted in place (set to eval mode)."""
+    calibrated by running ``model`` on each item of ``calibration`` (an iterable of batches, e.g.
+    ``[(values, offsets)]``; a tuple item: ``model(*item)``; a dict: ``model(**item)``; else
+    ``model(item)``) without gradients. Each range is the largest finite absolute value seen
+    (empty batches add nothing). ``margin`` (>= 1) widens every calibrated range. Returns
+    ``model``, converted in place (set to eval mode). To serve a saved converted model, build the
+    architecture and ``load_state_dict`` its state instead: no calibration is needed."""
     from .attention import BlockSelfAttention
 
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 1.0 <= margin < float("inf"):
         raise ValueError(f"margin must be a finite number >= 1, got {margin!r}")
+    _check_calibration(calibration)
     layers = [m for m in model.modules() if isinstance(m, BlockSelfAttention)]
     if not layers:
         raise ValueError("to_fp8_inference: the model holds no BlockSelfAttention layer")
