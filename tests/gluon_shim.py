@@ -21,8 +21,11 @@ What it models:
   checks, ``index``, ``slice``, ``permute``, ``_reinterpret`` as a view of the same bytes), filled
   with NaN (floats) or the smallest integer when allocated, so reading what no one wrote shows;
 - ``cp.async`` copies happen at once, masked rows zero-filled; ``warpgroup_mma`` is a float32
-  matmul of its operands (which must share a dtype), done at issue even when asynchronous, so
-  ``warpgroup_mma_wait`` hands back its ``deps``; fences and thread barriers do nothing;
+  matmul of its operands (which must share a dtype); an asynchronous one returns a
+  :class:`PendingProduct` that only another product (as accumulator) or ``warpgroup_mma_wait``
+  takes until a wait has it done: each partition's products complete in issue order, all but the
+  wait's ``num_outstanding`` newest (so a use before the wait, or a wait that leaves the product
+  outstanding, raises); fences and thread barriers do nothing;
 - ``gl.associative_scan`` is a generic inclusive scan calling the kernel's own combine function;
   ``inline_asm_elementwise`` knows ``sin.approx.f32`` / ``cos.approx.f32`` of float32 operands
   (torch's sin / cos, exact: the approximations' error is not modelled) and ``mov.b32`` (a bit
@@ -44,10 +47,10 @@ What it models:
   ``TensorMemoryLayout`` and ``get_tmem_reg_layout`` are inert layouts.
 
 What it does not model: anything about timing or concurrency inside a program (no warps or
-threads within a partition; the async copies, wgmma and TMA are synchronous, so a missing
-``wait_group``, fence, barrier or ``thread_barrier`` goes unnoticed, as do races between
-programs), layouts and their conversions (every layout argument is accepted), register or
-shared-memory limits, the accuracy of ``sin/cos.approx`` or of low-precision accumulation, and
+threads within a partition; the async copies and TMA are synchronous, so a missing
+``wait_group``, fence, barrier or ``thread_barrier`` goes unnoticed, as do a register operand of
+an asynchronous ``warpgroup_mma`` changed before its wait and races between programs), layouts
+and their conversions (every layout argument is accepted), register or shared-memory limits, the accuracy of ``sin/cos.approx`` or of low-precision accumulation, and
 integer ``//`` and ``%`` of negative operands (torch floors, Gluon truncates; the kernels' index
 math has non-negative operands). Any other Gluon name a rebound function reaches raises
 ``NotImplementedError`` when used.
@@ -57,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 import types
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -74,11 +78,11 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait 
 from triton.runtime.jit import ConstexprFunction, JITFunction
 
 __all__ = [
-    "DType", "GTensor", "Launch", "Layout", "Memory", "Pointer", "SharedTile", "TensorMemory", "function", "launch", "pointer",
-    "program", "record_asm", "scalar", "shared", "tensor",
+    "DType", "GTensor", "Launch", "Layout", "Memory", "PendingProduct", "Pointer", "SharedTile", "TensorMemory",
+    "function", "launch", "pointer", "program", "record_asm", "scalar", "shared", "tensor", "warpgroup_mma_functions",
 ]
 
-# A deadlocked mbarrier wait fails after this many seconds.
+# A deadlocked mbarrier wait, or a spin on a counter that does not change, fails after this many seconds.
 WAIT_TIMEOUT_S = 20.0
 
 
@@ -455,21 +459,47 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack) -> GTe
     return tensor(op(operand).to(_torch_dtype(dtype)))
 
 
+_ATOMIC = threading.Lock()
+# (memory, element) of each counter read by an acquiring add of zero -> (since when, value read then).
+_SPINS: Dict[Tuple[int, int], Tuple[float, float]] = {}
+
+
 def _atomic_add(pointer: Pointer, val, mask=None, sem=None, scope=None) -> GTensor:
     """Add ``val`` at each active lane in turn (lanes sharing an address each add) and return the
-    values before; programs run one at a time, so the ordering ``sem`` / ``scope`` ask for holds."""
+    values before; programs run one at a time, so the ordering ``sem`` / ``scope`` ask for holds.
+    An acquiring add of zero to one element (a spin-wait's read of a counter) that reads the same
+    value for ``WAIT_TIMEOUT_S`` raises: only a partition of the same program can still change it."""
     offsets, mask = _mask_like(pointer.offsets, mask)
+    if sem == "acquire" and offsets.dim() == 0 and bool(mask) and float(_plain(val)) == 0:
+        memory = pointer.memory
+        at = int(memory.active(offsets, mask, "atomic_add"))
+        value = float(memory.flat[at])
+        key, now = (id(memory), at), time.monotonic()
+        since, before = _SPINS.get(key, (now, value))
+        since = since if before == value else now
+        if now - since > WAIT_TIMEOUT_S:
+            raise RuntimeError(f"spin on {memory.name}[{at}] == {value} for {WAIT_TIMEOUT_S} s: no one counts it")
+        _SPINS[key] = (since, value)
+        time.sleep(0)
     if pointer.ratio != 1:
         raise NotImplementedError("gluon_shim: atomic_add through a cast pointer")
     memory = pointer.memory
     on = memory.active(offsets, mask, "atomic_add")
     old = torch.empty(offsets.shape, dtype=memory.flat.dtype)
     add = _plain(val).to(memory.flat.dtype).expand(offsets.shape)
-    for i in torch.nonzero(mask.reshape(-1)).flatten().tolist():
-        at = int(on.reshape(-1)[i])
-        old.view(-1)[i] = memory.flat[at]
-        memory.flat[at] += add.reshape(-1)[i]
-        memory.writes[at] += 1
+    lanes = mask.reshape(-1).nonzero().flatten()
+    at = on.reshape(-1)[lanes]
+    with _ATOMIC:  # partitions run in threads; torch ops let others run mid-update
+        if at.unique().numel() == at.numel():  # no two lanes share an address: all at once
+            old.view(-1)[lanes] = memory.flat[at]
+            memory.flat.index_add_(0, at, add.reshape(-1)[lanes])
+            memory.writes.index_add_(0, at, torch.ones_like(at, dtype=memory.writes.dtype))
+            return tensor(old)
+        for i in lanes.tolist():
+            at = int(on.reshape(-1)[i])
+            old.view(-1)[i] = memory.flat[at]
+            memory.flat[at] += add.reshape(-1)[i]
+            memory.writes[at] += 1
     return tensor(old)
 
 
@@ -501,20 +531,64 @@ class _Unsupported:
 
 
 # ----------------------------------------------------------------------------- matrix products
+class PendingProduct:
+    """The accumulator of an asynchronous ``warpgroup_mma`` until a ``warpgroup_mma_wait`` has it
+    done: only another ``warpgroup_mma`` (as its accumulator) or a wait may take it; anything else
+    raises (on the GPU those registers are not written yet)."""
+
+    def __init__(self, value: GTensor):
+        self.value = value
+        self.done = False
+
+    def __getattr__(self, name):
+        raise TypeError(f"an asynchronous warpgroup_mma's result used before its warpgroup_mma_wait ({name})")
+
+
+# Each partition's (thread's) asynchronous products not yet waited for, oldest first.
+_PENDING = threading.local()
+
+
+def _pending() -> List[PendingProduct]:
+    if not hasattr(_PENDING, "products"):
+        _PENDING.products = []
+    return _PENDING.products
+
+
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
     a = a.data if isinstance(a, SharedTile) else a
     b = b.data if isinstance(b, SharedTile) else b
+    if isinstance(a, PendingProduct):
+        raise TypeError("an asynchronous warpgroup_mma's result used as an operand before its wait")
+    acc = acc.value if isinstance(acc, PendingProduct) else acc  # chained on the tensor cores
     if a.dtype != b.dtype:
         raise TypeError(f"warpgroup_mma of {a.dtype} and {b.dtype} operands")
     product = torch.matmul(a.float(), b.float())
-    return tensor(product + acc if use_acc else product)
+    out = tensor(product + acc if use_acc else product)
+    if not is_async:
+        return out
+    pending = PendingProduct(out)
+    _pending().append(pending)
+    return pending
+
+
+def warpgroup_mma_functions() -> Tuple[Callable, Callable]:
+    """The shim's ``warpgroup_mma`` and ``warpgroup_mma_wait`` (for tests of their model)."""
+    return _warpgroup_mma, _warpgroup_mma_wait
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
-    """The products are done at issue here, so the wait hands its ``deps`` back (one, or a tuple)."""
+    """Products complete in the order issued (each asynchronous one its own group): all but the
+    ``num_outstanding`` newest of this partition's are done, and the wait hands its ``deps`` back
+    (one, or a tuple), the done ones as tensors and the rest still pending."""
     if deps is None:
         raise ValueError("warpgroup_mma_wait deps must be given")
-    return deps[0] if len(deps) == 1 else tuple(deps)
+    products = _pending()
+    keep = int(num_outstanding)
+    for product in products[:len(products) - keep] if keep else products:
+        product.done = True
+    del products[:len(products) - keep if keep else len(products)]
+    out = tuple(d.value if isinstance(d, PendingProduct) and d.done else d for d in deps)
+    return out[0] if len(out) == 1 else out
 
 
 # ----------------------------------------------------------------------------- async copies
@@ -901,6 +975,7 @@ def launch(kernel, grid: Sequence[int], **values) -> Launch:
     raise. Each program must invalidate every mbarrier it initializes.
     """
     fn = _rebind(kernel.fn)
+    _SPINS.clear()
     missing = [p.name for p in kernel.params if p.name not in values]
     if missing:
         raise TypeError(f"{kernel.fn.__name__}: arguments {missing} not given")

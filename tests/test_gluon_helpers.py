@@ -937,3 +937,22 @@ def test_hopper_grouped_query_layouts(block_size, slot):
     case.forward(HOPPER_FWD, (grid, case.kv_heads * groups), HEAD_LOOP=False)
     case.values.update(SPLIT_GROUPS=1, GROUPS=groups, OVERLAP=True)
     case.backward(HOPPER_BWD, (grid, case.kv_heads))
+
+
+def test_the_shim_keeps_an_asynchronous_product_pending_until_its_wait():
+    """The shim's model of asynchronous ``warpgroup_mma`` that these kernels' order of waits rests
+    on: products complete oldest first, a wait leaving ``num_outstanding`` products in flight hands
+    those back still pending, and a pending product cannot be used except as an accumulator."""
+    mma, wait = gs.warpgroup_mma_functions()
+    a = gs.shared(torch.eye(4, dtype=torch.float16))
+    b = gs.shared(torch.arange(16, dtype=torch.float16).reshape(4, 4))
+    zero = torch.zeros(4, 4)
+    first = mma(a, b, zero, use_acc=False, is_async=True)
+    second = mma(a, b, zero, use_acc=False, is_async=True)
+    chained = mma(a, b, second, is_async=True)  # accumulates on the pending one: allowed
+    done, still = wait(num_outstanding=1, deps=(first, chained))
+    assert torch.equal(done, b.data.float())
+    assert isinstance(still, gs.PendingProduct)
+    with pytest.raises((TypeError, RuntimeError)):
+        torch.exp2(still)
+    assert torch.equal(wait(num_outstanding=0, deps=(still,)), 2 * b.data.float())
