@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean gpu-check gpu-grid
+.PHONY: demo test bench info install clean gpu-check gpu-grid gpu-candidates gpu-candidates-bench
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,27 @@ gpu-check:
 		tests/test_triton_gpu.py tests/test_prepared_backward.py
 	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
+
+# Kernels and options not taken by default, on a CUDA machine: `make gpu-candidates` runs their GPU
+# tests (the e4m3 projection, the fp8 forward's options, the persistent flash forward, the Gluon
+# dK/dV pass of the flash backward) under a time limit, so that a hang would not hold the machine
+# (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
+# forward under each option, and the flash forward and backwards beside ours on the full-attention
+# shapes (about 7 minutes).
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd]
+gpu-candidates:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	timeout 420 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_fp8_modules.py tests/test_fp8.py \
+		tests/test_triton_flash_interpret.py \
+		-k "warp_specialized_projection or candidate_options or persistent or gluon_backward" || true
+
+gpu-candidates-bench:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	mkdir -p $(GPU_OUT)
+	timeout 60 python3 -m blockattn_layers.bench.fp8 --projection --out $(GPU_OUT)/fp8_projection.csv || true
+	timeout 150 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
+	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
+		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
 
 # The shape grid of issue 25 on a CUDA machine, one dtype, rotary form and causal setting per
 # process (each slice compiles its 60 points first in 6 processes, more run out of GPU memory;

@@ -224,7 +224,7 @@ ATTENTION_KERNELS = (
     "_block_fwd_kernel", "_block_fwd_lse_kernel", "_block_bwd_kernel", "_hopper_fwd_kernel",
     "_hopper_fwd_lse_kernel", "_hopper_bwd_kernel", "_hopper_ws_fwd_kernel", "_hopper_ws_bwd_kernel",
     "_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_delta_kernel",
-    "_flash_bwd_dq_store_kernel", "_flash_fwd_ws_kernel",
+    "_flash_bwd_dq_store_kernel", "_flash_fwd_ws_kernel", "_flash_fwd_persistent_kernel",
     "_sm100_fwd_kernel", "_sm100_bwd_kernel",
 )
 

@@ -99,7 +99,7 @@ def _signature(kernel, dtype: str, constexprs: Dict[str, object]) -> Tuple[Dict[
             element = "fp32" if name == "DQD" else _DTYPES[dtype][1:]  # the fast backward's dQ sums
             sig[name] = f"tensordesc<{element}[{rows},{constexprs['BLOCK_D']}]>"
             continue
-        if name in ("Sched", "Table", "Pos", "Counts"):
+        if name in ("Sched", "Table", "Pos", "Counts", "Sem"):
             sig[name] = "*i32"
         elif name in ("Lse", "Delta", "QD", "KD", "VD"):
             sig[name] = "*fp32"
@@ -448,6 +448,20 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                           PINGPONG=pingpong)
         name = f"flash_gluon_fwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
+    from .sm90.flash_persistent import _flash_fwd_persistent_kernel
+
+    for dtype, dim, (causal, groups) in itertools.product(("bf16", "fp16"), (64, 128), ((False, 1), (True, 4))):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal)
+        name = f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
+        yield Build(name, _flash_fwd_persistent_kernel, dtype, constexprs, dict(num_warps=4))
+    from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols
+
+    for dtype, dim, (causal, groups), ordered in itertools.product(
+            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+                          IS_CAUSAL=causal, DETERMINISTIC=ordered)
+        name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
+        yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
 
 
 def required_copies(build: Build) -> Tuple[str, ...]:
@@ -456,7 +470,7 @@ def required_copies(build: Build) -> Tuple[str, ...]:
     blocks), asynchronous copies (ragged ones) and the partitions' register reallocation."""
     if build.name.startswith("ws_"):
         return (TMA_COPY, ASYNC_COPY, SET_MAX_REGISTERS)
-    if build.name.startswith(("flash_gluon_", "fp8_gluon_")):
+    if build.name.startswith(("flash_gluon_", "fp8_gluon_", "fp8_linear_gluon_")):
         return (TMA_COPY, MBARRIER_WAIT, SET_MAX_REGISTERS)
     if build.name.startswith("sm100_"):
         return SM100_REQUIRED
@@ -495,13 +509,31 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
         meta = linear_meta(in_dim, out_dim, True, False)
         options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
         yield Build(f"fp8_linear_e{in_dim}_n{out_dim}_{dtype}", _linear_e4m3_kernel, dtype, meta, options)
+    yield from _linear_ws_builds(capability)
+
+
+def _linear_ws_builds(capability: int) -> Iterator[Build]:
+    """The warp-specialized e4m3 projection for sm_90 (``sm90.linear``): the ranking models' width
+    (E 256 to 768 outputs) in 128- and 256-column slices, a narrow one (E 64, 208 outputs, no bias)."""
+    if capability // 10 != 9 or gluon_import_error() is not None:
+        return
+    from .sm90.linear import _linear_ws_kernel, stages
+
+    for in_dim, out_dim, bias, block_n, dtype in ((256, 768, True, 256, "bf16"), (256, 768, True, 128, "bf16"),
+                                                  (256, 384, True, 256, "fp16"), (64, 208, False, 128, "bf16")):
+        constexprs = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias, BLOCK_N=block_n,
+                          STAGES=stages(in_dim, block_n))
+        name = f"fp8_linear_gluon_e{in_dim}_n{out_dim}_{block_n}cols_{dtype}"
+        yield Build(name, _linear_ws_kernel, dtype, constexprs, dict(num_warps=4))
 
 
 def _fp8_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 forward for sm_90 (``sm90.fp8_fwd``): D 64 / 128, rotary (split
     halves over every channel) or none, one query head per kv head with per-head factors and
     64-token blocks' outputs by TMA stores (the default, ``OUT_TMA``), or two (causal, rotary at
-    given positions) with per-sequence factors and masked stores only; bf16 output."""
+    given positions) with per-sequence factors and masked stores only; bf16 output. Beside them the
+    candidate options off by default: ``F16_PV`` with ``ASYNC_SCORES`` (or rotary), three consumer
+    warpgroups or at D 64 four."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, stages
@@ -510,9 +542,17 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
         batched = groups > 1
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, rotary), ROTARY=rotary,
                           HAS_POS=batched and rotary, IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched,
-                          KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched)
+                          KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched, F16_PV=False, ASYNC_SCORES=False,
+                          CONSUMERS=3)
         name = (f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else ''}{'_gqa_causal_per_sequence' if batched else ''}"
                 f"{'_masked_out' if batched else ''}")
+        yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
+    for dim, rotary, count in ((64, False, 3), (64, False, 4), (64, True, 3), (64, True, 4), (128, False, 3),
+                               (128, True, 3)):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=1, STAGES=stages(dim, rotary, count), ROTARY=rotary, HAS_POS=False,
+                          IS_CAUSAL=False, INLINE_SEQS=0, QD_BATCH=False, KD_BATCH=False, VD_BATCH=False, OUT_TMA=True,
+                          F16_PV=True, ASYNC_SCORES=not rotary, CONSUMERS=count)
+        name = f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else '_async_scores'}_f16_pv{'_4_consumers' if count == 4 else ''}"
         yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
 
 

@@ -325,6 +325,9 @@ def shared(t: torch.Tensor) -> SharedTile:
 
 
 def _allocate_shared_memory(element_ty, shape, layout=None, value=None) -> SharedTile:
+    nvmma = isinstance(layout, Layout) and layout.kind == "NVMMASharedLayout"
+    if nvmma and any(n <= 0 or n & (n - 1) for n in shape[-2:]):  # a tile's, as Gluon requires
+        raise ValueError(f"shape must have power-of-2 and non-zero dimensions; got {list(shape)}")
     tile = SharedTile(_undefined(tuple(shape), _torch_dtype(element_ty)).as_subclass(torch.Tensor))
     if value is not None:
         tile.store(value)

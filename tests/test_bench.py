@@ -235,3 +235,33 @@ def test_flash_kernels_rows_match_the_oracle_at_a_single_tile_block(recompute):
     assert rel_err(out, ref) < 2e-5
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < 2e-5
+
+
+def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(monkeypatch):
+    """``bench.fp8 --ws-options`` and ``--projection`` (their GPU rows run here on CPU tensors, the
+    timer stubbed): a checked row per shape and setting, the warp-specialized forward's options
+    back at their defaults afterwards, and the projection rows (the Triton kernel in the interpreter,
+    the 16-bit product)."""
+    import triton.testing
+
+    from blockattn_layers.bench import fp8 as bench_fp8
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+    from blockattn_layers.ops.backends.triton_block import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip("CPU interpreter test; the GPU runs these rows by `make gpu-fp8-bench`")
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() is not None and 1.0)
+    before = {key: getattr(ws, key) for key in ("F16_PV", "ASYNC_SCORES", "FOUR_CONSUMERS_AT", "ROTARY_SLOWER_AT",
+                                               "VERIFIED_ON")}
+    lengths = torch.tensor([0, 1, 70, 64, 5])
+    cases = [Case("prod", "prod", lengths, 2, 64, 64), Case("rotary", "rotary", lengths, 4, 64, 64, rope_theta=1e4)]
+    monkeypatch.setattr(bench_fp8, "CHECK_SEQS", 4)
+    rows = bench_fp8.ws_option_rows("abc", device="cpu", cases=cases)
+    assert len(rows) == 2 * (len(bench_fp8.WS_OPTIONS) + 1)
+    assert all(row["err"] < 1e-2 and row["ms"] == 1.0 and row["commit"] == "abc" for row in rows)  # bf16 out
+    assert {key: getattr(ws, key) for key in before} == before
+    rows = bench_fp8.projection_rows("abc", 64, 48, device="cpu", total=70)
+    assert [row["method"] for row in rows] == ["projection, triton", "projection, cublas bf16"]
+    # (The interpreter's float32 -> e4m3 rounding is wrong where rounding carries into the exponent,
+    # so the Triton row's error is checked on the GPU only, tests/test_fp8_modules.py.)
+    assert rows[1]["err"] < 0.01 and all(row["x_floor"] > 0 for row in rows)

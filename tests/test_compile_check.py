@@ -100,9 +100,10 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     maps made in the kernel, mbarrier waits and the partitions' register reallocation, within the
     register, spill and shared-memory budgets (``compile_check`` fails a build over them); the
     overlapped and ping-pong builds commit two wgmma groups (the next ``Q K^T``, then ``P V``)
-    before a wait, the serial ones never."""
-    ptx = _compile_check("sm_90", "flash_gluon_", tmp_path / "sm_90")
-    assert len(ptx) == 24
+    before a wait, the serial ones never. The persistent builds (``sm90.flash_persistent``, serial
+    consumers) likewise."""
+    ptx = _compile_check("sm_90", "flash_gluon_fwd", tmp_path / "sm_90")
+    assert len(ptx) == 32 and sum("_persistent_" in name for name in ptx) == 8
     for name, text in ptx.items():
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "tensormap.replace", "setmaxnreg.inc",
@@ -111,6 +112,24 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
         assert ("CC" in order) == name.endswith(("_overlap", "_pingpong")), (name, order)
+
+
+def test_warp_specialized_flash_backward_compiles(tmp_path):
+    """The Gluon dK/dV pass of the flash backward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
+    neither, dQ's terms in any order or a fixed one) within the register, spill and shared-memory
+    budgets: wgmma with the dQ product's transposed shared dS tile, TMA loads and the dK / dV TMA
+    stores, ``cp.async`` copies of lse and delta, mbarrier waits, the partitions' register
+    reallocation, dQ's terms added atomically; the ordered builds read each counter with acquire
+    semantics and count with release semantics, the others have no counters."""
+    ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
+    assert len(ptx) == 16 and sum(name.endswith("_deterministic") for name in ptx) == 8
+    for name, text in ptx.items():
+        for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
+                            "cp.async.bulk.tensor.2d.global.shared", "cp.async.ca.shared.global", "setmaxnreg.inc",
+                            "mbarrier.try_wait", "atom.global.gpu.relaxed.add"):
+            assert instruction in text, (name, instruction)
+        ordered = ("ld.global.gpu.acquire" in text, "atom.global.gpu.release.add" in text)
+        assert ordered == (name.endswith("_deterministic"),) * 2, name
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)
@@ -291,11 +310,14 @@ def test_fp8_kernels_compile(tmp_path):
     converted in registers, or float32 results converted to e4m3 with saturation; each
     generation's products) and not before sm_89, where Triton has no e4m3. On sm_90 also the
     warp-specialized fp8 forward (``sm90.fp8_fwd``): e4m3 wgmma scores (16-bit ones of the rotated
-    halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation."""
+    halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation; and
+    the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
-        assert len(ptx) - len(ws) == 12 and len(ws) == (8 if arch == "sm_90" else 0), arch
+        linear_ws = {name: text for name, text in ptx.items() if name.startswith("fp8_linear_gluon_")}
+        assert len(ptx) - len(ws) - len(linear_ws) == 12, arch
+        assert (len(ws), len(linear_ws)) == ((14, 4) if arch == "sm_90" else (0, 0)), arch
         for name, text in ptx.items():
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
@@ -306,6 +328,14 @@ def test_fp8_kernels_compile(tmp_path):
             assert ("e4m3.e4m3" in text) != ("_rope" in name), name
             # 64-token blocks' outputs by TMA stores unless built with masked stores only.
             assert ("cp.async.bulk.tensor.2d.global.shared" in text) != ("_masked_out" in name), name
+            # F16_PV: v and P in float16 for P V.
+            assert (f"m64n{name.split('_d')[1][:3].rstrip('_')}k16.f32.f16.f16" in text) == ("_f16_pv" in name), name
+        for name, text in linear_ws.items():
+            # 16-bit products over the program's columns, x and the weights in by TMA, e4m3 out by TMA.
+            width = name.split("_")[-2].removesuffix("cols")
+            product = f"m64n{width}k16.f32.{name.split('_')[-1].replace('fp16', 'f16')}"
+            assert all(x in text for x in (product, "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier",
+                                           "cp.async.bulk.tensor.2d.global.shared", "setmaxnreg")), name
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
            str(tmp_path / "sm_80"), "--only", "fp8_"]

@@ -33,8 +33,9 @@ def test_attention_kernel_names_cover_every_launcher():
     from blockattn_layers.kernels.flash import fwd as flash_fwd
     from blockattn_layers.kernels.sm90 import block as sm90_block
     from blockattn_layers.kernels.sm90 import flash_fwd as sm90_flash_fwd
+    from blockattn_layers.kernels.sm90 import flash_persistent
 
-    modules = (block_fwd, block_bwd, flash_fwd, flash_bwd, sm90_block, sm90_ws, sm90_flash_fwd)
+    modules = (block_fwd, block_bwd, flash_fwd, flash_bwd, sm90_block, sm90_ws, sm90_flash_fwd, flash_persistent)
     launched = {launcher.kernel.__name__ for module in modules
                 for launcher in vars(module).values()
                 if isinstance(launcher, _launch.Launcher) and launcher.kernel is not None}

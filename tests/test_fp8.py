@@ -346,6 +346,24 @@ def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tm
 
 @pytest.mark.gpu
 @HOPPER
+@pytest.mark.parametrize("four_consumers", [False, True], ids=["three-consumers", "four-at-d64"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_fp8_ws_kernel_candidate_options_on_the_gpu(monkeypatch, case, out_dtype, four_consumers):
+    """The kernel's options off by default (``F16_PV`` with ``ASYNC_SCORES``, four consumers at D 64),
+    on two programs (the ring wraps), TMA stores: the same cases and bounds as with the defaults."""
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    monkeypatch.setattr(ws, "F16_PV", True)
+    monkeypatch.setattr(ws, "ASYNC_SCORES", True)
+    monkeypatch.setattr(ws, "FOUR_CONSUMERS_AT", (64,) if four_consumers else ())
+    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, programs=2, **case)
+    assert out.dtype == out_dtype and torch.isfinite(out).all()
+    assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.gpu
+@HOPPER
 def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch):
     """Over 512 sequences (the block table, per-sequence factors searched over 2,000 offsets), a
     NaN sequence between ragged ones: its rows are NaN, every other row is finite and right (the

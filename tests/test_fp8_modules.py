@@ -107,13 +107,14 @@ def test_fused_projection_kernel_in_the_interpreter(case):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
 def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype):
-    """e4m3 out: every element is the float64 result rounded to e4m3 or, at a rounding tie or
-    within float32 accumulation of one, its neighbour on the e4m3 grid; the layer's projection
+    """e4m3 out (``_e4m3_close``); the layer's projection
     takes the kernel: by default where a hardware run is recorded (``fp8_linear.VERIFIED_ON``),
     elsewhere with unverified kernels allowed."""
+    from blockattn_layers.kernels import fp8_linear
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.fp8_linear import VERIFIED_ON, linear_e4m3, linear_e4m3_reasons
 
+    monkeypatch.setattr(fp8_linear, "_ws_taken", lambda *args: False)  # this kernel, not sm90.linear
     x = torch.zeros(1, 64, dtype=dtype, device="cuda")
     monkeypatch.setattr(variants, "_UNVERIFIED", [False])
     reasons = linear_e4m3_reasons(x, x)
@@ -128,11 +129,45 @@ def test_fused_projection_kernel_on_the_gpu(monkeypatch, case, dtype):
     got = linear_e4m3(x, w, b).cpu()
     assert got.dtype == torch.float8_e4m3fn and got.shape == want.shape
     if case[0]:
-        exact = want.float().to(torch.float8_e4m3fn).double()
-        step = (want.abs().clamp(min=2 ** -6).log2().floor() - 3).exp2()  # e4m3's spacing at each value
-        assert ((got.double() - exact).abs() <= step).all()
-        assert (got.double() != exact).double().mean() < 0.01
+        _e4m3_close(got, want)
         assert got.double().abs().max() == 448
+
+
+def _e4m3_close(got, want):
+    """Every element of ``got`` (e4m3) is ``want`` (float64) rounded to e4m3 or, at a rounding tie or
+    within float32 sums of one, its neighbour on the e4m3 grid."""
+    exact = want.float().to(torch.float8_e4m3fn).double()
+    step = (want.abs().clamp(min=2 ** -6).log2().floor() - 3).exp2()  # e4m3's spacing at each value
+    assert ((got.double() - exact).abs() <= step).all()
+    assert (got.double() != exact).double().mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("case", [(300, 256, 768, True), (129, 64, 208, False), (70_001, 256, 768, True),
+                                  (1000, 128, 400, True)], ids=str)
+def test_warp_specialized_projection_on_the_gpu(monkeypatch, case, block_n, dtype):
+    """The Gluon projection (``sm90.linear``) against float64, as the Triton kernel's test; with
+    unverified kernels allowed ``linear_e4m3`` takes it for the projections it admits."""
+    from blockattn_layers.kernels import fp8_linear
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90 import linear as ws
+
+    (x, w, b), want = _linear_inputs(*case, dtype, device="cuda")
+    assert ws.linear_ws_reasons(x, w) == []
+    y = torch.full((case[0], case[2]), float("nan"), dtype=torch.float8_e4m3fn, device="cuda")
+    ws.linear_ws(x, w, b, y, block_n)
+    got = y.cpu()
+    _e4m3_close(got, want)
+    assert got.double().abs().max() == 448
+    monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    taken = []
+    monkeypatch.setattr(ws, "linear_ws", lambda *args: taken.append(args) or args[3].copy_(got))
+    assert torch.equal(fp8_linear.linear_e4m3(x, w, b).cpu().view(torch.uint8), got.view(torch.uint8))
+    assert len(taken) == 1
 
 
 def test_projection_without_the_kernel_matches_the_kernel_contract():

@@ -466,16 +466,24 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (True, True)],
-                         ids=["serial", "overlap", "pingpong"])
-def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong):
+@pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
+                                                         (True, True, False), (False, False, True)],
+                         ids=["serial", "overlap", "pingpong", "persistent"])
+def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
-    its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong: output within 2x the
-    naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and the
-    backward on its output and logsumexp as accurate as on the Triton forward's."""
+    its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
+    persistent form (``sm90.flash_persistent``): output within 2x the naive same-dtype error of the
+    float64 oracle, logsumexp as the Triton forward's, and the backward on its output and logsumexp
+    as accurate as on the Triton forward's."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_fwd as ws
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    monkeypatch.setattr(flash_persistent, "TAKEN", [persistent])
+    launches = []
+    launch = flash_persistent.launch
+    monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
 
     case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 2)
     block, causal = case["block_size"] or 0, case.get("causal", False)
@@ -489,7 +497,7 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (qs, ks, vs), grad_out)
-    assert calls == [1]
+    assert calls == [1] and launches == ([1] if persistent else [])
     _, lse = real(q, k, v, offsets, block, dim ** -0.5, causal)
     _, want_lse = flash_attention_fwd(q, k, v, offsets, block, dim ** -0.5, causal, None, None, 0, False, None)
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=0)
@@ -503,6 +511,108 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
     for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
         assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
+                         + [dict(heads=8, kv_heads=2, dim=128, block_size=512, causal=True),
+                            dict(heads=2, kv_heads=2, dim=64, block_size=192)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
+    """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
+    (``sm90.flash_bwd``, ``TAKEN`` set): gradients within 3x the naive same-dtype error of the float64
+    oracle (with a floor); the deterministic one bitwise the same twice."""
+    from blockattn_layers import reference
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    launches = []
+    launch = flash_bwd.launch_bwd
+    monkeypatch.setattr(flash_bwd, "launch_bwd", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 5)
+    causal = case.get("causal", False)
+    grad_out = torch.randn_like(q)
+    monkeypatch.setattr(flash_bwd, "TAKEN", [True])
+    runs = []
+    for _ in range(1 if fast else 2):
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        with bl.fast_backward(fast):
+            out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
+            runs.append(torch.autograd.grad(out, (qs, ks, vs), grad_out))
+    assert launches == [1] * len(runs)
+    grads = runs[0]
+    if not fast:
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    args = (case["block_size"], dim ** -0.5, causal, None, None, 0, False)
+    d = [x.double() for x in (q, k, v)]
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
+    naive_grads = reference.attention_backward(grad_out, q, k, v, offsets, *args, dtype=dtype)
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    for name, got, ref, base in zip("qkv", grads, oracle_grads, naive_grads):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+
+
+def _nan_sequence_inputs(dim: int):
+    """``(offsets, q, k, v, keep)``: bf16 CUDA inputs of ragged sequences (4 query heads, 2 kv
+    heads) whose second sequence is NaN, and the rows outside it."""
+    lengths = [130, 70, 300, 1, 257]
+    offsets = offsets_from_lengths(lengths, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(sum(lengths), h, dim, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 2, 2))
+    for x in (q, k, v):
+        x[130:200] = float("nan")
+    keep = torch.ones(sum(lengths), dtype=torch.bool, device="cuda")
+    keep[130:200] = False
+    return offsets, q, k, v, keep
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim):
+    """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
+    the block's end: a NaN sequence between ragged ones has NaN gradients, every other row finite
+    gradients equal to the Triton deterministic backward's within bf16 rounding."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    offsets, q, k, v, keep = _nan_sequence_inputs(dim)
+    grad_out = torch.randn_like(q)
+    runs = []
+    for gluon in (True, False):
+        monkeypatch.setattr(flash_bwd, "TAKEN", [gluon])
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = bl.block_attention(*leaves, offsets, block_size=None, backend="triton_flash", causal=True)
+        runs.append(torch.autograd.grad(out, leaves, grad_out))
+    for got, want in zip(*runs):
+        assert torch.isnan(got[~keep]).all() and torch.isfinite(got[keep]).all()
+        assert rel_err(got[keep], want[keep]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, dim):
+    """The persistent Gluon forward's tensor maps span all rows: a block's ragged last key tile holds
+    the next sequence's rows, whose v rows the loader zeroes. A NaN sequence between ragged ones is
+    NaN and every other row finite and equal to the Triton forward's within bf16 rounding; on two
+    programs, so each takes many items."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    monkeypatch.setattr(flash_persistent, "TAKEN", [True])
+    monkeypatch.setattr(variants, "_UNVERIFIED", [True])
+    monkeypatch.setattr(flash_persistent, "sm_count", lambda device: 2)
+    offsets, q, k, v, keep = _nan_sequence_inputs(dim)
+    out = bl.block_attention(q, k, v, offsets, block_size=None, backend="triton_flash", causal=False)
+    assert torch.isnan(out[~keep]).all() and torch.isfinite(out[keep]).all()
+    want, _ = flash_attention_fwd(q, k, v, offsets, 0, dim ** -0.5, False, None, None, 0, False, None)
+    assert rel_err(out[keep], want[keep]) < 1e-2
 
 
 @interpret_only

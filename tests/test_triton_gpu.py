@@ -10,6 +10,7 @@ Most of the time goes to JIT-compiling kernel variants on the CPU: run with ``-n
 (pytest-xdist) on a multi-core GPU machine.
 """
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -228,9 +229,19 @@ def _prod_lengths(count, seed=0, multiple=1):
     return ((lengths + multiple - 1) // multiple * multiple).tolist()
 
 
-# Tests that need tens of GiB run one after another in one pytest-xdist worker
-# (`make gpu-check` runs the GPU tests with `-n 8 --dist loadgroup`).
-BIG_MEMORY = pytest.mark.xdist_group("gpu_memory")
+@pytest.fixture
+def release_cuda_cache():
+    """After the test, the memory its tensors held goes back to the device (the caching allocator
+    would keep it reserved in this worker, and the other workers of an 80 GB card would run out)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def BIG_MEMORY(test):
+    """Tests that need tens of GiB run one after another in one pytest-xdist worker (`make
+    gpu-check` runs the GPU tests with `-n 8 --dist loadgroup`) and hand their memory back."""
+    return pytest.mark.xdist_group("gpu_memory")(pytest.mark.usefixtures("release_cuda_cache")(test))
 
 
 @BIG_MEMORY

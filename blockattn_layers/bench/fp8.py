@@ -13,6 +13,8 @@ as CSV. Rows marked ``unverified paths`` run with unverified kernels allowed
 (``variants.allow_unverified``) beside the default rows: on sm_90, where the fp8 kernel, its
 e4m3-score products and the fused e4m3 projection are verified, both rows run the same kernels;
 on sm_89 / sm_100 the default row falls back to descaled copies (and a float32 projection).
+``--projection`` times the e4m3 QKV projection alone, by each kernel (:func:`projection_rows`);
+``--ws-options`` the warp-specialized forward under its candidate options (:func:`ws_option_rows`).
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="CSV file for the rows")
     parser.add_argument("--kernels", action="store_true",
                         help="also print where each sub-layer's time goes at prod D128: GPU time per kernel and call")
+    parser.add_argument("--projection", action="store_true",
+                        help="only the e4m3 QKV projection at the prod width, by each kernel (projection_rows)")
+    parser.add_argument("--ws-options", action="store_true",
+                        help="only the warp-specialized fp8 forward under each of its candidate options (ws_option_rows)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.fp8 needs a CUDA GPU")
@@ -56,6 +62,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton.testing
 
     commit = git_commit()[0]
+    if args.projection or args.ws_options:
+        rows = projection_rows(commit) if args.projection else ws_option_rows(commit)
+        if args.out:
+            write_csv(args.out, rows)
+        return 0
     rows = []
     for case in prod() + rotary():
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -160,6 +171,120 @@ def _sublayer_rows(commit: str, kernels: bool = False) -> List[dict]:
                     with torch.no_grad(), unverified_kernels(unverified):
                         for kernel, kernel_ms in kernel_times(lambda: model(values, offsets))[:8]:
                             print(f"    {kernel_ms:8.3f} ms  {kernel[:100]}", flush=True)
+    return rows
+
+
+# The warp-specialized forward's candidate options (``kernels.sm90.fp8_fwd``), each timed beside the defaults.
+WS_OPTIONS = {
+    "defaults": {},
+    "F16_PV": {"F16_PV": True},
+    "ASYNC_SCORES": {"ASYNC_SCORES": True},
+    "F16_PV + ASYNC_SCORES": {"F16_PV": True, "ASYNC_SCORES": True},
+    "4 consumers at D64": {"FOUR_CONSUMERS_AT": (64,)},
+    "all three": {"F16_PV": True, "ASYNC_SCORES": True, "FOUR_CONSUMERS_AT": (64,)},
+}
+
+
+def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = None) -> List[dict]:
+    """The fp8 forward by the warp-specialized sm_90 kernel at the prod shapes (or ``cases``), with
+    and without rotary (rotary calls at every head dim, ``ROTARY_SLOWER_AT`` set aside), under each of
+    ``WS_OPTIONS``, beside the Triton fp8 forward; each checked first as ``main``'s rows."""
+    import triton.testing
+
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    rows = []
+    for case in cases if cases is not None else prod() + rotary():
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (case.total, case.num_heads, case.head_dim)
+        stored, factors = {}, {}
+        for name in "qkv":
+            x = torch.randn(shape, generator=g, device=device).to(torch.bfloat16)
+            stored[name], factors[f"{name}_descale"] = bl.quantize_fp8(x)
+        offsets = case.offsets.to(device)
+        kw = dict(rope_theta=case.rope_theta)
+        check_offsets = offsets[:CHECK_SEQS + 1]
+        total_check = int(check_offsets[-1])
+        deq = [fp8.dequantize(stored[n][:total_check], factors[f"{n}_descale"], check_offsets, 1, torch.float32)
+               for n in "qkv"]
+        want = bl.block_attention(*deq, check_offsets, case.block_size, backend="reference", **kw).float()
+
+        def call():
+            return bl.block_attention(stored["q"], stored["k"], stored["v"], offsets, case.block_size, **factors, **kw)
+
+        settings = dict(WS_OPTIONS)
+        settings["triton fp8 forward"] = None
+        for name, options in settings.items():
+            saved = {key: getattr(ws, key) for key in ("F16_PV", "ASYNC_SCORES", "FOUR_CONSUMERS_AT", "ROTARY_SLOWER_AT",
+                                                         "VERIFIED_ON")}
+            try:
+                if options is None:
+                    ws.VERIFIED_ON = frozenset()
+                    ws.ROTARY_SLOWER_AT = tuple(ws.HEAD_DIMS)
+                else:
+                    ws.ROTARY_SLOWER_AT = ()
+                    for key, value in options.items():
+                        setattr(ws, key, value)
+                with torch.no_grad(), unverified_kernels(False):
+                    err = _check(call, total_check, want)
+                    ms = triton.testing.do_bench(call, warmup=25, rep=150, return_mode="median")
+            finally:
+                for key, value in saved.items():
+                    setattr(ws, key, value)
+            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, 1, 2)
+            rows.append(dict(shape=case.name, method=f"fp8, {name}", ms=ms, floor_ms=floor, x_floor=ms / floor,
+                             err=err, commit=commit))
+            print(f"{case.name:16} {name:31} {ms:8.3f} ms  {ms / floor:5.2f}x floor  err {err:.2e}", flush=True)
+    return rows
+
+
+def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: str = "cuda",
+                    total: Optional[int] = None) -> List[dict]:
+    """The e4m3 QKV projection alone (``kernels.fp8_linear``) over the prod rows, ``[T, 256]``
+    bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
+    256-column slices (``sm90.linear``, where it admits the call) and cuBLAS's bfloat16 product
+    (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
+    time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``BANDWIDTH``. ``total``:
+    rows (default the prod shapes')."""
+    import triton.testing
+
+    from blockattn_layers.kernels.fp8_linear import linear_triton
+
+    total = prod()[0].total if total is None else total
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(total, in_dim, generator=g, device=device).to(torch.bfloat16)
+    w = (torch.randn(out_dim, in_dim, generator=g, device=device) * 8 / in_dim ** 0.5).to(torch.bfloat16)
+    b = torch.randn(out_dim, generator=g, device=device)
+    check = slice(0, 4096)
+    want = (x[check].float() @ w.float().t() + b).clamp(-448, 448)
+    def output():
+        return torch.empty(total, out_dim, dtype=torch.float8_e4m3fn, device=device)
+
+    def triton_run():
+        y = output()
+        linear_triton(x, w, b, y)
+        return y
+
+    methods = {"triton": triton_run}
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9:
+        from blockattn_layers.kernels.sm90 import linear as ws
+
+        if not ws.linear_ws_reasons(x, w):
+            for block_n in (128, 256):
+                def run(block_n=block_n):
+                    y = output()
+                    ws.linear_ws(x, w, b, y, block_n)
+                    return y
+                methods[f"gluon {block_n} columns"] = run
+    methods["cublas bf16"] = lambda: torch.nn.functional.linear(x, w, b.to(torch.bfloat16))
+    rows = []
+    for name, run in methods.items():
+        err = float((run()[check].float() - want).norm() / want.norm())
+        ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
+        floor = 1e3 * total * (in_dim * 2 + out_dim * (2 if name.startswith("cublas") else 1)) / BANDWIDTH
+        rows.append(dict(shape=f"prod e{in_dim} n{out_dim}", method=f"projection, {name}", ms=ms, floor_ms=floor,
+                         x_floor=ms / floor, err=err, commit=commit))
+        print(f"projection {name:22} {ms:8.3f} ms  {ms / floor:5.2f}x floor  err {err:.2e}", flush=True)
     return rows
 
 

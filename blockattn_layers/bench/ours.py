@@ -1,6 +1,9 @@
 """Our backends as benchmark methods: ``block_attention(..., backend=NAME)`` for every registered backend."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
 from typing import Dict, List, Optional
 
 import torch
@@ -163,6 +166,35 @@ GLUON_FLASH = Method(
     context=_unverified_kernels)
 
 
+@contextlib.contextmanager
+def _taken(module, taken: bool):
+    """``module.TAKEN`` (a kernel's default choice) set to ``taken`` for the row's calls."""
+    before = module.TAKEN[0]
+    module.TAKEN[0] = taken
+    try:
+        yield
+    finally:
+        module.TAKEN[0] = before
+
+
+@contextlib.contextmanager
+def _gluon_forward_by_tiles():
+    """The Gluon forward on every call it admits, one program per query tile (``sm90.flash_fwd``; its
+    persistent form, ``sm90.flash_persistent``, off)."""
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    with _taken(flash_persistent, False), _unverified_kernels():
+        yield
+
+
+GLUON_FLASH_BY_TILES = Method(
+    "triton_flash[gluon_tiles]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
+    gpu_only=True, description="triton_flash with the warp-specialized Gluon forward run one program per query "
+                               "tile (sm_90; the persistent form, one program per SM, off), its backward the "
+                               "Triton one's",
+    context=_gluon_forward_by_tiles)
+
+
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     refused = _flash_skip(case, cfg)
     if refused:
@@ -195,6 +227,30 @@ FAST_BACKWARD = Method(
     "triton_flash[fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_flash_skip, gpu_only=True,
     description="triton_flash with the fast backward (dQ by atomic adds; blockattn_layers.fast_backward)",
     context=blockattn_layers.fast_backward)
+
+
+
+@contextlib.contextmanager
+def _gluon_backward(fast: bool):
+    """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
+    wherever that admits the call (the forward: the Gluon one wherever it admits it)."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels():
+        yield
+
+
+GLUON_BACKWARDS = [
+    Method(name, "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+           description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
+                       "(sm_90; TMA loader warp, two consumer warpgroups over a 128-row key tile) adding dQ's terms "
+                       f"{order}, the Gluon forward on every call it admits",
+           context=functools.partial(_gluon_backward, fast))
+    for name, mode, order, fast in (
+        ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order", False),
+        ("triton_flash[gluon_fast_bwd]", "fast", "by atomic adds in any order", True),
+    )
+]
 
 
 class _FlashKernels(torch.autograd.Function):
@@ -273,7 +329,8 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, GLUON_FLASH, TRITON_FORWARD, *FLASH_KERNELS])
+            methods.extend([FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS, TRITON_FORWARD,
+                            *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
         methods.insert(0, Method("triton", "ours", _setup("triton"), _attention, skip=_import_failed(err),

@@ -26,6 +26,11 @@ term ``dS K`` of dQ to float32 sums ``[T, H, D]`` by atomic adds, then a pass th
 back and casts those sums into dQ. dK and dV are as deterministic as above; dQ's float32 sums
 depend on the order of the adds, so dQ can differ between runs in its last bits.
 
+On sm_90, where ``sm90.flash_bwd`` takes the call, both backwards are the fast one's three passes
+with the dK/dV pass by its warp-specialized Gluon kernel; the deterministic backward has that
+kernel add each query tile's dQ terms in a fixed order (key tile by key tile, each waiting for its
+turn on a counter), so its float32 sums, and dQ, are bitwise the same run to run.
+
 Loads: as in ``flash.fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
 tiles in the dQ pass) through tensor maps where ``tma_loads`` allows; then the dK/dV pass leaves
 the partial last query tile to its masked loop (seed3 backward on the H200: 4.18 -> 3.72 ms).
@@ -34,6 +39,7 @@ Requirements: as ``flash.fwd``; ``o`` and ``lse`` from ``flash_attention_fwd`` o
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -348,6 +354,9 @@ def flash_attention_bwd(
                                  rope_theta is not None)
     dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
+    gluon = _gluon_dkdv(do, q, k, v, rope_theta)
+    if gluon is not None:
+        dkv_n = gluon.TILE_N
     longest_first = block_size == 0
     dkv_sched = FlashSchedule(offsets, total, block_size, dkv_n, cpu_offsets, longest_first)
     if dkv_sched.programs == 0:
@@ -368,9 +377,11 @@ def flash_attention_bwd(
         meta["TMA"] = tma and not meta["INT64"]
         return meta
 
-    if not deterministic:
+    if gluon is not None or not deterministic:
+        ws = None if gluon is None else functools.partial(
+            gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-                         log2_theta, pass_meta)
+                         log2_theta, pass_meta, ws)
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
     meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
@@ -409,9 +420,24 @@ def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n
     ), meta, q)
 
 
+def _gluon_dkdv(do, q, k, v, rope_theta):
+    """The module of the warp-specialized Gluon dK/dV pass (``sm90.flash_bwd``) where it is chosen
+    (``flash_bwd.TAKEN``) and its kernel takes the call; else None."""
+    from ..block import variants
+
+    if variants.gluon_import_error() is not None or not q.is_cuda:
+        return None
+    from ..sm90 import flash_bwd
+
+    if not flash_bwd.TAKEN[0] or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
+        return None
+    return flash_bwd
+
+
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-              log2_theta, pass_meta):
-    """The fast backward: delta, then the dK/dV pass adding dQ's terms to float32 sums, then dQ from them."""
+              log2_theta, pass_meta, ws=None):
+    """The fast backward: delta, then the dK/dV pass (``ws``: by the Gluon kernel) adding dQ's terms
+    to float32 sums, then dQ from them."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -419,8 +445,11 @@ def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv
     _launch_delta((triton.cdiv(total, 64), num_heads), (
         o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)), delta_meta, q)
     sums = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    _dkdv_pass(do, q, k, v, lse, delta, dk, dv, sums, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta,
-               pass_meta)
+    if ws is not None:
+        ws(lse, delta, dk, dv, sums)
+    else:
+        _dkdv_pass(do, q, k, v, lse, delta, dk, dv, sums, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta,
+                   pass_meta)
     dq = q.new_empty(q.shape)
     meta = pass_meta((sums, dq), dq_m, dq_m, dict(num_warps=4))
     store_meta = {name: meta[name] for name in _STORE_CONSTEXPRS + ("num_warps",)}

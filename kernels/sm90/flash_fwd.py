@@ -64,6 +64,16 @@ def block_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
+def table_tile(Table, slots, per_slot):
+    """``(start, n, tile_row, inner)`` of this program's entry of a flash tile table (its block's
+    first token and length, the tile's first row in the block), the programs taking each entry
+    ``per_slot`` times in a row (``inner``: which time, e.g. a head)."""
+    pid = gl.program_id(0)
+    slot = pid // per_slot
+    return gl.load(Table + slot), gl.load(Table + slots + slot), gl.load(Table + 3 * slots + slot), pid % per_slot
+
+
+@gluon.jit
 def key_tiles(n, tile_row, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """``(tiles, unmasked)``: the key tiles a query tile from row ``tile_row`` visits, and how many of
     the first ones need no mask (wholly inside the block and, causal, left of the tile's first row)."""
@@ -199,12 +209,7 @@ def _flash_fwd_ws_kernel(
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):
-    pid = gl.program_id(0)
-    slot = pid // heads
-    h = pid % heads
-    start = gl.load(Table + slot)
-    n = gl.load(Table + slots + slot)
-    tile_row = gl.load(Table + 3 * slots + slot)
+    start, n, tile_row, h = table_tile(Table, slots, heads)
     if n > 0:
         dtype: gl.constexpr = Q.dtype.element_ty
         layout: gl.constexpr = _smem_layout(HEAD_DIM)
@@ -289,19 +294,33 @@ def pingpong_taken() -> bool:
     return CONSUMER_LOOP == "pingpong"
 
 
-def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
-    """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
-    tokens, by the warp-specialized kernel (module docstring); the caller checks
-    :func:`flash_ws_reasons` first."""
-    total, heads, dim = q.shape
+def outputs_and_table(q, offsets, block_size: int, cpu_offsets):
+    """``(o, lse, sched, table)`` of a forward call: its outputs (unwritten), and the flash tile
+    schedule and table of its 128-row query tiles (``table`` None where there is no tile)."""
+    total, heads, _ = q.shape
     o = empty_contiguous(q)
     lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     if total == 0:
-        return o, lse
+        return o, lse, None, None
     sched = FlashSchedule(offsets, total, block_size, TILE_M, cpu_offsets, longest_first=block_size == 0)
     if sched.programs == 0:
+        return o, lse, sched, None
+    return o, lse, sched, sched.table(late_first=True)
+
+
+def flash_attention_fwd_ws(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
+    """``(o [T, H, D], lse [H, T])`` of full attention (``block_size == 0``) or blocks over 128
+    tokens, by the warp-specialized kernel (module docstring), or its persistent form where
+    ``flash_persistent.taken`` says; the caller checks :func:`flash_ws_reasons` first."""
+    from . import flash_persistent
+
+    if flash_persistent.taken(q.device):
+        return flash_persistent.flash_attention_fwd_persistent(q, k, v, offsets, block_size, scale, causal,
+                                                               cpu_offsets)
+    o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets)
+    if table is None:
         return o, lse
-    table = sched.table(late_first=True)
+    total, heads, dim = q.shape
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
                 OVERLAP=overlap_taken(), PINGPONG=pingpong_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], scale * LOG2E,

@@ -27,7 +27,14 @@ def tile_range(slots, kv_heads):
 @gluon.jit
 def row_map(ptr, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes."""
-    return tma.make_tensor_descriptor(ptr, [ROWS, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
+    return bounded_row_map(ptr, ROWS, heads, stride_t, BLOCK_M, WIDTH, HEAD_DIM)
+
+
+@gluon.jit
+def bounded_row_map(ptr, rows, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Tensor map of the ``[rows, heads * HEAD_DIM]`` view, ``[BLOCK_M, WIDTH]`` boxes (rows past
+    ``rows`` read as zeros, and stores there are dropped)."""
+    return tma.make_tensor_descriptor(ptr, [rows, heads * HEAD_DIM], [stride_t, 1], [BLOCK_M, WIDTH],
                                       _smem_layout(WIDTH))
 
 

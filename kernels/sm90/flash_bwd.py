@@ -1,0 +1,354 @@
+"""Warp-specialized flash-attention backward for Hopper (sm_90) in Gluon: the dK/dV pass that also
+adds dQ's terms to float32 sums by atomic adds, as FlashAttention-3 orders it (``flash.bwd``'s
+three-pass backward), in any order or (``DETERMINISTIC``) a fixed one.
+
+One program per 128-row key tile of a block and kv head (the flash tile table, a block's first
+tiles first: under causal masks those visit the most query tiles; see ``_turn`` for the ordered
+causal adds), looping over the group's query heads and, per head, the block's 64-row query tiles
+(causal: from the diagonal on). Three partitions share the program's shared memory:
+
+- a one-warp loader: the key tile's k and v once, then each step's query tile q and dO into a
+  ring of ``STAGES`` slots, all by TMA over tensor maps of the block's own rows (rows past the
+  block read as zeros, as in ``flash_fwd``);
+- two consumer warpgroups, one per 64-row half of the key tile. Per step, on transposed scores
+  (rows are keys, so each warpgroup's accumulators are its own dK and dV rows):
+  ``S^T = K_w Q^T`` and ``dP^T = V_w dO^T`` by wgmma from shared memory, ``P^T = exp2(S^T c -
+  lse)``, ``dS^T = P^T (dP^T - delta)`` (padding query rows have zero q, dO, lse and delta: their
+  columns add nothing), then ``dV_w += P^T dO`` and ``dK_w += dS^T Q`` with ``P^T`` and ``dS^T`` from registers.
+  Each warpgroup stores its ``dS^T`` half into a shared ``[128, 64]`` tile (two, alternating by
+  step). At D 128, once both halves are there (the ``ds_ready`` mbarrier), warpgroup ``w`` computes
+  ``dQ[:, cols_w] = dS K[:, cols_w]`` over all 128 keys for its half of the head's columns (a whole
+  128-byte swizzle block of the shared k tile) and adds it to the float32 sums with ``atomic_add``:
+  one add per sum element and key tile. At D 64 (half would split a swizzle block) each warpgroup
+  adds ``dS_w K_w`` over its own 64 keys, every column: two adds per element and key tile, no wait.
+  ``DETERMINISTIC``: before its adds a warpgroup waits until the query tile's counter has counted
+  the adds that come before its own (``_turn``), then counts its own, so the float32 sums, and dQ,
+  are bitwise the same run to run.
+
+Padding key rows (a block ending inside the key tile) read zero k and v: their ``dS`` meets a zero
+k row in ``dS K``, and their dK, dV rows lie past the tensor maps' rows, where TMA stores drop
+them. After the last step both warpgroups meet (``done``), and each stages its dK (times the
+softmax scale) and dV rows in the dead k and v tiles for the TMA store.
+
+The delta pass before and the pass that scales and casts the sums into dQ after are
+``flash.bwd``'s. Admitted calls (``flash_ws_bwd_reasons``): those of ``flash_fwd``'s kernel
+(sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
+offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``), but it is slower than the
+Triton dK/dV pass (H100, bf16, seed3: the deterministic backward 6.65 ms against 3.88, the fast one
+5.38 against 5.17), so ``flash.bwd`` takes it only while ``TAKEN`` is set (the benchmark's
+``triton_flash[gluon_bwd]`` and ``triton_flash[gluon_fast_bwd]`` rows).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from ..block.variants import taken_on
+from ..common.launch import Launcher
+from ..common.meta import LOG2E
+from .block import _acc_layout, _smem_layout
+from .flash_fwd import _release, block_map, flash_ws_reasons, table_tile
+from .persistent import drop_ring, init_ring
+
+# The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
+# both modes, causal, GQA, blocks of 192 / 512, a NaN sequence).
+VERIFIED_ON = frozenset({9})
+# Whether ``flash.bwd`` hands the dK/dV pass of the calls it admits to this kernel (module docstring).
+TAKEN = [False]
+
+STAGES = gl.constexpr(2)
+LOADER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
+TILE_N = 128  # key rows per program: two consumer warpgroups of 64
+TILE_M = 64  # query rows per step
+_LOG2E = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def query_steps(n, tile_row, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(first, steps)``: the first query tile a key tile from row ``tile_row`` meets and how many
+    it meets per query head (causal: the tiles from the diagonal on; never zero for a key tile
+    inside the block)."""
+    first = 0
+    if IS_CAUSAL:
+        first = tile_row // BLOCK_M
+    return first, (n + BLOCK_M - 1) // BLOCK_M - first
+
+
+@gluon.jit
+def _loader(k_s, v_s, q_s, do_s, kv_bar, ready, empty, Q, K, V, DO, start, n, tile_row, hk, heads, kv_heads,
+            first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Loader partition: the key tile's k and v, then each step's q and dO into the ring."""
+    k_map = block_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM)
+    v_map = block_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM)
+    q_map = block_map(Q, start, n, heads, stride_qt, BLOCK_M, HEAD_DIM)
+    do_map = block_map(DO, start, n, heads, stride_dot, BLOCK_M, HEAD_DIM)
+    nbytes: gl.constexpr = HEAD_DIM * k_s.dtype.primitive_bitwidth // 8
+    mbarrier.expect(kv_bar, 2 * BLOCK_N * nbytes)
+    tma.async_copy_global_to_shared(k_map, [tile_row, hk * HEAD_DIM], kv_bar, k_s)
+    tma.async_copy_global_to_shared(v_map, [tile_row, hk * HEAD_DIM], kv_bar, v_s)
+    for it in range(GROUPS * steps):
+        h = hk * GROUPS + it // steps
+        row = (first + it % steps) * BLOCK_M
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * BLOCK_M * nbytes)
+        tma.async_copy_global_to_shared(q_map, [row, h * HEAD_DIM], bar, q_s.index(s))
+        tma.async_copy_global_to_shared(do_map, [row, h * HEAD_DIM], bar, do_s.index(s))
+
+
+@gluon.jit
+def _probs(st, lse, keys, cols, qk_scale, masked, IS_CAUSAL: gl.constexpr):
+    """``P^T`` of one step from its transposed scores (float32) and ``lse`` of its query columns
+    (log2 units; zero past the block, where q and dO are zero too, so those columns add nothing);
+    causal, where ``masked``, the columns left of each key row are zero."""
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+    if IS_CAUSAL:
+        if masked:
+            pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
+    return pt
+
+
+@gluon.jit
+def _add_dq(DQA, dq, start, n, row, h, col0, stride_qat, stride_qah, Sem, stride_sh, turn, slot,
+            BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """Add the ``[BLOCK_M, DQ_COLS]`` dQ term of query rows ``row ..`` (of the block), head ``h``,
+    columns ``col0 ..`` to the float32 sums. ``DETERMINISTIC``: in a fixed order, first waiting until
+    the query tile's counter ``slot`` (``Sem [H, T, 2]``, int32, zeroed) has counted ``turn`` adds
+    before this one, then counting this one."""
+    acc_q: gl.constexpr = _acc_layout(DQ_COLS)
+    rows = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_q))
+    cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, acc_q))
+    ptrs = DQA + gl.expand_dims((start + rows) * stride_qat, 1) + h * stride_qah + gl.expand_dims(cols, 0)
+    if DETERMINISTIC:
+        counter = Sem + h * stride_sh + (start + row) * 2 + slot
+        while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != turn:
+            pass
+    gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < n, 1), sem="relaxed")
+    if DETERMINISTIC:
+        gl.thread_barrier()  # every thread's adds are issued before the count
+        gl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _turn(row, tile_row, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """How many of the block's key tiles add to query tile ``row ..``'s dQ before the key tile at
+    ``tile_row`` (``DETERMINISTIC``; per column half, or per warpgroup where each adds every column).
+
+    In the order the key tiles reach the query tile when they start together: without a causal
+    mask all visit the query tiles first to last, so key tile order (and tiles are launched first
+    to last); causal, key tile ``j`` starts at its diagonal and meets query tile ``i`` at step
+    ``i - 2 j``, so the later key tiles come first (and are launched first: the tile a program
+    waits for is running or done)."""
+    j = tile_row // BLOCK_N
+    if IS_CAUSAL:
+        return (row + BLOCK_M - 1) // BLOCK_N - j
+    return j
+
+
+@gluon.jit
+def _dq_term(ds16, ds_tile, ds_ready, phase, k_s, w, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+             DQ_COLS: gl.constexpr):
+    """Store this warpgroup's ``dS^T`` rows into ``ds_tile`` and issue its dQ term (asynchronous):
+    ``DQ_COLS == HEAD_DIM``: over its own 64 keys, every column; else, once the other warpgroup's
+    rows are there too (``ds_ready``), over all 128 keys, its ``DQ_COLS`` columns."""
+    zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, _acc_layout(DQ_COLS))
+    ds_tile.slice(w * HALF_N, HALF_N).store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's dS^T rows are in shared memory
+    if DQ_COLS == HEAD_DIM:
+        return warpgroup_mma(ds_tile.slice(w * HALF_N, HALF_N).permute((1, 0)), k_s.slice(w * HALF_N, HALF_N), zero,
+                             use_acc=False, is_async=True)
+    mbarrier.arrive(ds_ready)
+    mbarrier.wait(ds_ready, phase & 1)
+    return warpgroup_mma(ds_tile.permute((1, 0)), k_s.slice(w * DQ_COLS, DQ_COLS, dim=1), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stride_lh, GROUPS: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """Start copying ``lse`` and ``delta`` of step ``it``'s query rows into slot ``it % 2`` by
+    ``cp.async`` (one commit group; rows past the block, and every row of a step past the last,
+    read as zeros: those query rows' q and dO are zero, so their columns add nothing)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    cols = (first + it % steps) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    off = (hk * GROUPS + it // steps) * stride_lh + start + cols
+    ok = (cols < n) & (it < GROUPS * steps)
+    async_copy.async_copy_global_to_shared(lse_s.index(it % 2), Lse + off, mask=ok)
+    async_copy.async_copy_global_to_shared(delta_s.index(it % 2), Delta + off, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _consumer(w, k_s, v_s, q_s, do_s, ds_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, done, DK, DV, DQA, Sem,
+              Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
+              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              DETERMINISTIC: gl.constexpr):
+    """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring)."""
+    dtype: gl.constexpr = k_s.dtype
+    acc_s: gl.constexpr = _acc_layout(BLOCK_M)
+    acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
+    a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    key0 = tile_row + w * HALF_N
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_s))
+    k_w = k_s.slice(w * HALF_N, HALF_N)
+    v_w = v_s.slice(w * HALF_N, HALF_N)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
+    zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
+    _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    for it in range(GROUPS * steps):
+        h = hk * GROUPS + it // steps
+        row = (first + it % steps) * BLOCK_M
+        s = it % STAGES
+        b = it % 2
+        _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+        async_copy.wait_group(1)
+        gl.thread_barrier()  # step it's rows, copied by every thread of the warpgroup, have landed
+        cols = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_s))
+        q = q_s.index(s)
+        do = do_s.index(s)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        lse = rows_s.index(b).load(gl.SliceLayout(0, acc_s)) * _LOG2E
+        # Only the first two query tiles from the diagonal hold columns left of a key row.
+        pt = _probs(st, lse, keys, cols, qk_scale, row < tile_row + BLOCK_N, IS_CAUSAL)
+        delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
+        ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        p16 = gl.convert_layout(pt.to(dtype), a_s)
+        dv = warpgroup_mma(p16, do, dv, is_async=True)
+        dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
+        ds_a = gl.convert_layout(ds16, a_s)
+        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        # dQ's adds go out while dK's product runs (products complete in the order issued).
+        dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+        turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if DQ_COLS == HEAD_DIM:
+            _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0, BLOCK_M,
+                    DQ_COLS, DETERMINISTIC)
+        else:
+            _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w, BLOCK_M,
+                    DQ_COLS, DETERMINISTIC)
+        dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+        _release(empty, s)
+    async_copy.wait_group(0)  # the copies past the last step (all masked) are done too
+    # Both warpgroups are done with k and v (each one's dQ products read every key row).
+    gl.thread_barrier()
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    k_w.store((dk * scale).to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dk_map = block_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM)
+    dv_map = block_map(DV, start, n, kv_heads, stride_dvt, HALF_N, HEAD_DIM)
+    tma.async_copy_shared_to_global(dk_map, [key0, hk * HEAD_DIM], k_w)
+    tma.async_copy_shared_to_global(dv_map, [key0, hk * HEAD_DIM], v_w)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "qk_scale", "scale", "stride_lh", "stride_sh"])
+def _flash_bwd_ws_kernel(
+    Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, Table, slots, heads, kv_heads, qk_scale, scale, stride_qt, stride_kt,
+    stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
+    HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+):
+    start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
+    if n > 0:
+        dtype: gl.constexpr = Q.dtype.element_ty
+        layout: gl.constexpr = _smem_layout(HEAD_DIM)
+        k_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+        v_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+        q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)  # per consumer, two slots
+        lse_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        delta_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        delta_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar.index(0), count=1)
+        mbarrier.init(ds_ready.index(0), count=2)
+        mbarrier.init(ds_ready.index(1), count=2)
+        mbarrier.init(done.index(0), count=2)
+        init_ring(ready, empty, STAGES, 2)  # a slot is free once both consumers are done with it
+        first, steps = query_steps(n, tile_row, BLOCK_M, IS_CAUSAL)
+        gl.warp_specialize([
+            (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, lse_0, delta_0, kv_bar.index(0), ready, empty, ds_ready,
+                         done.index(0), DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first,
+                         steps, qk_scale, scale, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
+                         GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC)),
+            (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty, ds_ready,
+                         done.index(0), DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first,
+                         steps, qk_scale, scale, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
+                         GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC)),
+            (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
+                       heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
+                       BLOCK_M, BLOCK_N, HEAD_DIM)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        mbarrier.invalidate(kv_bar.index(0))
+        mbarrier.invalidate(ds_ready.index(0))
+        mbarrier.invalidate(ds_ready.index(1))
+        mbarrier.invalidate(done.index(0))
+        drop_ring(ready, empty, STAGES)
+
+
+launch_bwd = Launcher(_flash_bwd_ws_kernel, scratch=True)
+
+
+def dq_cols(head_dim: int) -> int:
+    """dQ columns per consumer warpgroup: half the head's from D 128 on (each half a whole 64-column,
+    128-byte swizzle block of the shared k tile), else all of them (each warpgroup over its own keys)."""
+    return head_dim // 2 if head_dim >= 128 else head_dim
+
+
+def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
+    """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
+    reasons = flash_ws_reasons(q, k, v, rope_theta)
+    if not taken_on(q.device, VERIFIED_ON):
+        reasons.append("a GPU its tests passed on (unverified kernels allowed)")
+    if do.dtype != q.dtype or do.stride() != q.stride() or do.data_ptr() % 16:
+        reasons.append("dO of q's dtype and layout")
+    return reasons
+
+
+def key_tile_table(sched, causal: bool, deterministic: bool) -> torch.Tensor:
+    """The tile table of the kernel's key tiles: causal with ordered adds, a block's later key tiles
+    first (``_turn``); else its first ones, which under a causal mask visit the most query tiles."""
+    return sched.table(late_first=causal and deterministic)
+
+
+def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, causal: bool,
+                 deterministic: bool = False) -> None:
+    """The fast backward's dK/dV pass by this kernel: dK, dV written, dQ's terms added to ``dq_sums``
+    (float32 ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``sched`` the flash
+    schedule of ``TILE_N``-row key tiles."""
+    total, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    table = key_tile_table(sched, causal, deterministic)
+    counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if deterministic else table
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=TILE_M, BLOCK_N=TILE_N, DQ_COLS=dq_cols(dim),
+                IS_CAUSAL=causal, DETERMINISTIC=deterministic, num_warps=4)
+    args = (q, k, v, do, dk, dv, dq_sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
+            scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
+            dq_sums.stride(0), dq_sums.stride(1), 2 * total)
+    launch_bwd((sched.programs * kv_heads,), args, meta, q)

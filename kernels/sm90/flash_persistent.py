@@ -1,0 +1,246 @@
+"""Persistent warp-specialized flash-attention forward for Hopper (sm_90) in Gluon: the partitions
+and serial consumer loop of ``flash_fwd``, on one program per SM that takes query tiles in turn.
+
+``flash_fwd`` runs one program per (128-row query tile, query head): each program makes its
+tensor maps, waits for its first copies, and stores and exits before the next program on its SM
+starts (one fits per SM), so every tile pays that start and end with the tensor cores idle. Here
+``min(#SMs, items)`` programs take the items (query tile, query head; the flash tile table's order,
+longest sequences first, heads fastest) ``p, p + P, ...``:
+
+- tensor maps over the whole ``[T, H * D]`` row views, made once per partition;
+- a one-warp loader copies each item's query tile (two 64-row halves) into one of two query
+  buffers (the next item's copies in flight during this one's loop; a buffer is refilled once
+  both consumers have released it) and its key tiles' k and v into a ring of ``STAGES`` slots,
+  the ring's phases running on across items. A block's last key tile, where the block ends
+  inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
+  v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
+  infinity in the next block must not reach this one through ``0 * x``);
+- two consumer warpgroups, one per query half, run ``flash_fwd``'s serial loop per item; the
+  output leaves through the dead query half by a TMA store where the half lies inside the
+  block, else by masked stores; a consumer releases an item's query buffer once its store has
+  had the next item's first key tile to land.
+
+Admitted calls as ``flash_fwd``'s (``flash_ws_reasons``). Taken where ``VERIFIED_ON`` says (or with
+unverified kernels allowed) while ``TAKEN`` is set, as it is by default; the benchmark's
+``triton_flash[gluon_tiles]`` row clears it to time ``flash_fwd``'s one program per tile beside it.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from ..common.launch import Launcher
+from ..common.meta import LOG2E, sm_count
+from .block import _acc_layout, _row_layout, _smem_layout, _store_via
+from .flash_fwd import (
+    _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, STAGES, TILE_M, TILE_N, _online_softmax, _release, key_tiles,
+    outputs_and_table,
+)
+from .persistent import bounded_row_map, drop_ring, init_ring
+
+# The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
+# causal, GQA, blocks of 512, ragged, zero-length and length-1 sequences, a NaN sequence on two programs).
+VERIFIED_ON = frozenset({9})
+# Whether ``flash_fwd.flash_attention_fwd_ws`` hands its calls to this kernel where it may run
+# (``VERIFIED_ON`` or unverified kernels allowed). H100, bf16, D 128, one process, forward ms,
+# ``flash_fwd``'s one program per tile / this kernel: seed3 1.136 / 1.083, seed3 causal 0.705 /
+# 0.640, seed3 GQA 8 / 2 heads 1.124 / 1.047, prod_full 13.0 / 12.3.
+TAKEN = [True]
+
+
+@gluon.jit
+def _item(Table, slots, heads, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(start, n, tile_row, h, tiles, unmasked)`` of this program's item ``i``: its block's first
+    token and length, the query tile's first row in the block, the query head, and its key tiles
+    (``flash_fwd.key_tiles``)."""
+    item = gl.program_id(0) + i * gl.num_programs(0)
+    slot = item // heads
+    start = gl.load(Table + slot)
+    n = gl.load(Table + slots + slot)
+    tile_row = gl.load(Table + 3 * slots + slot)
+    tiles, unmasked = key_tiles(n, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    return start, n, tile_row, item % heads, tiles, unmasked
+
+
+@gluon.jit
+def _zero_rows_from(tile, rem, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero the rows ``rem ..`` of the ``[BLOCK_N, HEAD_DIM]`` shared tile, 8 rows at a time (one warp)."""
+    layout: gl.constexpr = _row_layout(HEAD_DIM, 1)
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > rem:
+            chunk = tile.slice(c * 8, 8, 0)
+            x = chunk.load(layout)
+            chunk.store(gl.where(gl.expand_dims(rows + c * 8 < rem, 1), x, 0.0))
+
+
+@gluon.jit
+def _copy_kv(k_map, v_map, coord, bar, k_tile, v_tile, BLOCK_N: gl.constexpr, NBYTES: gl.constexpr):
+    """A key tile's k and v into ``k_tile``, ``v_tile`` by TMA, their bytes announced on ``bar``."""
+    mbarrier.expect(bar, 2 * BLOCK_N * NBYTES)
+    tma.async_copy_global_to_shared(k_map, coord, bar, k_tile)
+    tma.async_copy_global_to_shared(v_map, coord, bar, v_tile)
+
+
+@gluon.jit
+def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, Table, slots, heads, kv_heads, items,
+            total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Loader partition (one warp): per item its query halves into the next query buffer, then its
+    key tiles' k and v into the ring (a block's ragged last tile through ``fix``, its v rows past the
+    block zeroed)."""
+    q_map = bounded_row_map(Q, total, heads, stride_qt, HALF_M, HEAD_DIM, HEAD_DIM)
+    k_map = bounded_row_map(K, total, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM)
+    v_map = bounded_row_map(V, total, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM)
+    nbytes: gl.constexpr = HEAD_DIM * q_s.dtype.primitive_bitwidth // 8
+    count = (items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    qi = 0
+    it = 0
+    fixes = 0
+    for i in range(count):
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, i, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if n > 0:
+            b = qi % 2
+            mbarrier.wait(q_empty.index(b), ((qi // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(b), 2 * HALF_M * nbytes)
+            tma.async_copy_global_to_shared(q_map, [start + tile_row, h * HEAD_DIM], q_ready.index(b),
+                                            q_s.index(2 * b))
+            tma.async_copy_global_to_shared(q_map, [start + tile_row + HALF_M, h * HEAD_DIM], q_ready.index(b),
+                                            q_s.index(2 * b + 1))
+            col = (h // GROUPS) * HEAD_DIM
+            for j in range(tiles):
+                s = it % STAGES
+                mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                rem = n - j * BLOCK_N
+                if rem < BLOCK_N:
+                    _copy_kv(k_map, v_map, [start + j * BLOCK_N, col], fix, k_s.index(s), v_s.index(s), BLOCK_N,
+                             nbytes)
+                    mbarrier.wait(fix, fixes & 1)
+                    fixes += 1
+                    _zero_rows_from(v_s.index(s), rem, BLOCK_N, HEAD_DIM)
+                    fence_async_shared()
+                    mbarrier.arrive(kv_ready.index(s))
+                else:
+                    _copy_kv(k_map, v_map, [start + j * BLOCK_N, col], kv_ready.index(s), k_s.index(s), v_s.index(s),
+                             BLOCK_N, nbytes)
+                it += 1
+            qi += 1
+
+
+@gluon.jit
+def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items, total,
+              qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """Consumer partition (one warpgroup): query half ``half`` of each item, ``flash_fwd``'s serial
+    loop, the output through the dead half (TMA store inside the block, masked stores past it)."""
+    dtype: gl.constexpr = q_s.dtype
+    acc_s: gl.constexpr = _acc_layout(BLOCK_N)
+    acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
+    a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+    o_map = bounded_row_map(O, total, heads, stride_ot, HALF_M, HEAD_DIM, HEAD_DIM)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_s)
+    count = (items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    qi = 0
+    it = 0
+    for i in range(count):
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, i, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if n > 0:
+            b = qi % 2
+            q = q_s.index(2 * b + half)
+            first = tile_row + half * HALF_M
+            rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_s))
+            m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, acc_s))
+            l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, acc_s))
+            acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, acc_d)
+            mbarrier.wait(q_ready.index(b), (qi // 2) & 1)
+            for j in range(tiles):
+                s = it % STAGES
+                mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
+                scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
+                p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
+                                                     IS_CAUSAL)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
+                _release(kv_empty, s)
+                it += 1
+                if j == 0 and qi > 0:
+                    # The previous item's output store has had this key tile's time: its buffer goes back.
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    mbarrier.arrive(q_empty.index(1 - b))
+            o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
+            if first + HALF_M <= n:
+                q.store(o.to(dtype))  # the query half is dead: its tile stages the output
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(o_map, [start + first, h * HEAD_DIM], q)
+            else:
+                _store_via(q, O + h * HEAD_DIM, o, start + first, n - first, stride_ot, HALF_M, HEAD_DIM)
+            gl.store(Lse + h * stride_lh + start + rows, (m_i + gl.log2(l_i)) * _LN2, mask=rows < n)
+            qi += 1
+    tma.store_wait(0)
+    gl.thread_barrier()
+    if qi > 0:
+        mbarrier.arrive(q_empty.index((qi - 1) % 2))
+
+
+@gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "items", "total", "qk_scale", "stride_lh"])
+def _flash_fwd_persistent_kernel(
+    Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
+    stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 2 * HALF_M, "two consumer warpgroups of 64 query rows")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    layout: gl.constexpr = _smem_layout(HEAD_DIM)
+    q_s = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], layout)  # two buffers of two halves
+    k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+    v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    init_ring(q_ready, q_empty, 2, 2)  # a query buffer is free once both consumers are done with it
+    init_ring(kv_ready, kv_empty, STAGES, 2)
+    mbarrier.init(fix.index(0), count=1)
+    gl.warp_specialize([
+        (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL)),
+        (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL)),
+        (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
+                   kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
+                   IS_CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    drop_ring(q_ready, q_empty, 2)
+    drop_ring(kv_ready, kv_empty, STAGES)
+    mbarrier.invalidate(fix.index(0))
+
+
+launch = Launcher(_flash_fwd_persistent_kernel, scratch=True)
+
+
+def taken(device: torch.device) -> bool:
+    """Whether ``flash_fwd.flash_attention_fwd_ws`` hands its calls on ``device`` to this kernel."""
+    from ..block.variants import taken_on
+
+    return TAKEN[0] and taken_on(device, VERIFIED_ON)
+
+
+def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
+    """``(o [T, H, D], lse [H, T])`` as ``flash_fwd.flash_attention_fwd_ws`` computes them, by this
+    kernel (the caller checks ``flash_fwd.flash_ws_reasons`` first)."""
+    o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets)
+    if table is None:
+        return o, lse
+    total, heads, dim = q.shape
+    items = sched.programs * heads
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
+                num_warps=4)
+    args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
+            q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
+    launch((min(items, sm_count(q.device)),), args, meta, q)
+    return o, lse

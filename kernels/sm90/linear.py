@@ -1,0 +1,207 @@
+"""Warp-specialized e4m3-output projection for Hopper (sm_90) in Gluon: ``kernels.fp8_linear``'s
+``clamp(x @ w.T + b, +-448)`` as e4m3, for the fp8 serving path's QKV projection.
+
+At the ranking models' widths (E = 256 input channels, N = 768 outputs, T = 2.37M rows) the
+product is bound by the tensor cores' 16-bit rate (0.93 TFLOP, about 0.95 ms on the H200) more
+than by its bytes (0.71 ms). The Triton kernel reaches 2.40 ms: each of its programs copies an
+``x`` band and a weight tile and multiplies in turn, and the weight tiles come again from L2 for
+every band. Here the copies run on their own and the weights are read once per program:
+
+- ``SLICES * LANES`` persistent programs; program ``p`` owns the ``BLOCK_N``-column slice
+  ``p % SLICES`` of the output (its weight rows stay in shared memory for the whole run) and
+  the 64-row tiles ``lane, lane + LANES, ...`` (``lane = p // SLICES``): the programs of one lane
+  take the same row tiles at about the same time, so each ``x`` tile comes from HBM once and
+  from L2 for the other slices;
+- a one-warp loader copies the weight slice (``[BLOCK_N, E]``, zero rows past N) and then each
+  row tile's ``x`` (``[64, E]``, zero rows past T) by TMA into a ring of ``STAGES`` slots (the
+  compiler splits each box into 128-byte-wide copies, the swizzle's width);
+- two consumer warpgroups take the program's tiles in turn (consumer ``c`` its tiles ``c, c + 2,
+  ...``; each ring slot serves one consumer): per tile one asynchronous ``wgmma`` product
+  ``[64, E] x [E, BLOCK_N]`` (m64n256k16 or m64n128k16 steps, float32 sums); the slot released;
+  bias, saturation at +-448, the e4m3 cast, and a TMA store from the consumer's own output tile
+  (rows past T and columns past N are not written).
+
+The other consumer's products run during one consumer's epilogue. Admitted calls
+(``linear_ws_reasons``): sm_90, 16-bit input, input widths 64-256 in steps of 64, outputs a
+multiple of 16, 16-byte aligned rows, fewer than 2**31 rows.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from ..common.launch import Launcher
+from ..common.meta import sm_count
+from .block import _acc_layout, _smem_layout
+from .fp8_fwd import _e4m3_layout
+from .persistent import drop_ring, init_ring
+
+# The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_fp8_modules.py,
+# E 64 / 128 / 256, 129 to 70,001 rows, both slice widths); elsewhere it runs only with
+# ``variants.allow_unverified`` / BLOCKATTN_UNVERIFIED_KERNELS=1, the Triton kernel otherwise.
+VERIFIED_ON = frozenset({9})
+# Output columns per program: 256 (m64n256 products; two ring slots at E 256) or 128 (m64n128,
+# four slots). H100, 2.37M rows, 256 -> 768, bf16, one process (``python -m
+# blockattn_layers.bench.fp8 --projection``), ms: 256 columns 1.605, 128 columns 1.676, the Triton
+# kernel 2.376, cuBLAS's bf16 product (no e4m3 output) 1.988.
+BLOCK_N = 256
+BLOCK_M = 64  # rows per tile: one consumer warpgroup's wgmma rows
+CONSUMERS = gl.constexpr(2)
+LOADER_REGS = gl.constexpr(40)
+CONSUMER_REGS = gl.constexpr(232)  # two consumer warpgroups and the loader in 64 K registers
+SHARED_BYTES = 227 * 1024  # what one program may take on sm_90
+MAX_STAGES = 8
+E4M3_MAX = gl.constexpr(448.0)
+
+
+def shared_bytes(in_dim: int, block_n: int, stages: int) -> int:
+    """Shared memory of one program: the weight slice, the ring of ``x`` tiles, the consumers'
+    e4m3 output tiles, the ring's and the weights' barriers."""
+    weights = block_n * in_dim * 2
+    ring = stages * BLOCK_M * in_dim * 2
+    outputs = CONSUMERS.value * BLOCK_M * block_n
+    return weights + ring + outputs + 8 * (2 * stages + 1)
+
+
+def stages(in_dim: int, block_n: int) -> int:
+    """Ring slots: as many as fit in ``SHARED_BYTES`` beside the weights and output tiles (at most
+    ``MAX_STAGES``), a power of two (as Gluon's shared memory shapes must be) and at least the
+    consumers: 2 at E 256 with 256-column slices, 4 with 128-column ones."""
+    free = SHARED_BYTES - shared_bytes(in_dim, block_n, 0)
+    fit = min(free // (BLOCK_M * in_dim * 2 + 16), MAX_STAGES)
+    return max(1 << (max(fit, 1).bit_length() - 1), CONSUMERS.value)
+
+
+def grid(rows: int, out_dim: int, block_n: int, num_sms: int) -> tuple:
+    """``(slices, lanes)``: the output's column slices, and how many programs share each one's
+    row tiles (about one program per SM in all, no more lanes than row tiles)."""
+    slices = -(-out_dim // block_n)
+    tiles = -(-rows // BLOCK_M)
+    return slices, max(1, min(num_sms // slices, tiles))
+
+
+@gluon.jit
+def _program_share(rows, lanes, OUT_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(col0, lane, count)``: this program's first output column, its lane and how many row
+    tiles it takes (``lane, lane + lanes, ...``)."""
+    slices: gl.constexpr = (OUT_DIM + BLOCK_N - 1) // BLOCK_N
+    pid = gl.program_id(0)
+    lane = pid // slices
+    tiles = (rows + 63) // 64
+    return (pid % slices) * BLOCK_N, lane, (tiles - lane + lanes - 1) // lanes
+
+
+@gluon.jit
+def _loader(x_s, w_s, ready, empty, w_bar, X, W, rows, lanes, stride_xt, stride_wn, IN_DIM: gl.constexpr,
+            OUT_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Loader partition (one warp): the program's weight slice once, then each of its row tiles'
+    ``x`` into the next free slot."""
+    col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
+    x_map = tma.make_tensor_descriptor(X, [rows, IN_DIM], [stride_xt, 1], [64, IN_DIM], _smem_layout(IN_DIM))
+    w_map = tma.make_tensor_descriptor(W, [OUT_DIM, IN_DIM], [stride_wn, 1], [BLOCK_N, IN_DIM],
+                                       _smem_layout(IN_DIM))
+    mbarrier.expect(w_bar, BLOCK_N * IN_DIM * 2)
+    tma.async_copy_global_to_shared(w_map, [col0, 0], w_bar, w_s)
+    for j in range(count):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 64 * IN_DIM * 2)
+        tma.async_copy_global_to_shared(x_map, [(lane + j * lanes) * 64, 0], bar, x_s.index(s))
+
+
+@gluon.jit
+def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, Y, B, rows, lanes, stride_yt, OUT_DIM: gl.constexpr,
+              HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer partition ``c`` (one warpgroup): its tiles' products, released slots, and the
+    bias, saturation, e4m3 cast and store through its output tile (each store waited for before
+    the tile's next use)."""
+    acc_l: gl.constexpr = _acc_layout(BLOCK_N)
+    col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
+    y_map = tma.make_tensor_descriptor(Y, [rows, OUT_DIM], [stride_yt, 1], [64, BLOCK_N], _e4m3_layout(BLOCK_N))
+    out_s = out_s.index(c)
+    zero = gl.zeros([64, BLOCK_N], gl.float32, acc_l)
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
+    mbarrier.wait(w_bar, 0)
+    for j in range(c, count, CONSUMERS):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        acc = warpgroup_mma(x_s.index(s), w_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp's products have read the slot
+        mbarrier.arrive(empty.index(s))
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(B + cols, mask=cols < OUT_DIM, other=0.0), 0)
+        y = gl.minimum(gl.maximum(acc, -E4M3_MAX), E4M3_MAX).to(out_s.dtype)
+        tma.store_wait(0)  # this consumer's last store has left its tile
+        gl.thread_barrier()
+        out_s.store(y)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(y_map, [(lane + j * lanes) * 64, col0], out_s)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["rows", "lanes"])
+def _linear_ws_kernel(X, W, B, Y, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
+                      OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    gl.static_assert(IN_DIM % 64 == 0, "input channels in 128-byte swizzle rows")
+    gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
+    x_s = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, 64, IN_DIM], _smem_layout(IN_DIM))
+    w_s = gl.allocate_shared_memory(W.dtype.element_ty, [BLOCK_N, IN_DIM], _smem_layout(IN_DIM))
+    out_s = gl.allocate_shared_memory(Y.dtype.element_ty, [CONSUMERS, 64, BLOCK_N], _e4m3_layout(BLOCK_N))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    init_ring(ready, empty, STAGES, 1)
+    mbarrier.init(w_bar.index(0), count=1)
+    gl.warp_specialize([
+        (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, OUT_DIM,
+                     HAS_BIAS, BLOCK_N, STAGES)),
+        (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, OUT_DIM,
+                     HAS_BIAS, BLOCK_N, STAGES)),
+        (_loader, (x_s, w_s, ready, empty, w_bar.index(0), X, W, rows, lanes, stride_xt, stride_wn, IN_DIM,
+                   OUT_DIM, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    drop_ring(ready, empty, STAGES)
+    mbarrier.invalidate(w_bar.index(0))
+
+
+launch = Launcher(_linear_ws_kernel, scratch=True)
+
+
+def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, block_n: int = BLOCK_N) -> None:
+    """``y = e4m3(clamp(x @ weight.T + bias))`` by this kernel (``linear_ws_reasons`` empty, T > 0)."""
+    rows, in_dim = x.shape
+    out_dim = weight.shape[0]
+    slices, lanes = grid(rows, out_dim, block_n, sm_count(x.device))
+    meta = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                STAGES=stages(in_dim, block_n), num_warps=4)
+    args = (x, weight, bias if bias is not None else weight, y, rows, lanes, x.stride(0), weight.stride(0), y.stride(0))
+    launch((slices * lanes,), args, meta, x)
+
+
+def linear_ws_reasons(x: torch.Tensor, weight: torch.Tensor) -> List[str]:
+    """Why this kernel cannot take the projection (empty: it can); the Triton kernel takes it then."""
+    reasons = []
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        reasons.append("an sm_90 GPU")
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        reasons.append("a bfloat16 or float16 input and weight")
+    if x.dim() != 2 or x.shape[-1] not in (64, 128, 256):
+        reasons.append(f"an input width of 64, 128 or 256 (got {x.shape[-1]})")
+    if weight.shape[0] % 16:
+        reasons.append(f"a multiple of 16 outputs (got {weight.shape[0]})")
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        reasons.append("16-byte aligned input rows with unit column stride")
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        reasons.append("a contiguous, 16-byte aligned weight")
+    if x.shape[0] >= 2**31 - BLOCK_M:
+        reasons.append("fewer than 2**31 rows")
+    return reasons

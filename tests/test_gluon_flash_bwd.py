@@ -1,0 +1,141 @@
+"""The warp-specialized Gluon flash backward's dK/dV pass (``kernels.sm90.flash_bwd``) on CPU
+tensors through ``tests/gluon_shim.py`` (Gluon has no interpreter): the whole kernel (loader and
+two consumer partitions in threads, the q / dO ring, the shared dS tiles the two consumers meet
+on, the ``cp.async`` copies of lse and delta, tensor maps over each block's rows) on the flash
+tile table of 128-row key tiles, against the float64 reference gradients: dK and dV stored once
+each and nothing outside the tensors, dQ's float32 sums added once per key tile. What the shim does
+not model (timing, warps within a partition, layouts) is in its docstring."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="CPU tests next to Triton's interpreter (the tile table runs there)"),
+    pytest.mark.usefixtures("single_thread"),
+]
+
+from blockattn_layers import reference  # noqa: E402
+from blockattn_layers.kernels.common.meta import LOG2E  # noqa: E402
+from blockattn_layers.kernels.flash.schedule import FlashSchedule  # noqa: E402
+from blockattn_layers.kernels.sm90 import flash_bwd  # noqa: E402
+from tests import gluon_shim as gs  # noqa: E402
+from tests.oracle import offsets_from_lengths, rel_err  # noqa: E402
+
+# (lengths, heads, kv heads, head dim, block size (0: full attention), causal)
+CASES = {
+    "full-d64": ([0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 5], 2, 2, 64, 0, False),
+    "full-gqa-causal-d128": ([1, 200, 0, 64, 257], 4, 1, 128, 0, True),
+    "blocks256-causal-d64": ([300, 5, 513, 0], 2, 1, 64, 256, True),
+    "blocks192-gqa-d128": ([191, 192, 193, 400], 4, 2, 128, 192, False),
+}
+
+
+def _inputs(lengths, heads, kv_heads, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, do = (torch.randn(total, heads, dim, generator=g).to(torch.float16) for _ in range(2))
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).to(torch.float16) for _ in range(2))
+    return q, k, v, do
+
+
+def _run(q, k, v, do, offsets, block_size, causal, deterministic=False):
+    """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``."""
+    total, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    scale = dim ** -0.5
+    d = [x.double() for x in (q, k, v)]
+    o, lse = reference.attention_forward_lse(*d, offsets, block_size or None, scale, causal)
+    delta = (do.double() * o).sum(-1).t().contiguous().float()
+    sched = FlashSchedule(offsets, total, block_size, flash_bwd.TILE_N, None, longest_first=block_size == 0)
+    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    sums = torch.zeros(q.shape)
+    counters = torch.zeros((heads, total, 2), dtype=torch.int32)
+    run = gs.launch(
+        flash_bwd._flash_bwd_ws_kernel, (sched.programs * kv_heads,), Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, DQA=sums,
+        Sem=counters, stride_sh=2 * total, DETERMINISTIC=deterministic, Lse=lse, Delta=delta,
+        Table=flash_bwd.key_tile_table(sched, causal, deterministic), slots=sched.programs, heads=heads,
+        kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
+        stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
+        stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
+        GROUPS=heads // kv_heads, BLOCK_M=flash_bwd.TILE_M, BLOCK_N=flash_bwd.TILE_N,
+        DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal,
+    )
+    return sums * scale, dk, dv, run, counters
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_flash_ws_backward_matches_the_reference(name, deterministic):
+    """Gradients against float64; each dK, dV element stored once; dQ's sums added once per key tile
+    meeting the row (twice at D 64); ``DETERMINISTIC``: every query tile's counters end at the adds it
+    got, and no key tile waits for a count that never comes (the shim's programs run one at a time,
+    first key tiles first, so each turn must already have come)."""
+    lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
+    q, k, v, do = _inputs(lengths, heads, kv_heads, dim, len(lengths) + dim)
+    offsets = offsets_from_lengths(lengths)
+    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic)
+    want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
+                                        dim ** -0.5, causal)
+    for got, ref in zip((dq, dk, dv), want):
+        assert rel_err(got, ref) < 5e-3
+    assert torch.equal(run.writes("DK"), torch.ones_like(dk, dtype=torch.int64))
+    assert torch.equal(run.writes("DV"), torch.ones_like(dv, dtype=torch.int64))
+    # dQ: per element, one add per key tile of the row's unit meeting it (causal: key tiles at or
+    # before the row's own), from each warpgroup where each adds every column over its own keys.
+    unit = torch.zeros(q.shape[0], dtype=torch.int64)
+    starts = offsets.tolist()
+    for b in range(len(lengths)):
+        lo, hi = starts[b], starts[b + 1]
+        size = block_size or max(hi - lo, 1)
+        for u0 in range(lo, hi, size):
+            u1 = min(u0 + size, hi)
+            rows = torch.arange(u1 - u0)
+            tiles = -(-(u1 - u0) // flash_bwd.TILE_N)
+            unit[u0:u1] = rows // flash_bwd.TILE_N + 1 if causal else tiles
+    per_tile = 2 if flash_bwd.dq_cols(dim) == dim else 1
+    want_adds = (unit * per_tile)[:, None, None].expand(q.shape)
+    assert torch.equal(run.writes("DQA").long(), want_adds)
+    if deterministic:
+        # Each query tile's counters (at its first row): its adds, per column half at D 128.
+        first_rows = torch.zeros(q.shape[0], dtype=torch.bool)
+        for b in range(len(lengths)):
+            lo, hi = starts[b], starts[b + 1]
+            size = block_size or max(hi - lo, 1)
+            for u0 in range(lo, hi, size):
+                first_rows[u0:min(u0 + size, hi):flash_bwd.TILE_M] = True
+        want = torch.zeros_like(counters)
+        halves = 2 if per_tile == 1 else 1
+        want[:, first_rows, :halves] = (unit[first_rows].to(torch.int32) * per_tile)[None, :, None]
+        assert torch.equal(counters, want)
+    else:
+        assert not counters.any()
+
+
+def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence():
+    """Tensor maps over each block's own rows and lse / delta copies masked at the block's end: a
+    NaN sequence leaves its neighbours' gradients finite."""
+    lengths = [130, 70, 200]
+    q, k, v, do = _inputs(lengths, 2, 2, 64, 3)
+    offsets = offsets_from_lengths(lengths)
+    for x in (q, k, v, do):
+        x[130:200] = float("nan")
+    dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False)
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g[:130]).all() and torch.isfinite(g[200:]).all() and torch.isnan(g[130:200]).all()
+
+
+def test_query_steps_start_at_the_diagonal_when_causal():
+    """``query_steps``: every 64-row query tile of the block, or (causal) those from the key tile's
+    first row on; a key tile inside the block always meets one."""
+    fn = gs.function(flash_bwd.query_steps)
+    for n, tile_row in ((1, 0), (64, 0), (65, 0), (300, 128), (300, 256), (257, 256)):
+        first, steps = (int(x) for x in fn(gs.scalar(n), gs.scalar(tile_row), 64, False))
+        assert (first, steps) == (0, -(-n // 64))
+        first, steps = (int(x) for x in fn(gs.scalar(n), gs.scalar(tile_row), 64, True))
+        assert first == tile_row // 64 and first + steps == -(-n // 64) and steps >= 1
+
