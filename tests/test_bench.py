@@ -256,12 +256,15 @@ def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(mon
     lengths = torch.tensor([0, 1, 70, 64, 5])
     cases = [Case("prod", "prod", lengths, 2, 64, 64), Case("rotary", "rotary", lengths, 4, 64, 64, rope_theta=1e4)]
     monkeypatch.setattr(bench_fp8, "CHECK_SEQS", 4)
-    rows = bench_fp8.ws_option_rows("abc", device="cpu", cases=cases)
+    rows = bench_fp8.ws_option_rows("abc", device="cpu", cases=cases, bandwidth=1e9)
     assert len(rows) == 2 * (len(bench_fp8.WS_OPTIONS) + 1)
     assert all(row["err"] < 1e-2 and row["ms"] == 1.0 and row["commit"] == "abc" for row in rows)  # bf16 out
     assert {key: getattr(ws, key) for key in before} == before
-    rows = bench_fp8.projection_rows("abc", 64, 48, device="cpu", total=70)
+    rows = bench_fp8.projection_rows("abc", 64, 48, device="cpu", total=70, bandwidth=1e9)
     assert [row["method"] for row in rows] == ["projection, triton", "projection, cublas bf16"]
     # (The interpreter's float32 -> e4m3 rounding is wrong where rounding carries into the exponent,
     # so the Triton row's error is checked on the GPU only, tests/test_fp8_modules.py.)
     assert rows[1]["err"] < 0.01 and all(row["x_floor"] > 0 for row in rows)
+    # Floors at the bandwidth given (the device's, measured, where none is): x read, y written.
+    assert rows[0]["floor_ms"] == pytest.approx(1e3 * 70 * (64 * 2 + 48) / 1e9)
+    assert rows[1]["floor_ms"] == pytest.approx(1e3 * 70 * (64 * 2 + 48 * 2) / 1e9)

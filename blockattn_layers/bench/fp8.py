@@ -4,9 +4,10 @@ The prod shapes (B 1152, lengths uniform in [1, 4000], block 64; D128 H2 and D64
 without rotary. Per shape: our bfloat16 forward (no grad), the fp8 kernel (``kernels.block.fp8_fwd``,
 per-head factors, bfloat16 output), and the fp8 call on descaled copies (what runs without the
 kernel), each checked first on the first 64 sequences against the float32 reference of the
-descaled inputs. ``x floor``: time over the bytes each must move at the copy bandwidth of
-PERFORMANCE.md (4.27 TB/s): bfloat16 reads q, k, v and writes o (8 bytes per element of a head
-row); fp8 reads 1-byte q, k, v and writes a bfloat16 o (5 bytes). Prints one line per shape and
+descaled inputs. ``x floor``: time over the bytes each must move at the device's copy bandwidth
+(``env.floor_bandwidth``: PERFORMANCE.md's 4.27 TB/s on an H200, measured on any other GPU):
+bfloat16 reads q, k, v and writes o (8 bytes per element of a head row); fp8 reads 1-byte q, k, v
+and writes a bfloat16 o (5 bytes). Prints one line per shape and
 method, then the attention sub-layer (d_model 256) in bfloat16 and converted by
 ``to_fp8_inference``, with its error against the float64 layer; ``--out FILE`` also writes them
 as CSV. Rows marked ``unverified paths`` run with unverified kernels allowed
@@ -30,15 +31,15 @@ from blockattn_layers import fp8
 
 from blockattn_layers.kernels.block.variants import unverified_kernels
 
-from .env import git_commit
+from .env import bandwidth_text, floor_bandwidth, git_commit
 from .shapes import prod, rotary
 
-BANDWIDTH = 4.27e12
 CHECK_SEQS = 64
 
 
-def _floor_ms(total: int, heads: int, kv_heads: int, dim: int, in_bytes: int, out_bytes: int) -> float:
-    return 1e3 * total * dim * ((heads + 2 * kv_heads) * in_bytes + heads * out_bytes) / BANDWIDTH
+def _floor_ms(total: int, heads: int, kv_heads: int, dim: int, in_bytes: int, out_bytes: int,
+              bandwidth: float) -> float:
+    return 1e3 * total * dim * ((heads + 2 * kv_heads) * in_bytes + heads * out_bytes) / bandwidth
 
 
 def _check(run, total_check: int, want: torch.Tensor) -> float:
@@ -62,8 +63,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton.testing
 
     commit = git_commit()[0]
+    bandwidth, source = floor_bandwidth(torch.device("cuda"))
+    print(f"memory floor at {bandwidth_text(bandwidth)}: {source}", flush=True)
     if args.projection or args.ws_options:
-        rows = projection_rows(commit) if args.projection else ws_option_rows(commit)
+        rows = (projection_rows(commit, bandwidth=bandwidth) if args.projection
+                else ws_option_rows(commit, bandwidth=bandwidth))
         if args.out:
             write_csv(args.out, rows)
         return 0
@@ -94,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             with torch.no_grad(), unverified_kernels(unverified):
                 err = _check(run, total_check, want) if name != "bf16" else None
                 ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
-            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, in_bytes, 2)
+            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, in_bytes, 2, bandwidth)
             rows.append(dict(shape=case.name, method=name, ms=ms, floor_ms=floor, x_floor=ms / floor,
                              err=err, commit=commit))
             print(f"{case.name:16} {name:31} {ms:8.3f} ms  {ms / floor:5.2f}x floor"
@@ -185,13 +189,17 @@ WS_OPTIONS = {
 }
 
 
-def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = None) -> List[dict]:
+def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = None,
+                   bandwidth: Optional[float] = None) -> List[dict]:
     """The fp8 forward by the warp-specialized sm_90 kernel at the prod shapes (or ``cases``), with
     and without rotary (rotary calls at every head dim, ``ROTARY_SLOWER_AT`` set aside), under each of
-    ``WS_OPTIONS``, beside the Triton fp8 forward; each checked first as ``main``'s rows."""
+    ``WS_OPTIONS``, beside the Triton fp8 forward; each checked first as ``main``'s rows. Floors at
+    ``bandwidth`` bytes/s (default ``env.floor_bandwidth`` of ``device``)."""
     import triton.testing
 
     from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    bandwidth = bandwidth or floor_bandwidth(torch.device(device))[0]
 
     rows = []
     for case in cases if cases is not None else prod() + rotary():
@@ -231,7 +239,7 @@ def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = No
             finally:
                 for key, value in saved.items():
                     setattr(ws, key, value)
-            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, 1, 2)
+            floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, 1, 2, bandwidth)
             rows.append(dict(shape=case.name, method=f"fp8, {name}", ms=ms, floor_ms=floor, x_floor=ms / floor,
                              err=err, commit=commit))
             print(f"{case.name:16} {name:31} {ms:8.3f} ms  {ms / floor:5.2f}x floor  err {err:.2e}", flush=True)
@@ -239,16 +247,18 @@ def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = No
 
 
 def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: str = "cuda",
-                    total: Optional[int] = None) -> List[dict]:
+                    total: Optional[int] = None, bandwidth: Optional[float] = None) -> List[dict]:
     """The e4m3 QKV projection alone (``kernels.fp8_linear``) over the prod rows, ``[T, 256]``
     bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
     256-column slices (``sm90.linear``, where it admits the call) and cuBLAS's bfloat16 product
     (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
-    time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``BANDWIDTH``. ``total``:
-    rows (default the prod shapes')."""
+    time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``bandwidth`` bytes/s
+    (default ``env.floor_bandwidth`` of ``device``). ``total``: rows (default the prod shapes')."""
     import triton.testing
 
     from blockattn_layers.kernels.fp8_linear import linear_triton
+
+    bandwidth = bandwidth or floor_bandwidth(torch.device(device))[0]
 
     total = prod()[0].total if total is None else total
     g = torch.Generator(device=device).manual_seed(2)
@@ -281,7 +291,7 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
     for name, run in methods.items():
         err = float((run()[check].float() - want).norm() / want.norm())
         ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
-        floor = 1e3 * total * (in_dim * 2 + out_dim * (2 if name.startswith("cublas") else 1)) / BANDWIDTH
+        floor = 1e3 * total * (in_dim * 2 + out_dim * (2 if name.startswith("cublas") else 1)) / bandwidth
         rows.append(dict(shape=f"prod e{in_dim} n{out_dim}", method=f"projection, {name}", ms=ms, floor_ms=floor,
                          x_floor=ms / floor, err=err, commit=commit))
         print(f"projection {name:22} {ms:8.3f} ms  {ms / floor:5.2f}x floor  err {err:.2e}", flush=True)
