@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean gpu-check gpu-grid gpu-candidates gpu-candidates-bench
+.PHONY: demo test bench info install clean gpu-check gpu-grid gpu-candidates gpu-candidates-bench gpu-profile-bwd
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -51,13 +51,13 @@ gpu-check:
 	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
-# Kernels and options not taken by default, on a CUDA machine: `make gpu-candidates` runs their GPU
+# Kernels and options off their defaults, on a CUDA machine: `make gpu-candidates` runs their GPU
 # tests (the e4m3 projection, the fp8 forward's options, the persistent flash forward, the Gluon
-# dK/dV pass of the flash backward) under a time limit, so that a hang would not hold the machine
+# dK/dV pass of the flash backward in its forms) under a time limit, so that a hang would not hold the machine
 # (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
 # forward under each option, and the flash forward and backwards beside ours on the full-attention
 # shapes (about 7 minutes).
-CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd]
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_fp8_modules.py tests/test_fp8.py \
@@ -71,6 +71,19 @@ gpu-candidates-bench:
 	timeout 150 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
 	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
 		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
+
+# Nsight Compute on the Gluon dK/dV pass of the flash backward (one launch at seed3, the fast one's
+# writer partition by TMA reduce-adds and the consumers' own adds): stall reasons, memory and tensor-core use, into $(GPU_OUT)/ncu_bwd_*.txt.
+NCU_SECTIONS = --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+	--section ComputeWorkloadAnalysis --section SchedulerStats --section Occupancy
+gpu-profile-bwd:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	mkdir -p $(GPU_OUT)
+	for row in gluon_fast_bwd gluon_fast_bwd_consumer_adds; do \
+		timeout 240 ncu --clock-control none $(NCU_SECTIONS) -k regex:_flash_bwd_ws_kernel -c 1 \
+			python3 -m blockattn_layers.bench --shapes seed3 --backends "triton_flash[$$row]" --modes bwd --quick \
+			> $(GPU_OUT)/ncu_bwd_$$row.txt 2>&1 || true; \
+	done
 
 # The shape grid of issue 25 on a CUDA machine, one dtype, rotary form and causal setting per
 # process (each slice compiles its 60 points first in 6 processes, more run out of GPU memory;

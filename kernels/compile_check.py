@@ -459,9 +459,19 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
-                          IS_CAUSAL=causal, DETERMINISTIC=ordered)
+                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
+    # Candidates: dQ's adds by the consumers themselves (no writer partition), and P computed beside
+    # dP's product (P_BESIDE_DP).
+    for dim, ordered, writer, early_p in (
+            (64, False, False, False), (64, True, False, False), (128, False, False, False), (128, True, False, False),
+            (64, False, True, True), (128, False, True, True), (128, True, True, True)):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+                          IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p)
+        name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
+                f"_bf16_d{dim}{'_deterministic' if ordered else ''}")
+        yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 
 
 def required_copies(build: Build) -> Tuple[str, ...]:

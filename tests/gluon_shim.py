@@ -37,8 +37,8 @@ What it models:
   count arrivals and TMA bytes per phase (``expect`` arrives once and announces bytes, a TMA copy
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
   ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
-  move a box at once, zero-filled outside the descriptor's shape, TMA stores drop what lies
-  outside it; :func:`launch` checks that a program invalidated every barrier it initialized, and
+  move a box at once, zero-filled outside the descriptor's shape, TMA stores (and TMA reduce-adds,
+  ``sm90.tma_add``, added lane by lane as atomics) drop what lies outside it; :func:`launch` checks that a program invalidated every barrier it initialized, and
   invalidating one mid-phase (arrivals or bytes still due) raises;
 - Blackwell: tensor memory is a float32 torch tensor (:class:`TensorMemory`, NaN when allocated,
   ``slice`` along the last dimension); ``tcgen05_mma`` is a float32 matmul of shared-memory
@@ -76,6 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma as _real_tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma as _real_wgmma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait as _real_wgmma_wait
 from triton.runtime.jit import ConstexprFunction, JITFunction
+
+from blockattn_layers.kernels.sm90.tma_add import async_add_shared_to_global as _real_tma_add
 
 __all__ = [
     "DType", "GTensor", "Launch", "Layout", "Memory", "PendingProduct", "Pointer", "SharedTile", "TensorMemory",
@@ -729,6 +731,11 @@ def _tma_store(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
     _store(ptrs, src.data, inside)
 
 
+def _tma_add(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
+    ptrs, inside = tensor_desc.box(coord)
+    _atomic_add(ptrs, tensor(src.data), mask=inside)
+
+
 # ----------------------------------------------------------------------------- Blackwell: tensor memory, tcgen05
 class TensorMemory:
     """A tensor-memory descriptor: a float32 torch tensor (``slice`` along the last dimension, as
@@ -873,7 +880,7 @@ _REPLACEMENTS = {
     id(_real_blackwell.get_tmem_reg_layout): blackwell.get_tmem_reg_layout,
     id(_real_blackwell.tcgen05_mma): _tcgen05_mma, id(_real_blackwell.tcgen05_commit): _tcgen05_commit, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
     id(_real_ampere_mbarrier): mbarrier, id(_real_tma): tma,
-    id(_real_fence): _nothing, id(_real_wgmma): _warpgroup_mma, id(_real_wgmma_wait): _warpgroup_mma_wait,
+    id(_real_fence): _nothing, id(_real_tma_add): _tma_add, id(_real_wgmma): _warpgroup_mma, id(_real_wgmma_wait): _warpgroup_mma_wait,
 }
 
 

@@ -268,3 +268,35 @@ def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(mon
     # Floors at the bandwidth given (the device's, measured, where none is): x read, y written.
     assert rows[0]["floor_ms"] == pytest.approx(1e3 * 70 * (64 * 2 + 48) / 1e9)
     assert rows[1]["floor_ms"] == pytest.approx(1e3 * 70 * (64 * 2 + 48 * 2) / 1e9)
+
+
+def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
+    """The rows that time the Gluon flash kernels off their defaults: inside each row's context the
+    kernel it names is chosen (the dK/dV pass with its dQ form; the per-tile forward), and every
+    switch is back at its default afterwards."""
+    from blockattn_layers import determinism
+    from blockattn_layers.bench import ours
+    from blockattn_layers.kernels.sm90 import flash_bwd, flash_persistent
+
+    def switches():
+        return (flash_bwd.TAKEN[0], flash_bwd.FAST_TAKEN[0], flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP,
+                flash_persistent.TAKEN[0], not determinism.deterministic_backward())
+
+    defaults = switches()
+    assert defaults == (False, True, True, False, True, False)
+    rows = {method.name: method for method in ours.GLUON_BACKWARDS + [ours.GLUON_FLASH_BY_TILES,
+                                                                        ours.TRITON_FAST_BACKWARD]}
+    want = {
+        "triton_flash[gluon_bwd]": (True, True, True, False, True, False),
+        "triton_flash[gluon_fast_bwd]": (True, True, True, False, True, True),
+        "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, True, False),
+        "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, True, True),
+        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, True, True, True, True),
+        "triton_flash[gluon_tiles]": (False, True, True, False, False, False),
+        "triton_flash[triton_fast_bwd]": (False, False, True, False, True, True),
+    }
+    assert set(rows) == set(want)
+    for name, method in rows.items():
+        with method.context():
+            assert switches() == want[name], name
+        assert switches() == defaults, name

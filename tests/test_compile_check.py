@@ -119,17 +119,25 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     neither, dQ's terms in any order or a fixed one) within the register, spill and shared-memory
     budgets: wgmma with the dQ product's transposed shared dS tile, TMA loads and the dK / dV TMA
     stores, ``cp.async`` copies of lse and delta, mbarrier waits, the partitions' register
-    reallocation, dQ's terms added atomically; the ordered builds read each counter with acquire
-    semantics and count with release semantics, the others have no counters."""
+    reallocation; dQ's terms added by the writer partition, in any order by TMA reduce-adds and no
+    per-thread atomics, ordered by per-thread atomic adds; the ordered builds read each counter with
+    acquire semantics and count with release semantics, the others have no counters. With them the
+    candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
+    product."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 16 and sum(name.endswith("_deterministic") for name in ptx) == 8
+    assert len(ptx) == 23 and sum(name.endswith("_deterministic") for name in ptx) == 11
+    assert sum("_consumer_adds_" in name for name in ptx) == 4
+    assert sum("_pbesidedp_" in name for name in ptx) == 3
     for name, text in ptx.items():
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "cp.async.ca.shared.global", "setmaxnreg.inc",
-                            "mbarrier.try_wait", "atom.global.gpu.relaxed.add"):
+                            "mbarrier.try_wait"):
             assert instruction in text, (name, instruction)
         ordered = ("ld.global.gpu.acquire" in text, "atom.global.gpu.release.add" in text)
         assert ordered == (name.endswith("_deterministic"),) * 2, name
+        tma_adds = "_consumer_adds_" not in name and not name.endswith("_deterministic")
+        assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in text) == tma_adds, name
+        assert ("atom.global.gpu.relaxed.add" in text) != tma_adds, name
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)

@@ -43,8 +43,9 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     return q, k, v, do
 
 
-def _run(q, k, v, do, offsets, block_size, causal, deterministic=False):
-    """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``."""
+def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False):
+    """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
+    (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -63,22 +64,30 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False):
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
         GROUPS=heads // kv_heads, BLOCK_M=flash_bwd.TILE_M, BLOCK_N=flash_bwd.TILE_N,
-        DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal,
+        DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p,
     )
     return sums * scale, dk, dv, run, counters
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_flash_ws_backward_matches_the_reference(name, deterministic):
+@pytest.mark.parametrize("name", list(CASES) + [f"writer-{c}" for c in CASES]
+                         + ["p-beside-dp-full-d64", "p-beside-dp-full-gqa-causal-d128"])
+def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministic):
     """Gradients against float64; each dK, dV element stored once; dQ's sums added once per key tile
     meeting the row (twice at D 64); ``DETERMINISTIC``: every query tile's counters end at the adds it
     got, and no key tile waits for a count that never comes (the shim's programs run one at a time,
-    first key tiles first, so each turn must already have come)."""
+    first key tiles first, so each turn must already have come). ``writer-``: the adds by
+    the writer partition (``DQ_WRITER``): ordered, one per element and key tile whatever D, counted in
+    slot 0; in any order by TMA reduce-adds of each warpgroup's tile;
+    ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``)."""
+    early_p = name.startswith("p-beside-dp-")
+    name = name[len("p-beside-dp-"):] if early_p else name
+    writer = name.startswith("writer-")
+    name = name[len("writer-"):] if writer else name
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, len(lengths) + dim)
     offsets = offsets_from_lengths(lengths)
-    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic)
+    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic, writer, early_p)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
                                         dim ** -0.5, causal)
     for got, ref in zip((dq, dk, dv), want):
@@ -97,7 +106,8 @@ def test_flash_ws_backward_matches_the_reference(name, deterministic):
             rows = torch.arange(u1 - u0)
             tiles = -(-(u1 - u0) // flash_bwd.TILE_N)
             unit[u0:u1] = rows // flash_bwd.TILE_N + 1 if causal else tiles
-    per_tile = 2 if flash_bwd.dq_cols(dim) == dim else 1
+    # The writer sums the two terms first only in order; in any order it adds each tile by TMA.
+    per_tile = 2 if flash_bwd.dq_cols(dim) == dim and not (writer and deterministic) else 1
     want_adds = (unit * per_tile)[:, None, None].expand(q.shape)
     assert torch.equal(run.writes("DQA").long(), want_adds)
     if deterministic:
@@ -109,22 +119,25 @@ def test_flash_ws_backward_matches_the_reference(name, deterministic):
             for u0 in range(lo, hi, size):
                 first_rows[u0:min(u0 + size, hi):flash_bwd.TILE_M] = True
         want = torch.zeros_like(counters)
-        halves = 2 if per_tile == 1 else 1
+        halves = 2 if per_tile == 1 and not writer else 1
         want[:, first_rows, :halves] = (unit[first_rows].to(torch.int32) * per_tile)[None, :, None]
         assert torch.equal(counters, want)
     else:
         assert not counters.any()
 
 
-def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence():
-    """Tensor maps over each block's own rows and lse / delta copies masked at the block's end: a
-    NaN sequence leaves its neighbours' gradients finite."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("writer", [False, True], ids=["consumers-add", "writer-adds"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer, deterministic):
+    """Tensor maps over each block's own rows (the writer's dQ map in any order too) and lse / delta
+    copies masked at the block's end: a NaN sequence leaves its neighbours' gradients finite."""
     lengths = [130, 70, 200]
-    q, k, v, do = _inputs(lengths, 2, 2, 64, 3)
+    q, k, v, do = _inputs(lengths, 2, 2, dim, 3)
     offsets = offsets_from_lengths(lengths)
     for x in (q, k, v, do):
         x[130:200] = float("nan")
-    dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False)
+    dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False, deterministic, writer)
     for g in (dq, dk, dv):
         assert torch.isfinite(g[:130]).all() and torch.isfinite(g[200:]).all() and torch.isnan(g[130:200]).all()
 

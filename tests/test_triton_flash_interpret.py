@@ -520,15 +520,26 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512, causal=True),
-                            dict(heads=2, kv_heads=2, dim=64, block_size=192)],
+                            dict(heads=2, kv_heads=2, dim=64, block_size=192),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, consumer_adds=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, consumer_adds=True),
+                            dict(heads=2, kv_heads=2, dim=128, block_size=384, consumer_adds=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, p_beside_dp=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, p_beside_dp=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
     (``sm90.flash_bwd``, ``TAKEN`` set): gradients within 3x the naive same-dtype error of the float64
-    oracle (with a floor); the deterministic one bitwise the same twice."""
+    oracle (with a floor); the deterministic one bitwise the same twice. dQ's adds by the writer
+    partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P computed while dP's product
+    runs (``P_BESIDE_DP``)."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.sm90 import flash_bwd
 
+    case = dict(case)
+    monkeypatch.setattr(flash_bwd, "DQ_WRITER", not case.pop("consumer_adds", False))
+    if case.pop("p_beside_dp", False):
+        monkeypatch.setattr(flash_bwd, "P_BESIDE_DP", True)
     launches = []
     launch = flash_bwd.launch_bwd
     monkeypatch.setattr(flash_bwd, "launch_bwd", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -573,12 +584,19 @@ def _nan_sequence_inputs(dim: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("writer,fast", [(False, False), (True, False), (True, True)],
+                         ids=["consumers-add", "writer-adds", "writer-tma-adds"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim):
+def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
     the block's end: a NaN sequence between ragged ones has NaN gradients, every other row finite
-    gradients equal to the Triton deterministic backward's within bf16 rounding."""
+    gradients equal to the Triton deterministic backward's within bf16 rounding (``writer``: dQ's
+    adds by the writer partition; ``fast``: the fast backward, the writer's TMA reduce-adds over a
+    tensor map of each block's rows)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "DQ_WRITER", writer)
+    monkeypatch.setattr(flash_bwd, "FAST_TAKEN", [False])
 
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)
     grad_out = torch.randn_like(q)
@@ -586,8 +604,9 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim):
     for gluon in (True, False):
         monkeypatch.setattr(flash_bwd, "TAKEN", [gluon])
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = bl.block_attention(*leaves, offsets, block_size=None, backend="triton_flash", causal=True)
-        runs.append(torch.autograd.grad(out, leaves, grad_out))
+        with bl.fast_backward(fast and gluon):
+            out = bl.block_attention(*leaves, offsets, block_size=None, backend="triton_flash", causal=True)
+            runs.append(torch.autograd.grad(out, leaves, grad_out))
     for got, want in zip(*runs):
         assert torch.isnan(got[~keep]).all() and torch.isfinite(got[keep]).all()
         assert rel_err(got[keep], want[keep]) < 1e-2

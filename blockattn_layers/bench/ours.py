@@ -167,14 +167,15 @@ GLUON_FLASH = Method(
 
 
 @contextlib.contextmanager
-def _taken(module, taken: bool):
-    """``module.TAKEN`` (a kernel's default choice) set to ``taken`` for the row's calls."""
-    before = module.TAKEN[0]
-    module.TAKEN[0] = taken
+def _taken(module, taken: bool, switch: str = "TAKEN"):
+    """``module.TAKEN`` (a kernel's default choice; or another such ``switch``) set to ``taken`` for the
+    row's calls."""
+    before = getattr(module, switch)[0]
+    getattr(module, switch)[0] = taken
     try:
         yield
     finally:
-        module.TAKEN[0] = before
+        getattr(module, switch)[0] = before
 
 
 @contextlib.contextmanager
@@ -225,19 +226,43 @@ def _flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
 
 FAST_BACKWARD = Method(
     "triton_flash[fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_flash_skip, gpu_only=True,
-    description="triton_flash with the fast backward (dQ by atomic adds; blockattn_layers.fast_backward)",
+    description="triton_flash with the fast backward (dQ's terms added in any order; blockattn_layers.fast_backward): "
+                "on sm_90 its dK/dV pass by the warp-specialized Gluon kernel where that admits the call",
     context=blockattn_layers.fast_backward)
 
 
-
 @contextlib.contextmanager
-def _gluon_backward(fast: bool):
-    """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
-    wherever that admits the call (the forward: the Gluon one wherever it admits it)."""
+def _triton_fast_backward():
+    """The fast backward with the Triton dK/dV pass (its dQ terms by per-tile TMA reductions)
+    everywhere: the Gluon one not taken."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels():
+    with blockattn_layers.fast_backward(), _taken(flash_bwd, False, "FAST_TAKEN"):
         yield
+
+
+TRITON_FAST_BACKWARD = Method(
+    "triton_flash[triton_fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+    description="triton_flash with the fast backward by the Triton kernels where the Gluon dK/dV pass would take "
+                "it (sm_90)",
+    context=_triton_fast_backward)
+
+
+@contextlib.contextmanager
+def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
+    """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
+    wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
+    adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
+    dP's product (``P_BESIDE_DP``)."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    before = flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP
+    flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP = writer, early_p
+    try:
+        with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels():
+            yield
+    finally:
+        flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP = before
 
 
 GLUON_BACKWARDS = [
@@ -245,10 +270,18 @@ GLUON_BACKWARDS = [
            description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
                        "(sm_90; TMA loader warp, two consumer warpgroups over a 128-row key tile) adding dQ's terms "
                        f"{order}, the Gluon forward on every call it admits",
-           context=functools.partial(_gluon_backward, fast))
-    for name, mode, order, fast in (
-        ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order", False),
-        ("triton_flash[gluon_fast_bwd]", "fast", "by atomic adds in any order", True),
+           context=functools.partial(_gluon_backward, fast, writer, early_p))
+    for name, mode, order, fast, writer, early_p in (
+        ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
+         "their terms in shared memory and go on)", False, True, False),
+        ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
+         "store their terms in shared memory and go on)", True, True, False),
+        ("triton_flash[gluon_bwd_consumer_adds]", "deterministic", "in a fixed order by the consumers' own atomic "
+         "adds", False, False, False),
+        ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
+         True, False, False),
+        ("triton_flash[gluon_fast_bwd_p_beside_dp]", "fast", "in any order by TMA reduce-adds from a writer warp, "
+         "each step's P computed while dP's product runs", True, True, True),
     )
 ]
 
@@ -329,7 +362,7 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS, TRITON_FORWARD,
+            methods.extend([FAST_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

@@ -26,8 +26,9 @@ term ``dS K`` of dQ to float32 sums ``[T, H, D]`` by atomic adds, then a pass th
 back and casts those sums into dQ. dK and dV are as deterministic as above; dQ's float32 sums
 depend on the order of the adds, so dQ can differ between runs in its last bits.
 
-On sm_90, where ``sm90.flash_bwd`` takes the call, both backwards are the fast one's three passes
-with the dK/dV pass by its warp-specialized Gluon kernel; the deterministic backward has that
+On sm_90, where ``sm90.flash_bwd`` takes the call (the fast backward, ``FAST_TAKEN``; both while
+its ``TAKEN`` is set), the backward is the fast one's three passes with the dK/dV pass by its
+warp-specialized Gluon kernel (dQ's terms by TMA reduce-adds); the deterministic form has that
 kernel add each query tile's dQ terms in a fixed order (key tile by key tile, each waiting for its
 turn on a counter), so its float32 sums, and dQ, are bitwise the same run to run.
 
@@ -354,7 +355,7 @@ def flash_attention_bwd(
                                  rope_theta is not None)
     dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
-    gluon = _gluon_dkdv(do, q, k, v, rope_theta)
+    gluon = _gluon_dkdv(do, q, k, v, rope_theta, deterministic)
     if gluon is not None:
         dkv_n = gluon.TILE_N
     longest_first = block_size == 0
@@ -420,16 +421,17 @@ def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n
     ), meta, q)
 
 
-def _gluon_dkdv(do, q, k, v, rope_theta):
+def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool):
     """The module of the warp-specialized Gluon dK/dV pass (``sm90.flash_bwd``) where it is chosen
-    (``flash_bwd.TAKEN``) and its kernel takes the call; else None."""
+    (``flash_bwd.TAKEN``; ``FAST_TAKEN`` for the fast backward) and its kernel takes the call; else None."""
     from ..block import variants
 
     if variants.gluon_import_error() is not None or not q.is_cuda:
         return None
     from ..sm90 import flash_bwd
 
-    if not flash_bwd.TAKEN[0] or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
+    taken = flash_bwd.TAKEN[0] or (flash_bwd.FAST_TAKEN[0] and not deterministic)
+    if not taken or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
         return None
     return flash_bwd
 

@@ -1,11 +1,11 @@
 """Warp-specialized flash-attention backward for Hopper (sm_90) in Gluon: the dK/dV pass that also
-adds dQ's terms to float32 sums by atomic adds, as FlashAttention-3 orders it (``flash.bwd``'s
-three-pass backward), in any order or (``DETERMINISTIC``) a fixed one.
+adds dQ's terms to float32 sums, as FlashAttention-3 orders it (``flash.bwd``'s three-pass
+backward), in any order by TMA reduce-adds or (``DETERMINISTIC``) a fixed one by atomic adds.
 
 One program per 128-row key tile of a block and kv head (the flash tile table, a block's first
 tiles first: under causal masks those visit the most query tiles; see ``_turn`` for the ordered
 causal adds), looping over the group's query heads and, per head, the block's 64-row query tiles
-(causal: from the diagonal on). Three partitions share the program's shared memory:
+(causal: from the diagonal on). Three partitions (four with the dQ writer) share the program's shared memory:
 
 - a one-warp loader: the key tile's k and v once, then each step's query tile q and dO into a
   ring of ``STAGES`` slots, all by TMA over tensor maps of the block's own rows (rows past the
@@ -18,12 +18,16 @@ causal adds), looping over the group's query heads and, per head, the block's 64
   Each warpgroup stores its ``dS^T`` half into a shared ``[128, 64]`` tile (two, alternating by
   step). At D 128, once both halves are there (the ``ds_ready`` mbarrier), warpgroup ``w`` computes
   ``dQ[:, cols_w] = dS K[:, cols_w]`` over all 128 keys for its half of the head's columns (a whole
-  128-byte swizzle block of the shared k tile) and adds it to the float32 sums with ``atomic_add``:
-  one add per sum element and key tile. At D 64 (half would split a swizzle block) each warpgroup
-  adds ``dS_w K_w`` over its own 64 keys, every column: two adds per element and key tile, no wait.
-  ``DETERMINISTIC``: before its adds a warpgroup waits until the query tile's counter has counted
-  the adds that come before its own (``_turn``), then counts its own, so the float32 sums, and dQ,
-  are bitwise the same run to run.
+  128-byte swizzle block of the shared k tile): one term per sum element and key tile. At D 64
+  (half would split a swizzle block) each warpgroup computes ``dS_w K_w`` over its own 64 keys,
+  every column, with no wait.
+- ``DQ_WRITER`` (the default): the consumers store their float32 dQ terms into a shared
+  ``[2, 64, DQ_COLS]`` tile and go on; a one-warp writer partition adds them to the sums: in any
+  order by two TMA reduce-adds (``tma_add``) over a tensor map of the block's rows (rows past the
+  block dropped), or, ``DETERMINISTIC``, by per-thread atomic adds after the query tile's counter
+  has counted the key tiles that come before this one (``_turn``), then counting this one, so the
+  float32 sums, and dQ, are bitwise the same run to run. Without the writer each consumer adds its
+  term itself by ``atomic_add`` (ordered: per column half, or per warpgroup at D 64).
 
 Padding key rows (a block ending inside the key tile) read zero k and v: their ``dS`` meets a zero
 k row in ``dS K``, and their dK, dV rows lie past the tensor maps' rows, where TMA stores drop
@@ -33,10 +37,11 @@ softmax scale) and dV rows in the dead k and v tiles for the TMA store.
 The delta pass before and the pass that scales and casts the sums into dQ after are
 ``flash.bwd``'s. Admitted calls (``flash_ws_bwd_reasons``): those of ``flash_fwd``'s kernel
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
-offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``), but it is slower than the
-Triton dK/dV pass (H100, bf16, seed3: the deterministic backward 6.65 ms against 3.88, the fast one
-5.38 against 5.17), so ``flash.bwd`` takes it only while ``TAKEN`` is set (the benchmark's
-``triton_flash[gluon_bwd]`` and ``triton_flash[gluon_fast_bwd]`` rows).
+offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it
+(``FAST_TAKEN``; H100, bf16, seed3: 3.11 ms against the Triton fast backward's 5.07 and the
+deterministic one's 3.84); the deterministic backward stays on the Triton passes (this kernel's
+ordered form: 5.01 ms), except while ``TAKEN`` is set (the benchmark's ``triton_flash[gluon_bwd]``
+row).
 """
 from __future__ import annotations
 
@@ -54,16 +59,32 @@ from ..common.meta import LOG2E
 from .block import _acc_layout, _smem_layout
 from .flash_fwd import _release, block_map, flash_ws_reasons, table_tile
 from .persistent import drop_ring, init_ring
+from .tma_add import async_add_shared_to_global
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
 # both modes, causal, GQA, blocks of 192 / 512, a NaN sequence).
 VERIFIED_ON = frozenset({9})
-# Whether ``flash.bwd`` hands the dK/dV pass of the calls it admits to this kernel (module docstring).
+# Whether ``flash.bwd`` hands the dK/dV pass of the calls it admits to this kernel: in both backwards
+# (``TAKEN``, the benchmark's rows), or in the fast one (``FAST_TAKEN``: its writer form, TMA
+# reduce-adds in any order, measured faster than the Triton backwards at full attention, H100,
+# 2026-12-05: seed3 3.11 ms against the Triton fast 5.07 and deterministic 3.84).
 TAKEN = [False]
+FAST_TAKEN = [True]
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
+# Whether dQ's adds leave the consumers (``DQ_WRITER``): each consumer stores its float32 dQ term into
+# a shared tile and goes on; a one-warp writer partition adds the tiles to the sums, in any order by
+# TMA reduce-adds (FlashAttention-3's dQ warp), ordered by per-thread adds after the turns' waits.
+# Measured faster than the consumers' own adds in both modes (H100, seed3: fast 3.11 against 5.38 ms,
+# deterministic 5.01 against 6.64).
+DQ_WRITER = True
+# Whether a consumer computes P while dP^T's product still runs (``P_BESIDE_DP``: waits for the scores'
+# product alone first, as FlashAttention-3 orders its step), or waits for both. A candidate to time
+# (``triton_flash[gluon_fast_bwd_p_beside_dp]``).
+P_BESIDE_DP = False
+WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: what it takes, consumer 1 gives
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -138,6 +159,61 @@ def _add_dq(DQA, dq, start, n, row, h, col0, stride_qat, stride_qah, Sem, stride
         gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
 
+@gluon.constexpr_function
+def _dq_layout():
+    """Shared layout of the float32 dQ tiles (``DQ_WRITER``), as TMA reads them."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+
+@gluon.jit
+def _dq_writer(dq_s, dq_full, dq_free, DQA, Sem, start, n, tile_row, hk, heads, first, steps, stride_qat, stride_qah,
+               stride_sh, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """Writer partition (``DQ_WRITER``, one warp): each step's dQ terms from ``dq_s`` (``[2, BLOCK_M,
+    DQ_COLS]`` float32: the warpgroups' column halves, or, where ``DQ_COLS == HEAD_DIM``, their terms
+    over their own keys) added to the float32 sums; the tile is free again (``dq_free``) once read.
+    In any order: by TMA reduce-adds of the two tiles over a tensor map of the block's rows (rows past
+    the block dropped), as FlashAttention-3's dQ warp adds. ``DETERMINISTIC``: per-thread adds,
+    ``CHUNK`` rows at a time (the two terms summed first where each covers every column), after the
+    query tile's counter (slot 0) has counted the key tiles before this one in ``_turn``'s order,
+    then counting this one."""
+    CHUNK: gl.constexpr = 8  # rows: one period of the tile's 128-byte swizzle
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // DQ_COLS, DQ_COLS // 4], [1, 1], [1, 0])
+    cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout))
+    if not DETERMINISTIC:
+        dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
+                                            [BLOCK_M, DQ_COLS], _dq_layout())
+    for it in range(GROUPS * steps):
+        h = hk * GROUPS + it // steps
+        row = (first + it % steps) * BLOCK_M
+        mbarrier.wait(dq_full, it & 1)
+        if DETERMINISTIC:
+            counter = Sem + h * stride_sh + (start + row) * 2
+            turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != turn:
+                pass
+            for r in gl.static_range(0, BLOCK_M, CHUNK):
+                rows = row + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+                ptrs = DQA + gl.expand_dims((start + rows) * stride_qat, 1) + h * stride_qah + gl.expand_dims(cols, 0)
+                mask = gl.expand_dims(rows < n, 1)
+                first_part = dq_s.index(0).slice(r, CHUNK).load(layout)
+                second_part = dq_s.index(1).slice(r, CHUNK).load(layout)
+                if DQ_COLS == HEAD_DIM:
+                    gl.atomic_add(ptrs, first_part + second_part, mask=mask, sem="relaxed")
+                else:
+                    gl.atomic_add(ptrs, first_part, mask=mask, sem="relaxed")
+                    gl.atomic_add(ptrs + DQ_COLS, second_part, mask=mask, sem="relaxed")
+            gl.thread_barrier()  # every lane has read the tile and issued its adds
+            mbarrier.arrive(dq_free)
+            gl.atomic_add(counter, 1, sem="release", scope="gpu")
+        else:
+            second_col = h * HEAD_DIM + (0 if DQ_COLS == HEAD_DIM else DQ_COLS)
+            async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
+            async_add_shared_to_global(dq_map, [row, second_col], dq_s.index(1))
+            tma.store_wait(0)  # both tiles read
+            mbarrier.arrive(dq_free)
+
+
 @gluon.jit
 def _turn(row, tile_row, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """How many of the block's key tiles add to query tile ``row ..``'s dQ before the key tile at
@@ -189,12 +265,15 @@ def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stri
 
 
 @gluon.jit
-def _consumer(w, k_s, v_s, q_s, do_s, ds_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, done, DK, DV, DQA, Sem,
-              Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
-              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              DETERMINISTIC: gl.constexpr):
-    """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring)."""
+def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
+              done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale,
+              stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
+              P_BESIDE_DP: gl.constexpr):
+    """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
+    ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
+    ``P^T`` computed while ``dP^T``'s product runs."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -222,10 +301,15 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, rows_s, rows_d, kv_bar, ready, empty
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        if P_BESIDE_DP:
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        else:
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         lse = rows_s.index(b).load(gl.SliceLayout(0, acc_s)) * _LOG2E
         # Only the first two query tiles from the diagonal hold columns left of a key row.
         pt = _probs(st, lse, keys, cols, qk_scale, row < tile_row + BLOCK_N, IS_CAUSAL)
+        if P_BESIDE_DP:
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
@@ -235,13 +319,21 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, rows_s, rows_d, kv_bar, ready, empty
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         # dQ's adds go out while dK's product runs (products complete in the order issued).
         dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-        turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        if DQ_COLS == HEAD_DIM:
-            _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0, BLOCK_M,
-                    DQ_COLS, DETERMINISTIC)
+        if DQ_WRITER:
+            mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
+            dq_s.index(w).store(dq)
+            if not DETERMINISTIC:
+                fence_async_shared()  # the writer's TMA adds read it
+            gl.thread_barrier()  # the whole warpgroup's term is in shared memory
+            mbarrier.arrive(dq_full)
         else:
-            _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w, BLOCK_M,
-                    DQ_COLS, DETERMINISTIC)
+            turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            if DQ_COLS == HEAD_DIM:
+                _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
+                        BLOCK_M, DQ_COLS, DETERMINISTIC)
+            else:
+                _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
+                        BLOCK_M, DQ_COLS, DETERMINISTIC)
         dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         _release(empty, s)
     async_copy.wait_group(0)  # the copies past the last step (all masked) are done too
@@ -265,7 +357,8 @@ def _flash_bwd_ws_kernel(
     Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, Table, slots, heads, kv_heads, qk_scale, scale, stride_qt, stride_kt,
     stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
+    P_BESIDE_DP: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -286,29 +379,60 @@ def _flash_bwd_ws_kernel(
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        if DQ_WRITER:
+            dq_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], _dq_layout())
+            dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            dq_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(dq_full.index(0), count=2)
+            mbarrier.init(dq_free.index(0), count=1)
         mbarrier.init(kv_bar.index(0), count=1)
         mbarrier.init(ds_ready.index(0), count=2)
         mbarrier.init(ds_ready.index(1), count=2)
         mbarrier.init(done.index(0), count=2)
         init_ring(ready, empty, STAGES, 2)  # a slot is free once both consumers are done with it
         first, steps = query_steps(n, tile_row, BLOCK_M, IS_CAUSAL)
-        gl.warp_specialize([
-            (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, lse_0, delta_0, kv_bar.index(0), ready, empty, ds_ready,
-                         done.index(0), DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first,
-                         steps, qk_scale, scale, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
-                         GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC)),
-            (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty, ds_ready,
-                         done.index(0), DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first,
-                         steps, qk_scale, scale, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
-                         GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC)),
-            (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
-                       heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
-                       BLOCK_M, BLOCK_N, HEAD_DIM)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        if DQ_WRITER:
+            gl.warp_specialize([
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
+                             ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
+                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
+                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
+                             ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
+                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
+                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
+                           heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
+                           BLOCK_M, BLOCK_N, HEAD_DIM)),
+                (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
+                              steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
+                              IS_CAUSAL, DETERMINISTIC)),
+            ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, WRITER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
+                             ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
+                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
+                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
+                             ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
+                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
+                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
+                           heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
+                           BLOCK_M, BLOCK_N, HEAD_DIM)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         mbarrier.invalidate(ds_ready.index(0))
         mbarrier.invalidate(ds_ready.index(1))
         mbarrier.invalidate(done.index(0))
+        if DQ_WRITER:
+            mbarrier.invalidate(dq_full.index(0))
+            mbarrier.invalidate(dq_free.index(0))
         drop_ring(ready, empty, STAGES)
 
 
@@ -317,7 +441,8 @@ launch_bwd = Launcher(_flash_bwd_ws_kernel, scratch=True)
 
 def dq_cols(head_dim: int) -> int:
     """dQ columns per consumer warpgroup: half the head's from D 128 on (each half a whole 64-column,
-    128-byte swizzle block of the shared k tile), else all of them (each warpgroup over its own keys)."""
+    128-byte swizzle block of the shared k tile) unless ``DQ_BY_KEYS_AT`` names it, else all of them
+    (each warpgroup over its own keys)."""
     return head_dim // 2 if head_dim >= 128 else head_dim
 
 
@@ -347,7 +472,8 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     table = key_tile_table(sched, causal, deterministic)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if deterministic else table
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=TILE_M, BLOCK_N=TILE_N, DQ_COLS=dq_cols(dim),
-                IS_CAUSAL=causal, DETERMINISTIC=deterministic, num_warps=4)
+                IS_CAUSAL=causal, DETERMINISTIC=deterministic, DQ_WRITER=DQ_WRITER,
+                P_BESIDE_DP=P_BESIDE_DP, num_warps=4)
     args = (q, k, v, do, dk, dv, dq_sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             dq_sums.stride(0), dq_sums.stride(1), 2 * total)

@@ -47,8 +47,8 @@ def _forward(
     )
 
 
-# Where the Gluon forward was measured faster than the Triton one (H200, bf16): full attention
-# (``block_size == 0``) at these head dims.
+# Where the Gluon forward was measured faster than the Triton one (bf16): at these head dims, full
+# attention (H200 and H100) and blocks of 256 / 512 (H100, 2026-12-05: 1.06x / 1.22x).
 GLUON_FORWARD_HEAD_DIMS = frozenset({128})
 _GLUON_FORWARD = [True]
 
@@ -68,11 +68,11 @@ def gluon_forward(enabled: bool) -> Iterator[None]:
 
 def gluon_forward_taken(block_size: int, head_dim: int) -> bool:
     """Whether a call of these facts that the warp-specialized Gluon forward admits runs it: full
-    attention at D = 128 (measured faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``
+    attention or blocks over 128 rows (every call of this backend) at D = 128 (measured faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``
     (``variants.allow_unverified``); never inside ``gluon_forward(False)``."""
     if not _GLUON_FORWARD[0] or variants.gluon_import_error() is not None:
         return False
-    return (block_size == 0 and head_dim in GLUON_FORWARD_HEAD_DIMS) or variants.unverified_allowed()
+    return head_dim in GLUON_FORWARD_HEAD_DIMS or variants.unverified_allowed()
 
 
 def _backward(
