@@ -116,3 +116,34 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
     offsets = torch.tensor([0, 4, 10])
     with pytest.raises(ValueError, match="backend='triton' cannot serve this call: device type 'cpu'"):
         bl.block_attention(q8, k8, v8, offsets, 64, q_descale=qd, k_descale=kd, v_descale=vd, backend="triton")
+
+
+@pytest.mark.parametrize("changes,deterministic,want", [
+    (dict(block_size=None), True, "triton_flash, gluon kernels (backward: triton kernels)"),
+    (dict(block_size=None), False, "triton_flash, gluon kernels"),
+    (dict(block_size=256), True, "triton_flash, gluon kernels (backward: triton kernels)"),
+    (dict(block_size=None, head_dim=64), True, "triton_flash, triton kernels"),
+    (dict(block_size=None, head_dim=64), False, "triton_flash, triton kernels (backward: gluon kernels)"),
+    (dict(block_size=512, head_dim=96), False, "triton_flash, triton kernels"),
+    (dict(block_size=None, rotary=True), False, "triton_flash, triton kernels"),
+    (dict(block_size=None, capability=(8, 0)), False, "triton_flash, triton kernels"),
+    (dict(block_size=None, dtype=torch.float32), False, "triton_flash, triton kernels"),
+], ids=["full-d128", "full-d128-fast", "block256-d128", "full-d64", "full-d64-fast", "block512-d96-fast",
+        "rotary-fast", "sm80-fast", "fp32-fast"])
+def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, deterministic, want):
+    """``triton_flash``'s Gluon forward where measured faster (D128), the Gluon dK/dV pass in the fast
+    backward (D 64 / 128), the Triton kernels elsewhere, with the reasons ``explain_variants`` gives."""
+    req = dataclasses.replace(SM90, **changes)
+    with bl.fast_backward(not deterministic):
+        assert describe(req, "triton_flash") == want
+        shown = explain_variants(req)["triton_flash"]
+    assert shown["triton"] == []
+    if "rotary" in changes:
+        assert shown["gluon"] == ["no rotary"]
+    if "capability" in changes:
+        assert shown["gluon"] == ["an sm_90 GPU"]
+    if changes.get("head_dim") == 64:
+        assert shown["gluon"] == ["head dim 64: the Triton forward measured faster (or forced off)"]
+    if deterministic and "head_dim" not in changes:
+        assert shown["backward: gluon"] == ["the fast backward (blockattn_layers.use_fast_backward): the "
+                                            "deterministic one's Triton passes measured faster"]

@@ -247,18 +247,25 @@ def _flash_fwd_ws_kernel(
 launch_fwd = Launcher(_flash_fwd_ws_kernel, scratch=True)
 
 
-def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
-    """Why the warp-specialized forward cannot take calls of these facts (empty: it can)."""
+def flash_ws_fact_reasons(major, dtype, head_dim: int, rotary: bool) -> list:
+    """Why the warp-specialized forward cannot take calls of these facts (empty: it can; ``major``
+    the CUDA device's compute capability major, None off CUDA)."""
     reasons = []
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if major != 9:
         reasons.append("an sm_90 GPU")
     if dtype not in (torch.float16, torch.bfloat16):
         reasons.append("fp16 or bf16 q, k, v")
     if head_dim not in (64, 128):
         reasons.append(f"head dim 64 or 128 (got {head_dim})")
-    if rope_theta is not None:
+    if rotary:
         reasons.append("no rotary")
     return reasons
+
+
+def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
+    """:func:`flash_ws_fact_reasons` on ``device`` (``rope_theta`` None: no rotary)."""
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    return flash_ws_fact_reasons(major, dtype, head_dim, rope_theta is not None)
 
 
 def flash_ws_reasons(q, k, v, rope_theta) -> list:

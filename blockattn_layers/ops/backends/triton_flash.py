@@ -5,18 +5,19 @@ attention (op argument ``block_size == 0``). As in FA2, the forward returns ``(o
 ``lse [H, T]`` float32 (natural-log logsumexp of the scaled scores of each query row) lets the
 backward recompute ``P`` without a second forward; autograd saves ``out`` and ``lse`` for it.
 The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determinism``). The
-forward of full attention at D = 128 on sm_90 runs the warp-specialized Gluon kernel
-(``kernels.sm90.flash_fwd``; GPU tests passed on the H200, 1.02-1.06x faster than the Triton
-forward there on the full-attention shapes, 1.1-1.4x slower on blocks of 256 and 512, which keep
-the Triton one), in its persistent form (``kernels.sm90.flash_persistent``, one program per SM:
-1.05-1.10x the per-tile form on an H100); with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` it takes every
-call it admits (D 64, blocks over 128). ``backend="auto"`` takes this backend on CUDA devices for what the single-tile
-``triton`` backend does not serve.
+forward at D = 128 on sm_90 runs the warp-specialized Gluon kernel (``kernels.sm90.flash_fwd``;
+GPU tests passed on the H200 and an H100) in its persistent form (``kernels.sm90.flash_persistent``,
+one program per SM): full attention (1.02-1.06x the Triton forward on the H200) and blocks over
+128 tokens (1.06x / 1.22x at 256 / 512 on an H100); with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` it
+takes every call it admits (D 64 too). The fast backward's dK/dV pass on sm_90 is the Gluon one
+(``kernels.sm90.flash_bwd``) where that admits the call. :func:`_variant_reasons` shows these
+choices to the dispatcher (``explain_variants``, ``describe``). ``backend="auto"`` takes this
+backend on CUDA devices for what the single-tile ``triton`` backend does not serve.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -75,6 +76,51 @@ def gluon_forward_taken(block_size: int, head_dim: int) -> bool:
     return head_dim in GLUON_FORWARD_HEAD_DIMS or variants.unverified_allowed()
 
 
+# The flash path's kernels as ``explain_variants`` names them: the warp-specialized Gluon ones
+# (``kernels.sm90``: the forward, the dK/dV pass) and the Triton ones (``kernels.flash``).
+GLUON_KERNELS = "gluon"
+TRITON_KERNELS = "triton"
+
+
+def _gluon_admits(req: AttentionRequest) -> List[str]:
+    """Why the Gluon flash kernels cannot take calls like ``req`` at all (empty: they can, given the
+    tensors' layout, checked per call)."""
+    error = variants.gluon_import_error()
+    if error is not None:
+        return [f"Gluon kernels importable ({error})"]
+    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_fact_reasons
+
+    major = req.capability[0] if req.device_type == "cuda" and req.capability is not None else None
+    return flash_ws_fact_reasons(major, req.dtype, req.head_dim, req.rotary)
+
+
+def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
+    """The flash kernels that run a call like ``req``: the forward's ``gluon`` or ``triton`` (the
+    first without reasons runs) and, where the backward's choice differs, ``backward: NAME`` (the
+    Gluon dK/dV pass, with the delta and dQ passes by Triton, in the fast backward; its deterministic
+    form only with ``sm90.flash_bwd.TAKEN``). The backward follows the current
+    ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
+    ``H * D`` contiguous, 16-byte aligned elements and 32-bit offsets; where a call's tensors lack
+    them the Triton kernels run it."""
+    admits = _gluon_admits(req)
+    forward = list(admits)
+    if not admits and not gluon_forward_taken(0 if req.block_size is None else req.block_size, req.head_dim):
+        forward.append(f"head dim {req.head_dim}: the Triton forward measured faster (or forced off)")
+    backward = list(admits)
+    if not admits:
+        from blockattn_layers.kernels.sm90 import flash_bwd
+
+        if req.capability[0] not in flash_bwd.VERIFIED_ON and not variants.unverified_allowed():
+            backward.append("a GPU its tests passed on (unverified kernels allowed)")
+        if not (flash_bwd.TAKEN[0] or (flash_bwd.FAST_TAKEN[0] and not deterministic_backward())):
+            backward.append("the fast backward (blockattn_layers.use_fast_backward): the deterministic one's "
+                            "Triton passes measured faster")
+    reasons = {GLUON_KERNELS: forward, TRITON_KERNELS: []}
+    if bool(backward) != bool(forward):
+        reasons.update({f"backward: {GLUON_KERNELS}": backward, f"backward: {TRITON_KERNELS}": []})
+    return reasons
+
+
 def _backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offsets: Tensor,
     block_size: int, scale: float, causal: bool, rope_theta: Optional[float], positions: Optional[Tensor],
@@ -107,6 +153,7 @@ register_backend(BackendSpec(
     max_block_size=None,
     full_attention=True,
     extra_reasons=_flash_reasons,
+    variant_reasons=_variant_reasons,
     description="multi-tile Triton kernels with an online softmax (block_size > 128 or None = full "
     "attention), FA2-style deterministic backward; CUDA sm_80+, or CPU tensors under TRITON_INTERPRET=1 "
     "(by name only). On the H200: full attention 1.35x FA2 varlen forward, 1.27-1.28x backward",
