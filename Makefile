@@ -14,7 +14,8 @@ TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean gpu-check gpu-grid gpu-candidates gpu-candidates-bench gpu-profile-bwd
+.PHONY: demo test bench info install clean gpu-tests gpu-tests-forced gpu-check gpu-grid gpu-candidates \
+	gpu-candidates-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,14 +41,22 @@ info: $(VENV)/.installed
 
 # On a CUDA machine whose python3 already has torch and triton (the lent H200): install this
 # package there, run the GPU tests in parallel (JIT compiles dominate) and the full benchmark.
+# A device call runs at most 10 minutes: `make gpu-tests` (about 6 minutes with cold compile caches
+# on 8 workers; more workers run an 80 GB card out of memory) and `make gpu-tests-forced` fit one
+# call each; `make gpu-check` is the whole of it, for a machine without that limit.
 GPU_OUT ?= bench_out
-gpu-check:
+gpu-tests:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider tests
+	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider -rfE tests
+
+gpu-tests-forced:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py
 	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py tests/test_prepared_backward.py
+
+gpu-check: gpu-tests gpu-tests-forced
 	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
@@ -84,6 +93,29 @@ gpu-profile-bwd:
 			python3 -m blockattn_layers.bench --shapes seed3 --backends "triton_flash[$$row]" --modes bwd --quick \
 			> $(GPU_OUT)/ncu_bwd_$$row.txt 2>&1 || true; \
 	done
+
+# FlashAttention-4 (flash-attn-4 and its wheels, PERFORMANCE.md's recipe) on the device: its CUDA
+# library wheel is over one call's 64 MiB, so it travels in two parts, `out/fa4a` (the small wheels
+# and part aa) and `out/fa4b` (part ab), in two calls made back to back while the machine stays warm:
+# `make gpu-fa4-part-a` with carry ["out/fa4a"], then `make gpu-fa4-install gpu-flash-peers` with
+# carry ["out/fa4b"]. The parts wait under /tmp there, outside the working tree.
+FA4_DIR ?= /tmp/fa4
+FA4_SITE ?= /tmp/site
+FA4_LIBS_WHEEL := nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+FLASH_PEER_SHAPES ?= seed3,prod_full,seed3_causal,seed3_gqa,block256,block512
+FLASH_PEER_ROWS ?= triton_flash,triton_flash[fast_bwd],fa4_varlen,flex_blocks_flash,varlen_attn
+gpu-fa4-part-a:
+	mkdir -p $(FA4_DIR) && cp out/fa4a/* $(FA4_DIR)/
+
+gpu-fa4-install:
+	cp out/fa4b/* $(FA4_DIR)/
+	cd $(FA4_DIR) && cat cu12.part.aa cu12.part.ab > $(FA4_LIBS_WHEEL) && rm cu12.part.*
+	python3 -m pip install -q --no-index --no-deps --target $(FA4_SITE) $(FA4_DIR)/*.whl
+
+gpu-flash-peers:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	PYTHONPATH=$(FA4_SITE):$(FA4_SITE)/nvidia_cutlass_dsl/dsl_packages python3 -m blockattn_layers.bench \
+		--shapes $(FLASH_PEER_SHAPES) --backends "$(FLASH_PEER_ROWS)" --out $(GPU_OUT)/flash_peers
 
 # The shape grid of issue 25 on a CUDA machine, one dtype, rotary form and causal setting per
 # process (each slice compiles its 60 points first in 6 processes, more run out of GPU memory;

@@ -363,7 +363,10 @@ def test_the_dispatcher_shows_the_variants_beside_the_backends(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # sm_90 calls judged here (the backend serves them)
     req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True)
     shown = explain_variants(req)
-    assert list(shown) == ["triton"] and shown["triton"]["hopper"] == []
+    assert list(shown) == ["triton", "triton_flash"] and shown["triton"]["hopper"] == []
+    # triton_flash's kernels (Gluon or Triton) run only where it serves the call: not 64-token blocks.
+    assert all(why and why[0].startswith("the triton_flash backend does not serve this call: block_size 64 <= 128")
+               for why in shown["triton_flash"].values()), shown["triton_flash"]
     partial = AttentionRequest("cuda", (9, 0), torch.bfloat16, 64, 4, 2, 64, False, True, rotary_dim=32)
     assert explain_variants(partial)["triton"]["hopper"] == []
     interleaved = dataclasses.replace(partial, rotary_interleaved=True)
