@@ -441,8 +441,8 @@ launch_bwd = Launcher(_flash_bwd_ws_kernel, scratch=True)
 
 def dq_cols(head_dim: int) -> int:
     """dQ columns per consumer warpgroup: half the head's from D 128 on (each half a whole 64-column,
-    128-byte swizzle block of the shared k tile) unless ``DQ_BY_KEYS_AT`` names it, else all of them
-    (each warpgroup over its own keys)."""
+    128-byte swizzle block of the shared k tile), else all of them (each warpgroup over its own
+    keys)."""
     return head_dim // 2 if head_dim >= 128 else head_dim
 
 
