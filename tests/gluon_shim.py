@@ -38,8 +38,9 @@ What it models:
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
   ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
   move a box at once, zero-filled outside the descriptor's shape, TMA stores (and TMA reduce-adds,
-  ``sm90.tma_add``, added lane by lane as atomics) drop what lies outside it; :func:`launch` checks that a program invalidated every barrier it initialized, and
-  invalidating one mid-phase (arrivals or bytes still due) raises;
+  ``sm90.tma_add``, added lane by lane as atomics) drop what lies outside it; :func:`launch`
+  checks that a program invalidated every barrier it initialized, and invalidating one mid-phase
+  (arrivals or bytes still due) raises;
 - Blackwell: tensor memory is a float32 torch tensor (:class:`TensorMemory`, NaN when allocated,
   ``slice`` along the last dimension); ``tcgen05_mma`` is a float32 matmul of shared-memory
   operands into it (``use_acc``, shapes and dtypes checked) that arrives on its ``mbarriers``;
@@ -880,7 +881,8 @@ _REPLACEMENTS = {
     id(_real_blackwell.get_tmem_reg_layout): blackwell.get_tmem_reg_layout,
     id(_real_blackwell.tcgen05_mma): _tcgen05_mma, id(_real_blackwell.tcgen05_commit): _tcgen05_commit, id(_real_async_copy): async_copy, id(_real_mbarrier): mbarrier,
     id(_real_ampere_mbarrier): mbarrier, id(_real_tma): tma,
-    id(_real_fence): _nothing, id(_real_tma_add): _tma_add, id(_real_wgmma): _warpgroup_mma, id(_real_wgmma_wait): _warpgroup_mma_wait,
+    id(_real_fence): _nothing, id(_real_tma_add): _tma_add, id(_real_wgmma): _warpgroup_mma,
+    id(_real_wgmma_wait): _warpgroup_mma_wait,
 }
 
 

@@ -69,8 +69,9 @@ def gluon_forward(enabled: bool) -> Iterator[None]:
 
 def gluon_forward_taken(block_size: int, head_dim: int) -> bool:
     """Whether a call of these facts that the warp-specialized Gluon forward admits runs it: full
-    attention or blocks over 128 rows (every call of this backend) at D = 128 (measured faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``
-    (``variants.allow_unverified``); never inside ``gluon_forward(False)``."""
+    attention or blocks over 128 rows (every call of this backend) at D = 128 (measured faster),
+    else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` (``variants.allow_unverified``); never inside
+    ``gluon_forward(False)``."""
     if not _GLUON_FORWARD[0] or variants.gluon_import_error() is not None:
         return False
     return head_dim in GLUON_FORWARD_HEAD_DIMS or variants.unverified_allowed()
