@@ -430,8 +430,7 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool):
         return None
     from ..sm90 import flash_bwd
 
-    taken = flash_bwd.TAKEN[0] or (flash_bwd.FAST_TAKEN[0] and not deterministic)
-    if not taken or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
+    if not flash_bwd.taken(deterministic) or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
         return None
     return flash_bwd
 

@@ -446,6 +446,12 @@ def dq_cols(head_dim: int) -> int:
     return head_dim // 2 if head_dim >= 128 else head_dim
 
 
+def taken(deterministic: bool) -> bool:
+    """Whether the switches hand the dK/dV pass of a backward of this mode to this kernel: ``TAKEN``
+    (both), ``FAST_TAKEN`` (the fast one)."""
+    return TAKEN[0] or (FAST_TAKEN[0] and not deterministic)
+
+
 def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
     """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
     reasons = flash_ws_reasons(q, k, v, rope_theta)

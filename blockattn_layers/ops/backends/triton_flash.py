@@ -113,7 +113,7 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
 
         if req.capability[0] not in flash_bwd.VERIFIED_ON and not variants.unverified_allowed():
             backward.append("a GPU its tests passed on (unverified kernels allowed)")
-        if not (flash_bwd.TAKEN[0] or (flash_bwd.FAST_TAKEN[0] and not deterministic_backward())):
+        if not flash_bwd.taken(deterministic_backward()):
             backward.append("the fast backward (blockattn_layers.use_fast_backward): the deterministic one's "
                             "Triton passes measured faster")
     reasons = {GLUON_KERNELS: forward, TRITON_KERNELS: []}
