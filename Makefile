@@ -66,7 +66,7 @@ gpu-check: gpu-tests gpu-tests-forced
 # (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
 # forward under each option, and the flash forward and backwards beside ours on the full-attention
 # shapes (about 7 minutes).
-CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp]
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_fp8_modules.py tests/test_fp8.py \

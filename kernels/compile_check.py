@@ -459,20 +459,21 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
-                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False)
+                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
-    # Candidates: dQ's adds by the consumers themselves (no writer partition), and P computed beside
-    # dP's product (P_BESIDE_DP).
-    for dim, ordered, writer, early_p in (
-            (64, False, False, False), (64, True, False, False), (128, False, False, False), (128, True, False, False),
-            (64, False, True, True), (128, False, True, True), (128, True, True, True)):
+    # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
+    # dP's product (P_BESIDE_DP), and dK, dV without dQ's terms (WITH_DQ off).
+    for dim, ordered, writer, early_p, with_dq in (
+            (64, False, False, False, True), (64, True, False, False, True), (128, False, False, False, True),
+            (128, True, False, False, True), (64, False, True, True, True), (128, False, True, True, True),
+            (128, True, True, True, True), (64, False, True, False, False), (128, False, True, False, False)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
-                          IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p)
+                          IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
+                          WITH_DQ=with_dq)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
-                f"_bf16_d{dim}{'_deterministic' if ordered else ''}")
+                f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
-
 
 def required_copies(build: Build) -> Tuple[str, ...]:
     """Copy instructions a build's PTX must hold: TMA copies for tensor-map loads, asynchronous

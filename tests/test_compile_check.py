@@ -123,9 +123,10 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     per-thread atomics, ordered by per-thread atomic adds; the ordered builds read each counter with
     acquire semantics and count with release semantics, the others have no counters. With them the
     candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
-    product."""
+    product, and dK / dV alone (no dQ term: neither adds nor counters)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 23 and sum(name.endswith("_deterministic") for name in ptx) == 11
+    assert len(ptx) == 25 and sum(name.endswith("_deterministic") for name in ptx) == 11
+    assert sum("_dkdv_only_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
     for name, text in ptx.items():
@@ -135,9 +136,10 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
             assert instruction in text, (name, instruction)
         ordered = ("ld.global.gpu.acquire" in text, "atom.global.gpu.release.add" in text)
         assert ordered == (name.endswith("_deterministic"),) * 2, name
-        tma_adds = "_consumer_adds_" not in name and not name.endswith("_deterministic")
+        adds = "_dkdv_only_" not in name
+        tma_adds = adds and "_consumer_adds_" not in name and not name.endswith("_deterministic")
         assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in text) == tma_adds, name
-        assert ("atom.global.gpu.relaxed.add" in text) != tma_adds, name
+        assert ("atom.global.gpu.relaxed.add" in text) == (adds and not tma_adds), name
 
 
 @pytest.mark.parametrize("arch,instruction", ARCHS)

@@ -119,7 +119,7 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
 
 
 @pytest.mark.parametrize("changes,deterministic,want", [
-    (dict(block_size=None), True, "triton_flash, gluon kernels (backward: triton kernels)"),
+    (dict(block_size=None), True, "triton_flash, gluon kernels"),
     (dict(block_size=None), False, "triton_flash, gluon kernels"),
     (dict(block_size=256), True, "triton_flash, gluon kernels (backward: triton kernels)"),
     (dict(block_size=None, head_dim=64), True, "triton_flash, triton kernels"),
@@ -132,7 +132,8 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
         "rotary-fast", "sm80-fast", "fp32-fast"])
 def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, deterministic, want):
     """``triton_flash``'s Gluon forward where measured faster (D128), the Gluon dK/dV pass in the fast
-    backward (D 64 / 128), the Triton kernels elsewhere, with the reasons ``explain_variants`` gives."""
+    backward (D 64 / 128) and in the deterministic one at full attention with D 128, the Triton
+    kernels elsewhere, with the reasons ``explain_variants`` gives."""
     req = dataclasses.replace(SM90, **changes)
     with bl.fast_backward(not deterministic):
         assert describe(req, "triton_flash") == want
@@ -144,6 +145,18 @@ def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, de
         assert shown["gluon"] == ["an sm_90 GPU"]
     if changes.get("head_dim") == 64:
         assert shown["gluon"] == ["head dim 64: the Triton forward measured faster (or forced off)"]
-    if deterministic and "head_dim" not in changes:
-        assert shown["backward: gluon"] == ["the fast backward (blockattn_layers.use_fast_backward): the "
-                                            "deterministic one's Triton passes measured faster"]
+    if deterministic and changes.get("block_size") is not None and "head_dim" not in changes:
+        assert shown["backward: gluon"] == ["the fast backward (blockattn_layers.use_fast_backward) or full "
+                                            "attention at D 128: the deterministic one's Triton passes measured "
+                                            "faster elsewhere"]
+
+
+def test_describe_follows_the_deterministic_gluon_dkdv_switch(with_cuda, monkeypatch):
+    """With ``DKDV_ONLY_TAKEN`` the deterministic backward's dK/dV pass is the Gluon kernel's on blocks
+    too (by default only at full attention)."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    req = dataclasses.replace(SM90, block_size=256)
+    assert describe(req, "triton_flash") == "triton_flash, gluon kernels (backward: triton kernels)"
+    monkeypatch.setattr(flash_bwd, "DKDV_ONLY_TAKEN", [True])
+    assert describe(req, "triton_flash") == "triton_flash, gluon kernels"

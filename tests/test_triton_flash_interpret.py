@@ -525,18 +525,23 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                             dict(heads=4, kv_heads=4, dim=64, block_size=None, consumer_adds=True),
                             dict(heads=2, kv_heads=2, dim=128, block_size=384, consumer_adds=True),
                             dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, p_beside_dp=True),
-                            dict(heads=4, kv_heads=4, dim=64, block_size=None, p_beside_dp=True)],
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, p_beside_dp=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, dkdv_only=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=384, dkdv_only=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
     (``sm90.flash_bwd``, ``TAKEN`` set): gradients within 3x the naive same-dtype error of the float64
     oracle (with a floor); the deterministic one bitwise the same twice. dQ's adds by the writer
-    partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P computed while dP's product
-    runs (``P_BESIDE_DP``)."""
+    partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
+    computed while dP's product runs (``P_BESIDE_DP``); ``dkdv_only``: the deterministic backward with
+    the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``; the fast one
+    as ``FAST_TAKEN`` takes it)."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     case = dict(case)
+    dkdv_only = case.pop("dkdv_only", False)
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", not case.pop("consumer_adds", False))
     if case.pop("p_beside_dp", False):
         monkeypatch.setattr(flash_bwd, "P_BESIDE_DP", True)
@@ -546,7 +551,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 5)
     causal = case.get("causal", False)
     grad_out = torch.randn_like(q)
-    monkeypatch.setattr(flash_bwd, "TAKEN", [True])
+    monkeypatch.setattr(flash_bwd, "TAKEN", [not dkdv_only])
+    monkeypatch.setattr(flash_bwd, "DKDV_ONLY_TAKEN", [dkdv_only])
     runs = []
     for _ in range(1 if fast else 2):
         qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
@@ -584,25 +590,29 @@ def _nan_sequence_inputs(dim: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("writer,fast", [(False, False), (True, False), (True, True)],
-                         ids=["consumers-add", "writer-adds", "writer-tma-adds"])
+@pytest.mark.parametrize("writer,fast,dkdv_only", [(False, False, False), (True, False, False), (True, True, False),
+                                                   (True, False, True)],
+                         ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast):
+def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
     the block's end: a NaN sequence between ragged ones has NaN gradients, every other row finite
     gradients equal to the Triton deterministic backward's within bf16 rounding (``writer``: dQ's
     adds by the writer partition; ``fast``: the fast backward, the writer's TMA reduce-adds over a
-    tensor map of each block's rows)."""
+    tensor map of each block's rows; ``dkdv_only``: the deterministic backward with the kernel
+    computing dK and dV only, beside the Triton dQ pass)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", writer)
     monkeypatch.setattr(flash_bwd, "FAST_TAKEN", [False])
+    monkeypatch.setattr(flash_bwd, "DKDV_ONLY_HEAD_DIMS", frozenset())
 
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)
     grad_out = torch.randn_like(q)
     runs = []
     for gluon in (True, False):
-        monkeypatch.setattr(flash_bwd, "TAKEN", [gluon])
+        monkeypatch.setattr(flash_bwd, "TAKEN", [gluon and not dkdv_only])
+        monkeypatch.setattr(flash_bwd, "DKDV_ONLY_TAKEN", [gluon and dkdv_only])
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         with bl.fast_backward(fast and gluon):
             out = bl.block_attention(*leaves, offsets, block_size=None, backend="triton_flash", causal=True)

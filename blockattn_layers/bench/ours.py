@@ -265,6 +265,23 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
         flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP = before
 
 
+@contextlib.contextmanager
+def _gluon_dkdv_only_backward():
+    """The deterministic backward with its dK/dV pass by the Gluon kernel without dQ's terms
+    (``sm90.flash_bwd.DKDV_ONLY_TAKEN``) beside the Triton dQ pass."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels():
+        yield
+
+
+GLUON_DKDV_ONLY_BACKWARD = Method(
+    "triton_flash[gluon_dkdv_bwd]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+    description="triton_flash with the deterministic backward, its dK/dV pass by the warp-specialized Gluon kernel "
+                "computing dK and dV only (the Triton dQ pass beside it), the Gluon forward on every call it admits",
+    context=_gluon_dkdv_only_backward)
+
+
 GLUON_BACKWARDS = [
     Method(name, "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
            description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
@@ -362,7 +379,8 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS, TRITON_FORWARD,
+            methods.extend([FAST_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS,
+                            GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

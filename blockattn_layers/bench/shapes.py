@@ -80,6 +80,12 @@ def seed3_d256() -> List[Case]:
     return [Case("seed3_d256/d256h4", "seed3_d256", _seed3_lengths(), 4, 256, None)]
 
 
+def seed3_d64() -> List[Case]:
+    """seed3's lengths with 16 heads of 64 channels (seed3's bytes): full attention at D64, where the
+    Gluon flash kernels' choice is timed apart from D128's (issue 26)."""
+    return [Case("seed3_d64/d64h16", "seed3_d64", _seed3_lengths(), 16, 64, None)]
+
+
 def prod_full() -> List[Case]:
     return _heads("prod_full", prod_lengths(), None, heads=((2, 128),))
 
@@ -118,6 +124,7 @@ SHAPES: Dict[str, Callable[[], List[Case]]] = {
     "seed3_causal": seed3_causal,
     "seed3_gqa": seed3_gqa,
     "seed3_d256": seed3_d256,
+    "seed3_d64": seed3_d64,
     "prod_full": prod_full,
     "block256": block256,
     "block512": block512,

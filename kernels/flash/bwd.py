@@ -30,7 +30,9 @@ On sm_90, where ``sm90.flash_bwd`` takes the call (the fast backward, ``FAST_TAK
 its ``TAKEN`` is set), the backward is the fast one's three passes with the dK/dV pass by its
 warp-specialized Gluon kernel (dQ's terms by TMA reduce-adds); the deterministic form has that
 kernel add each query tile's dQ terms in a fixed order (key tile by key tile, each waiting for its
-turn on a counter), so its float32 sums, and dQ, are bitwise the same run to run.
+turn on a counter), so its float32 sums, and dQ, are bitwise the same run to run. At full attention
+with D 128 (``sm90.flash_bwd.dkdv_only``) the deterministic backward keeps its Triton dQ pass and runs
+the Gluon kernel as its dK/dV pass without dQ's terms (bitwise deterministic as well).
 
 Loads: as in ``flash.fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
 tiles in the dQ pass) through tensor maps where ``tma_loads`` allows; then the dK/dV pass leaves
@@ -355,7 +357,7 @@ def flash_attention_bwd(
                                  rope_theta is not None)
     dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
-    gluon = _gluon_dkdv(do, q, k, v, rope_theta, deterministic)
+    gluon, gluon_adds_dq = _gluon_dkdv(do, q, k, v, rope_theta, deterministic, block_size)
     if gluon is not None:
         dkv_n = gluon.TILE_N
     longest_first = block_size == 0
@@ -378,7 +380,7 @@ def flash_attention_bwd(
         meta["TMA"] = tma and not meta["INT64"]
         return meta
 
-    if gluon is not None or not deterministic:
+    if gluon_adds_dq or not deterministic:
         ws = None if gluon is None else functools.partial(
             gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
@@ -394,7 +396,11 @@ def flash_attention_bwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), lse.stride(0),
     ), meta, q)
 
-    _dkdv_pass(do, q, k, v, lse, delta, dk, dv, None, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta, pass_meta)
+    if gluon is not None:
+        gluon.dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, None, dkv_sched, scale, causal)
+    else:
+        _dkdv_pass(do, q, k, v, lse, delta, dk, dv, None, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta,
+                   pass_meta)
     return dq, dk, dv
 
 
@@ -421,18 +427,22 @@ def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n
     ), meta, q)
 
 
-def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool):
-    """The module of the warp-specialized Gluon dK/dV pass (``sm90.flash_bwd``) where it is chosen
-    (``flash_bwd.TAKEN``; ``FAST_TAKEN`` for the fast backward) and its kernel takes the call; else None."""
+def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
+    """``(module, with_dq)``: the module of the warp-specialized Gluon dK/dV pass (``sm90.flash_bwd``)
+    where it is chosen and its kernel takes the call, and whether it adds dQ's terms (``taken``: the
+    fast backward) or only computes dK and dV beside the Triton dQ pass (``dkdv_only``: the
+    deterministic one at full attention); else ``(None, False)``."""
     from ..block import variants
 
     if variants.gluon_import_error() is not None or not q.is_cuda:
-        return None
+        return None, False
     from ..sm90 import flash_bwd
 
-    if not flash_bwd.taken(deterministic) or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
-        return None
-    return flash_bwd
+    with_dq = flash_bwd.taken(deterministic)
+    taken = with_dq or flash_bwd.dkdv_only(deterministic, block_size, q.shape[-1])
+    if not taken or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
+        return None, False
+    return flash_bwd, with_dq
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

@@ -39,9 +39,10 @@ The delta pass before and the pass that scales and casts the sums into dQ after 
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
 offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it
 (``FAST_TAKEN``; H100, bf16, seed3: 3.11 ms against the Triton fast backward's 5.07 and the
-deterministic one's 3.84); the deterministic backward stays on the Triton passes (this kernel's
-ordered form: 5.01 ms), except while ``TAKEN`` is set (the benchmark's ``triton_flash[gluon_bwd]``
-row).
+deterministic one's 3.84). The deterministic backward keeps the Triton dQ pass and, at full attention
+with D 128 (``DKDV_ONLY_HEAD_DIMS``), takes this kernel as its dK/dV pass without dQ's terms
+(``WITH_DQ`` off; seed3: 3.68 ms against 3.84); this kernel's ordered form adding dQ itself runs only
+while ``TAKEN`` is set (the benchmark's ``triton_flash[gluon_bwd]`` row; 5.01 ms).
 """
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ VERIFIED_ON = frozenset({9})
 # 2026-12-05: seed3 3.11 ms against the Triton fast 5.07 and deterministic 3.84).
 TAKEN = [False]
 FAST_TAKEN = [True]
+# Where the deterministic backward's dK/dV pass is this kernel without dQ's terms (``WITH_DQ`` off;
+# the Triton dQ pass computes dQ and delta, as without this kernel): at full attention with the head
+# dims of ``DKDV_ONLY_HEAD_DIMS``, measured faster there (H100, bf16, D128, 2026-12-05: seed3 3.68 ms
+# against the Triton passes' 3.84, causal 2.03 / 2.21, GQA 3.50 / 3.81, prod_full 41.5 / 42.8; at
+# blocks of 256 slower, 7.90 / 7.35, at 512 even), or on every call it admits while ``DKDV_ONLY_TAKEN``
+# is set (the benchmark's ``triton_flash[gluon_dkdv_bwd]`` row).
+DKDV_ONLY_HEAD_DIMS = frozenset({128})
+DKDV_ONLY_TAKEN = [False]
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(24)
@@ -270,10 +279,10 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
-              P_BESIDE_DP: gl.constexpr):
+              P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
-    ``P^T`` computed while ``dP^T``'s product runs."""
+    ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -314,19 +323,24 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
-        dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
+        if WITH_DQ:
+            dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
         ds_a = gl.convert_layout(ds16, a_s)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
-        # dQ's adds go out while dK's product runs (products complete in the order issued).
-        dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-        if DQ_WRITER:
+        if not WITH_DQ:
+            dv, p16, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, p16, dk, ds_a))
+        elif DQ_WRITER:
+            # dQ's term goes out while dK's product runs (products complete in the order issued).
+            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
             dq_s.index(w).store(dq)
             if not DETERMINISTIC:
                 fence_async_shared()  # the writer's TMA adds read it
             gl.thread_barrier()  # the whole warpgroup's term is in shared memory
             mbarrier.arrive(dq_full)
+            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         else:
+            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
             if DQ_COLS == HEAD_DIM:
                 _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
@@ -334,7 +348,7 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             else:
                 _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
                         BLOCK_M, DQ_COLS, DETERMINISTIC)
-        dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         _release(empty, s)
     async_copy.wait_group(0)  # the copies past the last step (all masked) are done too
     # Both warpgroups are done with k and v (each one's dQ products read every key row).
@@ -358,7 +372,7 @@ def _flash_bwd_ws_kernel(
     stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
-    P_BESIDE_DP: gl.constexpr,
+    P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -379,7 +393,7 @@ def _flash_bwd_ws_kernel(
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        if DQ_WRITER:
+        if DQ_WRITER and WITH_DQ:
             dq_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], _dq_layout())
             dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             dq_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -391,18 +405,18 @@ def _flash_bwd_ws_kernel(
         mbarrier.init(done.index(0), count=2)
         init_ring(ready, empty, STAGES, 2)  # a slot is free once both consumers are done with it
         first, steps = query_steps(n, tile_row, BLOCK_M, IS_CAUSAL)
-        if DQ_WRITER:
+        if DQ_WRITER and WITH_DQ:
             gl.warp_specialize([
                 (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
                 (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
                            heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
                            BLOCK_M, BLOCK_N, HEAD_DIM)),
@@ -416,12 +430,12 @@ def _flash_bwd_ws_kernel(
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
                 (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
                            heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
                            BLOCK_M, BLOCK_N, HEAD_DIM)),
@@ -430,7 +444,7 @@ def _flash_bwd_ws_kernel(
         mbarrier.invalidate(ds_ready.index(0))
         mbarrier.invalidate(ds_ready.index(1))
         mbarrier.invalidate(done.index(0))
-        if DQ_WRITER:
+        if DQ_WRITER and WITH_DQ:
             mbarrier.invalidate(dq_full.index(0))
             mbarrier.invalidate(dq_free.index(0))
         drop_ring(ready, empty, STAGES)
@@ -452,6 +466,15 @@ def taken(deterministic: bool) -> bool:
     return TAKEN[0] or (FAST_TAKEN[0] and not deterministic)
 
 
+def dkdv_only(deterministic: bool, block_size: int, head_dim: int) -> bool:
+    """Whether the deterministic backward's dK/dV pass of a call of these facts (``block_size`` 0:
+    full attention) is this kernel without dQ's terms, where :func:`taken` does not hand it the
+    whole pass: at full attention with a head dim of ``DKDV_ONLY_HEAD_DIMS``, or everywhere while
+    ``DKDV_ONLY_TAKEN`` is set."""
+    where = DKDV_ONLY_TAKEN[0] or (block_size == 0 and head_dim in DKDV_ONLY_HEAD_DIMS)
+    return deterministic and where and not taken(deterministic)
+
+
 def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
     """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
     reasons = flash_ws_reasons(q, k, v, rope_theta)
@@ -470,17 +493,21 @@ def key_tile_table(sched, causal: bool, deterministic: bool) -> torch.Tensor:
 
 def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, causal: bool,
                  deterministic: bool = False) -> None:
-    """The fast backward's dK/dV pass by this kernel: dK, dV written, dQ's terms added to ``dq_sums``
-    (float32 ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``sched`` the flash
-    schedule of ``TILE_N``-row key tiles."""
+    """The dK/dV pass by this kernel: dK, dV written and dQ's terms added to ``dq_sums`` (float32
+    ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``dq_sums=None``: no dQ term
+    (``WITH_DQ`` off: a dQ pass of its own computes dQ). ``sched``: the flash schedule of
+    ``TILE_N``-row key tiles."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
-    table = key_tile_table(sched, causal, deterministic)
-    counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if deterministic else table
+    with_dq = dq_sums is not None
+    ordered = deterministic and with_dq
+    table = key_tile_table(sched, causal, ordered)
+    counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if ordered else table
+    sums = dq_sums if with_dq else dk
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=TILE_M, BLOCK_N=TILE_N, DQ_COLS=dq_cols(dim),
-                IS_CAUSAL=causal, DETERMINISTIC=deterministic, DQ_WRITER=DQ_WRITER,
-                P_BESIDE_DP=P_BESIDE_DP, num_warps=4)
-    args = (q, k, v, do, dk, dv, dq_sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
+                IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER, P_BESIDE_DP=P_BESIDE_DP,
+                WITH_DQ=with_dq, num_warps=4)
+    args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
-            dq_sums.stride(0), dq_sums.stride(1), 2 * total)
+            sums.stride(0), sums.stride(1), 2 * total)
     launch_bwd((sched.programs * kv_heads,), args, meta, q)

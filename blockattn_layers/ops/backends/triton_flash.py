@@ -98,9 +98,9 @@ def _gluon_admits(req: AttentionRequest) -> List[str]:
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """The flash kernels that run a call like ``req``: the forward's ``gluon`` or ``triton`` (the
     first without reasons runs) and, where the backward's choice differs, ``backward: NAME`` (the
-    Gluon dK/dV pass, with the delta and dQ passes by Triton, in the fast backward; its deterministic
-    form only with ``sm90.flash_bwd.TAKEN``). The backward follows the current
-    ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
+    Gluon dK/dV pass, with the delta and dQ passes by Triton, in the fast backward; in the
+    deterministic one at full attention with D 128, ``sm90.flash_bwd.dkdv_only``). The backward
+    follows the current ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
     ``H * D`` contiguous, 16-byte aligned elements and 32-bit offsets; where a call's tensors lack
     them the Triton kernels run it."""
     admits = _gluon_admits(req)
@@ -113,9 +113,12 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
 
         if req.capability[0] not in flash_bwd.VERIFIED_ON and not variants.unverified_allowed():
             backward.append("a GPU its tests passed on (unverified kernels allowed)")
-        if not flash_bwd.taken(deterministic_backward()):
-            backward.append("the fast backward (blockattn_layers.use_fast_backward): the deterministic one's "
-                            "Triton passes measured faster")
+        deterministic = deterministic_backward()
+        block_size = 0 if req.block_size is None else req.block_size
+        if not (flash_bwd.taken(deterministic) or flash_bwd.dkdv_only(deterministic, block_size, req.head_dim)):
+            dims = "/".join(str(dim) for dim in sorted(flash_bwd.DKDV_ONLY_HEAD_DIMS))
+            backward.append(f"the fast backward (blockattn_layers.use_fast_backward) or full attention at D {dims}: "
+                            "the deterministic one's Triton passes measured faster elsewhere")
     reasons = {GLUON_KERNELS: forward, TRITON_KERNELS: []}
     if bool(backward) != bool(forward):
         reasons.update({f"backward: {GLUON_KERNELS}": backward, f"backward: {TRITON_KERNELS}": []})
