@@ -438,11 +438,10 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
         return None, False
     from ..sm90 import flash_bwd
 
-    with_dq = flash_bwd.taken(deterministic)
-    taken = with_dq or flash_bwd.dkdv_only(deterministic, block_size, q.shape[-1])
-    if not taken or flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta):
+    if not flash_bwd.runs(deterministic, block_size, q.shape[-1]) or flash_bwd.flash_ws_bwd_reasons(
+            do, q, k, v, rope_theta):
         return None, False
-    return flash_bwd, with_dq
+    return flash_bwd, flash_bwd.taken(deterministic)
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

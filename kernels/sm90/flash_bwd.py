@@ -475,6 +475,12 @@ def dkdv_only(deterministic: bool, block_size: int, head_dim: int) -> bool:
     return deterministic and where and not taken(deterministic)
 
 
+def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
+    """Whether the switches hand the dK/dV pass of a backward of this mode and these facts to this
+    kernel at all: adding dQ's terms (:func:`taken`) or without them (:func:`dkdv_only`)."""
+    return taken(deterministic) or dkdv_only(deterministic, block_size, head_dim)
+
+
 def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
     """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
     reasons = flash_ws_reasons(q, k, v, rope_theta)

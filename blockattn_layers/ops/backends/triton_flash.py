@@ -115,7 +115,7 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
             backward.append("a GPU its tests passed on (unverified kernels allowed)")
         deterministic = deterministic_backward()
         block_size = 0 if req.block_size is None else req.block_size
-        if not (flash_bwd.taken(deterministic) or flash_bwd.dkdv_only(deterministic, block_size, req.head_dim)):
+        if not flash_bwd.runs(deterministic, block_size, req.head_dim):
             dims = "/".join(str(dim) for dim in sorted(flash_bwd.DKDV_ONLY_HEAD_DIMS))
             backward.append(f"the fast backward (blockattn_layers.use_fast_backward) or full attention at D {dims}: "
                             "the deterministic one's Triton passes measured faster elsewhere")
