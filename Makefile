@@ -15,7 +15,7 @@ TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
 .PHONY: demo test bench info install clean gpu-tests gpu-tests-forced gpu-check gpu-grid gpu-candidates \
-	gpu-candidates-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
+	gpu-candidates-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -66,7 +66,7 @@ gpu-check: gpu-tests gpu-tests-forced
 # (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
 # forward under each option, and the flash forward and backwards beside ours on the full-attention
 # shapes (about 7 minutes).
-CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_dkdv_bwd]
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_fp8_modules.py tests/test_fp8.py \
@@ -80,6 +80,15 @@ gpu-candidates-bench:
 	timeout 150 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
 	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
 		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
+
+# The flash backward's forms beside each other in one process, on the full-attention shapes (D 128 and
+# D 64) and blocks of 256 / 512: the default (deterministic), the fast one, the deterministic one by the
+# Triton passes alone and with the Gluon dK/dV-only pass (about 3 minutes).
+FLASH_BWD_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[gluon_dkdv_bwd]
+gpu-flash-bwd-bench:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	timeout 300 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,seed3_causal,seed3_gqa,prod_full,block256,block512 \
+		--backends "$(FLASH_BWD_ROWS)" --modes bwd --out $(GPU_OUT)/flash_bwd
 
 # Nsight Compute on the Gluon dK/dV pass of the flash backward (one launch at seed3, the fast one's
 # writer partition by TMA reduce-adds and the consumers' own adds): stall reasons, memory and tensor-core use, into $(GPU_OUT)/ncu_bwd_*.txt.
@@ -102,7 +111,7 @@ gpu-profile-bwd:
 FA4_DIR ?= /tmp/fa4
 FA4_SITE ?= /tmp/site
 FA4_LIBS_WHEEL := nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-FLASH_PEER_SHAPES ?= seed3,prod_full,seed3_causal,seed3_gqa,block256,block512
+FLASH_PEER_SHAPES ?= seed3,seed3_d64,prod_full,seed3_causal,seed3_gqa,block256,block512
 FLASH_PEER_ROWS ?= triton_flash,triton_flash[fast_bwd],fa4_varlen,flex_blocks_flash,varlen_attn
 gpu-fa4-part-a:
 	mkdir -p $(FA4_DIR) && cp out/fa4a/* $(FA4_DIR)/

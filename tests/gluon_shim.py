@@ -445,6 +445,9 @@ _ASM = {
     "cos.approx.f32 $0, $1;": (torch.float32, torch.cos),
     "mov.b32 $0, $1;": (None, None),
     "fence.acq_rel.gpu; mov.u32 $0, $1;": (None, None),  # programs run one at a time: the fence is moot
+    # The shim's TMA adds are done when issued, and programs run one at a time: waits and fences are moot.
+    "fence.proxy.async.global; mov.u32 $0, $1;": (None, None),
+    "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, $1;": (None, None),
 }
 
 

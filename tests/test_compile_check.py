@@ -119,9 +119,10 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     neither, dQ's terms in any order or a fixed one) within the register, spill and shared-memory
     budgets: wgmma with the dQ product's transposed shared dS tile, TMA loads and the dK / dV TMA
     stores, ``cp.async`` copies of lse and delta, mbarrier waits, the partitions' register
-    reallocation; dQ's terms added by the writer partition, in any order by TMA reduce-adds and no
-    per-thread atomics, ordered by per-thread atomic adds; the ordered builds read each counter with
-    acquire semantics and count with release semantics, the others have no counters. With them the
+    reallocation; dQ's terms added by the writer partition by TMA reduce-adds and no per-thread
+    atomics, ordered ones each waited for until written (``cp.async.bulk.wait_group 0``, not only
+    read); the ordered builds read each counter with acquire semantics and count with release
+    semantics, the others have no counters. With them the
     candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
     product, and dK / dV alone (no dQ term: neither adds nor counters)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
@@ -137,7 +138,9 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
         ordered = ("ld.global.gpu.acquire" in text, "atom.global.gpu.release.add" in text)
         assert ordered == (name.endswith("_deterministic"),) * 2, name
         adds = "_dkdv_only_" not in name
-        tma_adds = adds and "_consumer_adds_" not in name and not name.endswith("_deterministic")
+        tma_adds = adds and "_consumer_adds_" not in name
+        written = tma_adds and name.endswith("_deterministic")
+        assert bool(re.search(r"cp\.async\.bulk\.wait_group 0\b", text)) == written, name
         assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in text) == tma_adds, name
         assert ("atom.global.gpu.relaxed.add" in text) == (adds and not tma_adds), name
 

@@ -122,7 +122,7 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
     (dict(block_size=None), True, "triton_flash, gluon kernels"),
     (dict(block_size=None), False, "triton_flash, gluon kernels"),
     (dict(block_size=256), True, "triton_flash, gluon kernels (backward: triton kernels)"),
-    (dict(block_size=None, head_dim=64), True, "triton_flash, triton kernels"),
+    (dict(block_size=None, head_dim=64), True, "triton_flash, triton kernels (backward: gluon kernels)"),
     (dict(block_size=None, head_dim=64), False, "triton_flash, triton kernels (backward: gluon kernels)"),
     (dict(block_size=512, head_dim=96), False, "triton_flash, triton kernels"),
     (dict(block_size=None, rotary=True), False, "triton_flash, triton kernels"),
@@ -132,8 +132,8 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
         "rotary-fast", "sm80-fast", "fp32-fast"])
 def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, deterministic, want):
     """``triton_flash``'s Gluon forward where measured faster (D128), the Gluon dK/dV pass in the fast
-    backward (D 64 / 128) and in the deterministic one at full attention with D 128, the Triton
-    kernels elsewhere, with the reasons ``explain_variants`` gives."""
+    backward (D 64 / 128) and in the deterministic one at full attention (D 128 whole, D 64 without
+    dQ's terms), the Triton kernels elsewhere, with the reasons ``explain_variants`` gives."""
     req = dataclasses.replace(SM90, **changes)
     with bl.fast_backward(not deterministic):
         assert describe(req, "triton_flash") == want
@@ -147,7 +147,7 @@ def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, de
         assert shown["gluon"] == ["head dim 64: the Triton forward measured faster (or forced off)"]
     if deterministic and changes.get("block_size") is not None and "head_dim" not in changes:
         assert shown["backward: gluon"] == ["the fast backward (blockattn_layers.use_fast_backward) or full "
-                                            "attention at D 128: the deterministic one's Triton passes measured "
+                                            "attention at D 64/128: the deterministic one's Triton passes measured "
                                             "faster elsewhere"]
 
 

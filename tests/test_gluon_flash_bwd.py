@@ -78,9 +78,9 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
     meeting the row (twice at D 64); ``DETERMINISTIC``: every query tile's counters end at the adds it
     got, and no key tile waits for a count that never comes (the shim's programs run one at a time,
     first key tiles first, so each turn must already have come). ``writer-``: the adds by
-    the writer partition (``DQ_WRITER``): ordered, one per element and key tile whatever D, counted in
-    slot 0; in any order by TMA reduce-adds of each warpgroup's tile;
-    ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``)."""
+    the writer partition (``DQ_WRITER``), by TMA reduce-adds: ordered, one per element and key tile
+    whatever D (at D 64 the warpgroups' terms summed first), counted in slot 0; in any order each
+    warpgroup's tile; ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``)."""
     early_p = name.startswith("p-beside-dp-")
     name = name[len("p-beside-dp-"):] if early_p else name
     writer = name.startswith("writer-")
@@ -131,8 +131,9 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
 @pytest.mark.parametrize("writer", [False, True], ids=["consumers-add", "writer-adds"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer, deterministic):
-    """Tensor maps over each block's own rows (the writer's dQ map in any order too) and lse / delta
-    copies masked at the block's end: a NaN sequence leaves its neighbours' gradients finite."""
+    """Tensor maps over each block's own rows (the writer's dQ map, in any order or in order, too)
+    and lse / delta copies masked at the block's end: a NaN sequence leaves its neighbours'
+    gradients finite."""
     lengths = [130, 70, 200]
     q, k, v, do = _inputs(lengths, 2, 2, dim, 3)
     offsets = offsets_from_lengths(lengths)

@@ -535,8 +535,9 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     oracle (with a floor); the deterministic one bitwise the same twice. dQ's adds by the writer
     partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
     computed while dP's product runs (``P_BESIDE_DP``); ``dkdv_only``: the deterministic backward with
-    the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``; the fast one
-    as ``FAST_TAKEN`` takes it)."""
+    the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
+    ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it). The deterministic one
+    otherwise has the writer add dQ's terms in order by TMA reduce-adds."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.sm90 import flash_bwd
 
@@ -553,6 +554,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     grad_out = torch.randn_like(q)
     monkeypatch.setattr(flash_bwd, "TAKEN", [not dkdv_only])
     monkeypatch.setattr(flash_bwd, "DKDV_ONLY_TAKEN", [dkdv_only])
+    if dkdv_only:
+        monkeypatch.setattr(flash_bwd, "ORDERED_HEAD_DIMS", frozenset())
     runs = []
     for _ in range(1 if fast else 2):
         qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
@@ -598,14 +601,15 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
     the block's end: a NaN sequence between ragged ones has NaN gradients, every other row finite
     gradients equal to the Triton deterministic backward's within bf16 rounding (``writer``: dQ's
-    adds by the writer partition; ``fast``: the fast backward, the writer's TMA reduce-adds over a
-    tensor map of each block's rows; ``dkdv_only``: the deterministic backward with the kernel
-    computing dK and dV only, beside the Triton dQ pass)."""
+    adds by the writer partition, in order by TMA reduce-adds over a tensor map of each block's
+    rows; ``fast``: the fast backward, the writer's TMA reduce-adds in any order; ``dkdv_only``: the
+    deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", writer)
     monkeypatch.setattr(flash_bwd, "FAST_TAKEN", [False])
     monkeypatch.setattr(flash_bwd, "DKDV_ONLY_HEAD_DIMS", frozenset())
+    monkeypatch.setattr(flash_bwd, "ORDERED_HEAD_DIMS", frozenset())
 
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)
     grad_out = torch.randn_like(q)
@@ -620,6 +624,38 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     for got, want in zip(*runs):
         assert torch.isnan(got[~keep]).all() and torch.isfinite(got[keep]).all()
         assert rel_err(got[keep], want[keep]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_default_backward_repeats_bitwise_on_long_sequences(dim, causal):
+    """The default (deterministic) backward at full attention, on sequences spanning up to 17 key
+    tiles that add to each query tile's dQ (on sm_90 the Gluon kernel's ordered TMA adds at D 128,
+    its dK/dV pass beside the Triton dQ pass at D 64): five backwards, the same bits each time, and
+    within 3x the naive bf16 error of the float64 oracle."""
+    from blockattn_layers import reference
+
+    lengths = [2100, 1, 0, 1999, 700, 1300]
+    offsets = offsets_from_lengths(lengths, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(sum(lengths), h, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+               for h in (4, 2, 2))
+    grad_out = torch.randn_like(q)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    out = bl.block_attention(*leaves, offsets, block_size=None, backend="triton_flash", causal=causal)
+    runs = [torch.autograd.grad(out, leaves, grad_out, retain_graph=True) for _ in range(5)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    args = (None, dim ** -0.5, causal, None, None, 0, False)
+    d = [x.detach().double() for x in (q, k, v)]
+    oracle_grads = reference.attention_backward(grad_out.double(), *d, offsets, *args)
+    naive_grads = reference.attention_backward(grad_out, *(x.detach() for x in (q, k, v)), offsets, *args,
+                                               dtype=torch.bfloat16)
+    for name, got, ref, base in zip("qkv", runs[0], oracle_grads, naive_grads):
+        assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 2.25e-2), f"d{name}"
+    del oracle_grads, naive_grads, d
+    torch.cuda.empty_cache()  # the float64 oracle's blocks: other tests share the GPU (pytest -n)
 
 
 @pytest.mark.gpu

@@ -241,6 +241,36 @@ def _triton_fast_backward():
         yield
 
 
+@contextlib.contextmanager
+def _emptied(module, *names: str):
+    """The sets ``module.NAME`` (where a kernel is chosen by default) emptied for the row's calls."""
+    before = {name: getattr(module, name) for name in names}
+    try:
+        for name in names:
+            setattr(module, name, frozenset())
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _triton_backward():
+    """The deterministic backward by the Triton passes everywhere: the Gluon kernel not taken whole
+    (``ORDERED_HEAD_DIMS``) nor as the dK/dV pass (``DKDV_ONLY_HEAD_DIMS``)."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    with blockattn_layers.fast_backward(False), _emptied(flash_bwd, "ORDERED_HEAD_DIMS", "DKDV_ONLY_HEAD_DIMS"):
+        yield
+
+
+TRITON_BACKWARD = Method(
+    "triton_flash[triton_bwd]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+    description="triton_flash with the deterministic backward by the Triton kernels where the Gluon kernel would "
+                "take it (sm_90, full attention)",
+    context=_triton_backward)
+
+
 TRITON_FAST_BACKWARD = Method(
     "triton_flash[triton_fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
     description="triton_flash with the fast backward by the Triton kernels where the Gluon dK/dV pass would take "
@@ -268,10 +298,12 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
 @contextlib.contextmanager
 def _gluon_dkdv_only_backward():
     """The deterministic backward with its dK/dV pass by the Gluon kernel without dQ's terms
-    (``sm90.flash_bwd.DKDV_ONLY_TAKEN``) beside the Triton dQ pass."""
+    (``sm90.flash_bwd.DKDV_ONLY_TAKEN``) beside the Triton dQ pass, at full attention with D 128 too
+    (``ORDERED_HEAD_DIMS`` emptied)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels():
+    with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels(), \
+            _emptied(flash_bwd, "ORDERED_HEAD_DIMS"):
         yield
 
 
@@ -379,7 +411,7 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS,
+            methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS,
                             GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)

@@ -26,13 +26,14 @@ term ``dS K`` of dQ to float32 sums ``[T, H, D]`` by atomic adds, then a pass th
 back and casts those sums into dQ. dK and dV are as deterministic as above; dQ's float32 sums
 depend on the order of the adds, so dQ can differ between runs in its last bits.
 
-On sm_90, where ``sm90.flash_bwd`` takes the call (the fast backward, ``FAST_TAKEN``; both while
-its ``TAKEN`` is set), the backward is the fast one's three passes with the dK/dV pass by its
-warp-specialized Gluon kernel (dQ's terms by TMA reduce-adds); the deterministic form has that
-kernel add each query tile's dQ terms in a fixed order (key tile by key tile, each waiting for its
-turn on a counter), so its float32 sums, and dQ, are bitwise the same run to run. At full attention
-with D 128 (``sm90.flash_bwd.dkdv_only``) the deterministic backward keeps its Triton dQ pass and runs
-the Gluon kernel as its dK/dV pass without dQ's terms (bitwise deterministic as well).
+On sm_90, where ``sm90.flash_bwd`` takes the call (``sm90.flash_bwd.taken``: the fast backward;
+the deterministic one at full attention with D 128), the backward is the fast one's three passes
+with the dK/dV pass by its warp-specialized Gluon kernel (dQ's terms by TMA reduce-adds); the
+deterministic form has that kernel add each query tile's dQ terms in a fixed order (key tile by key
+tile, each waiting for its turn on a counter and for its adds' writes), so its float32 sums, and
+dQ, are bitwise the same run to run. At full attention with D 64 (``sm90.flash_bwd.dkdv_only``) the
+deterministic backward keeps its Triton dQ pass and runs the Gluon kernel as its dK/dV pass without
+dQ's terms (bitwise deterministic as well).
 
 Loads: as in ``flash.fwd``, whole tiles of the inner loops (query tiles in the dK/dV pass, key
 tiles in the dQ pass) through tensor maps where ``tma_loads`` allows; then the dK/dV pass leaves
@@ -430,8 +431,9 @@ def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n
 def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
     """``(module, with_dq)``: the module of the warp-specialized Gluon dK/dV pass (``sm90.flash_bwd``)
     where it is chosen and its kernel takes the call, and whether it adds dQ's terms (``taken``: the
-    fast backward) or only computes dK and dV beside the Triton dQ pass (``dkdv_only``: the
-    deterministic one at full attention); else ``(None, False)``."""
+    fast backward; the deterministic one at full attention, D 128) or only computes dK and dV beside
+    the Triton dQ pass (``dkdv_only``: the deterministic one at full attention, D 64); else
+    ``(None, False)``."""
     from ..block import variants
 
     if variants.gluon_import_error() is not None or not q.is_cuda:
@@ -441,7 +443,7 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
     if not flash_bwd.runs(deterministic, block_size, q.shape[-1]) or flash_bwd.flash_ws_bwd_reasons(
             do, q, k, v, rope_theta):
         return None, False
-    return flash_bwd, flash_bwd.taken(deterministic)
+    return flash_bwd, flash_bwd.taken(deterministic, block_size, q.shape[-1])
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

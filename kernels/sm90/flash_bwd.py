@@ -39,10 +39,10 @@ The delta pass before and the pass that scales and casts the sums into dQ after 
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
 offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it
 (``FAST_TAKEN``; H100, bf16, seed3: 3.11 ms against the Triton fast backward's 5.07 and the
-deterministic one's 3.84). The deterministic backward keeps the Triton dQ pass and, at full attention
-with D 128 (``DKDV_ONLY_HEAD_DIMS``), takes this kernel as its dK/dV pass without dQ's terms
-(``WITH_DQ`` off; seed3: 3.68 ms against 3.84); this kernel's ordered form adding dQ itself runs only
-while ``TAKEN`` is set (the benchmark's ``triton_flash[gluon_bwd]`` row; 5.01 ms).
+deterministic one's 3.84). The deterministic backward takes it whole, its writer's ordered TMA adds,
+at full attention with D 128 (``ORDERED_HEAD_DIMS``; seed3: 3.24 ms against 3.75); at full attention
+with D 64 (``DKDV_ONLY_HEAD_DIMS``) it keeps the Triton dQ pass and takes this kernel as its dK/dV
+pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66); elsewhere the Triton passes.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from ..common.meta import LOG2E
 from .block import _acc_layout, _smem_layout
 from .flash_fwd import _release, block_map, flash_ws_reasons, table_tile
 from .persistent import drop_ring, init_ring
-from .tma_add import async_add_shared_to_global
+from .tma_add import after_turn, async_add_shared_to_global, wait_adds_done
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
 # both modes, causal, GQA, blocks of 192 / 512, a NaN sequence).
@@ -71,13 +71,20 @@ VERIFIED_ON = frozenset({9})
 # 2026-12-05: seed3 3.11 ms against the Triton fast 5.07 and deterministic 3.84).
 TAKEN = [False]
 FAST_TAKEN = [True]
+# Where the deterministic backward takes this kernel whole, dQ's terms added in a fixed order by the
+# writer's TMA reduce-adds: at full attention with the head dims of ``ORDERED_HEAD_DIMS``, measured
+# faster there than either two-pass form (H100, bf16, D 128, 2026-12-05, ms: seed3 3.24 against 3.65
+# with the dK/dV-only kernel beside the Triton dQ pass and 3.75 by the Triton passes; causal 2.02 /
+# 2.10 / 2.09; GQA 3.15 / 3.47 / 3.48; prod_full 36.9 / 41.6 / 41.7). Slower at D 64 (seed3_d64: 6.17
+# against 4.27 / 4.66) and on blocks of 256 (9.28 against 7.92 / 7.39).
+ORDERED_HEAD_DIMS = frozenset({128})
 # Where the deterministic backward's dK/dV pass is this kernel without dQ's terms (``WITH_DQ`` off;
 # the Triton dQ pass computes dQ and delta, as without this kernel): at full attention with the head
-# dims of ``DKDV_ONLY_HEAD_DIMS``, measured faster there (H100, bf16, D128, 2026-12-05: seed3 3.68 ms
-# against the Triton passes' 3.84, causal 2.03 / 2.21, GQA 3.50 / 3.81, prod_full 41.5 / 42.8; at
-# blocks of 256 slower, 7.90 / 7.35, at 512 even), or on every call it admits while ``DKDV_ONLY_TAKEN``
-# is set (the benchmark's ``triton_flash[gluon_dkdv_bwd]`` row).
-DKDV_ONLY_HEAD_DIMS = frozenset({128})
+# dims of ``DKDV_ONLY_HEAD_DIMS``, measured faster there (H100, bf16, 2026-12-05: seed3_d64 4.27 ms
+# against the Triton passes' 4.66; at D 128 3.65 / 3.75, where the one-pass form is faster still; on
+# blocks of 256 slower, 7.92 / 7.39, at 512 even), or on every call it admits while
+# ``DKDV_ONLY_TAKEN`` is set (the benchmark's ``triton_flash[gluon_dkdv_bwd]`` row).
+DKDV_ONLY_HEAD_DIMS = frozenset({64})
 DKDV_ONLY_TAKEN = [False]
 
 STAGES = gl.constexpr(2)
@@ -85,9 +92,10 @@ LOADER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
 # Whether dQ's adds leave the consumers (``DQ_WRITER``): each consumer stores its float32 dQ term into
 # a shared tile and goes on; a one-warp writer partition adds the tiles to the sums, in any order by
-# TMA reduce-adds (FlashAttention-3's dQ warp), ordered by per-thread adds after the turns' waits.
-# Measured faster than the consumers' own adds in both modes (H100, seed3: fast 3.11 against 5.38 ms,
-# deterministic 5.01 against 6.64).
+# TMA reduce-adds (FlashAttention-3's dQ warp), or in a fixed order by the same adds after the turns'
+# waits. Measured faster than the consumers' own adds in both modes (H100, seed3: fast 3.11 against
+# 5.38 ms; deterministic 6.64 against 5.01 with the writer's earlier per-thread ordered adds, 3.24 with
+# its TMA ones).
 DQ_WRITER = True
 # Whether a consumer computes P while dP^T's product still runs (``P_BESIDE_DP``: waits for the scores'
 # product alone first, as FlashAttention-3 orders its step), or waits for both. A candidate to time
@@ -182,37 +190,38 @@ def _dq_writer(dq_s, dq_full, dq_free, DQA, Sem, start, n, tile_row, hk, heads, 
     DQ_COLS]`` float32: the warpgroups' column halves, or, where ``DQ_COLS == HEAD_DIM``, their terms
     over their own keys) added to the float32 sums; the tile is free again (``dq_free``) once read.
     In any order: by TMA reduce-adds of the two tiles over a tensor map of the block's rows (rows past
-    the block dropped), as FlashAttention-3's dQ warp adds. ``DETERMINISTIC``: per-thread adds,
-    ``CHUNK`` rows at a time (the two terms summed first where each covers every column), after the
-    query tile's counter (slot 0) has counted the key tiles before this one in ``_turn``'s order,
-    then counting this one."""
+    the block dropped), as FlashAttention-3's dQ warp adds. ``DETERMINISTIC``: by the same TMA
+    reduce-adds (the two terms summed into the first tile first where each covers every column),
+    after the query tile's counter (slot 0) has counted the key tiles before this one in ``_turn``'s
+    order, each waited for until its writes are done (``tma_add.wait_adds_done``), then counting
+    this one, as FlashAttention-3's deterministic dQ warp orders its adds."""
     CHUNK: gl.constexpr = 8  # rows: one period of the tile's 128-byte swizzle
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // DQ_COLS, DQ_COLS // 4], [1, 1], [1, 0])
-    cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout))
-    if not DETERMINISTIC:
-        dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
-                                            [BLOCK_M, DQ_COLS], _dq_layout())
+    token = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))  # one register per lane
+    dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
+                                        [BLOCK_M, DQ_COLS], _dq_layout())
     for it in range(GROUPS * steps):
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
         mbarrier.wait(dq_full, it & 1)
+        if DETERMINISTIC and DQ_COLS == HEAD_DIM:
+            # Both terms cover every column: their sum, added once (before the turn comes).
+            for r in gl.static_range(0, BLOCK_M, CHUNK):
+                both = dq_s.index(0).slice(r, CHUNK).load(layout) + dq_s.index(1).slice(r, CHUNK).load(layout)
+                dq_s.index(0).slice(r, CHUNK).store(both)
+            fence_async_shared()
+            gl.thread_barrier()  # the sum is in shared memory for the TMA add
         if DETERMINISTIC:
             counter = Sem + h * stride_sh + (start + row) * 2
             turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
             while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != turn:
                 pass
-            for r in gl.static_range(0, BLOCK_M, CHUNK):
-                rows = row + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-                ptrs = DQA + gl.expand_dims((start + rows) * stride_qat, 1) + h * stride_qah + gl.expand_dims(cols, 0)
-                mask = gl.expand_dims(rows < n, 1)
-                first_part = dq_s.index(0).slice(r, CHUNK).load(layout)
-                second_part = dq_s.index(1).slice(r, CHUNK).load(layout)
-                if DQ_COLS == HEAD_DIM:
-                    gl.atomic_add(ptrs, first_part + second_part, mask=mask, sem="relaxed")
-                else:
-                    gl.atomic_add(ptrs, first_part, mask=mask, sem="relaxed")
-                    gl.atomic_add(ptrs + DQ_COLS, second_part, mask=mask, sem="relaxed")
-            gl.thread_barrier()  # every lane has read the tile and issued its adds
+            after_turn(token)
+            async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
+            if DQ_COLS != HEAD_DIM:
+                async_add_shared_to_global(dq_map, [row, h * HEAD_DIM + DQ_COLS], dq_s.index(1))
+            wait_adds_done(token)
+            gl.thread_barrier()  # the adds' writes are done before the tile goes back and the count
             mbarrier.arrive(dq_free)
             gl.atomic_add(counter, 1, sem="release", scope="gpu")
         else:
@@ -334,8 +343,7 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
             dq_s.index(w).store(dq)
-            if not DETERMINISTIC:
-                fence_async_shared()  # the writer's TMA adds read it
+            fence_async_shared()  # the writer's TMA adds read it
             gl.thread_barrier()  # the whole warpgroup's term is in shared memory
             mbarrier.arrive(dq_full)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
@@ -460,10 +468,13 @@ def dq_cols(head_dim: int) -> int:
     return head_dim // 2 if head_dim >= 128 else head_dim
 
 
-def taken(deterministic: bool) -> bool:
-    """Whether the switches hand the dK/dV pass of a backward of this mode to this kernel: ``TAKEN``
-    (both), ``FAST_TAKEN`` (the fast one)."""
-    return TAKEN[0] or (FAST_TAKEN[0] and not deterministic)
+def taken(deterministic: bool, block_size: int, head_dim: int) -> bool:
+    """Whether the switches hand the dK/dV pass of a backward of this mode and these facts
+    (``block_size`` 0: full attention) to this kernel with dQ's terms: ``TAKEN`` (both modes),
+    ``FAST_TAKEN`` (the fast one), ``ORDERED_HEAD_DIMS`` (the deterministic one at full attention)."""
+    if deterministic:
+        return TAKEN[0] or (block_size == 0 and head_dim in ORDERED_HEAD_DIMS)
+    return TAKEN[0] or FAST_TAKEN[0]
 
 
 def dkdv_only(deterministic: bool, block_size: int, head_dim: int) -> bool:
@@ -472,13 +483,13 @@ def dkdv_only(deterministic: bool, block_size: int, head_dim: int) -> bool:
     whole pass: at full attention with a head dim of ``DKDV_ONLY_HEAD_DIMS``, or everywhere while
     ``DKDV_ONLY_TAKEN`` is set."""
     where = DKDV_ONLY_TAKEN[0] or (block_size == 0 and head_dim in DKDV_ONLY_HEAD_DIMS)
-    return deterministic and where and not taken(deterministic)
+    return deterministic and where and not taken(deterministic, block_size, head_dim)
 
 
 def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
     """Whether the switches hand the dK/dV pass of a backward of this mode and these facts to this
     kernel at all: adding dQ's terms (:func:`taken`) or without them (:func:`dkdv_only`)."""
-    return taken(deterministic) or dkdv_only(deterministic, block_size, head_dim)
+    return taken(deterministic, block_size, head_dim) or dkdv_only(deterministic, block_size, head_dim)
 
 
 def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:

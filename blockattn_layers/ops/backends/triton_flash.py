@@ -99,7 +99,8 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """The flash kernels that run a call like ``req``: the forward's ``gluon`` or ``triton`` (the
     first without reasons runs) and, where the backward's choice differs, ``backward: NAME`` (the
     Gluon dK/dV pass, with the delta and dQ passes by Triton, in the fast backward; in the
-    deterministic one at full attention with D 128, ``sm90.flash_bwd.dkdv_only``). The backward
+    deterministic one at full attention with D 128, ``sm90.flash_bwd.taken``, or 64,
+    ``sm90.flash_bwd.dkdv_only``). The backward
     follows the current ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
     ``H * D`` contiguous, 16-byte aligned elements and 32-bit offsets; where a call's tensors lack
     them the Triton kernels run it."""
@@ -116,7 +117,7 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
         deterministic = deterministic_backward()
         block_size = 0 if req.block_size is None else req.block_size
         if not flash_bwd.runs(deterministic, block_size, req.head_dim):
-            dims = "/".join(str(dim) for dim in sorted(flash_bwd.DKDV_ONLY_HEAD_DIMS))
+            dims = "/".join(str(dim) for dim in sorted(flash_bwd.ORDERED_HEAD_DIMS | flash_bwd.DKDV_ONLY_HEAD_DIMS))
             backward.append(f"the fast backward (blockattn_layers.use_fast_backward) or full attention at D {dims}: "
                             "the deterministic one's Triton passes measured faster elsewhere")
     reasons = {GLUON_KERNELS: forward, TRITON_KERNELS: []}
