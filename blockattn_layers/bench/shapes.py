@@ -82,8 +82,12 @@ def seed3_d256() -> List[Case]:
 
 def seed3_d64() -> List[Case]:
     """seed3's lengths with 16 heads of 64 channels (seed3's bytes): full attention at D64, where the
-    Gluon flash kernels' choice is timed apart from D128's (issue 26)."""
-    return [Case("seed3_d64/d64h16", "seed3_d64", _seed3_lengths(), 16, 64, None)]
+    Gluon flash kernels' choice is timed apart from D128's (issue 26); causal, and 16 query heads
+    sharing 4 kv heads, as seed3_causal and seed3_gqa are at D128."""
+    lengths = _seed3_lengths()
+    return [Case("seed3_d64/d64h16", "seed3_d64", lengths, 16, 64, None),
+            Case("seed3_d64/d64h16_causal", "seed3_d64", lengths, 16, 64, None, causal=True),
+            Case("seed3_d64/d64h16kv4", "seed3_d64", lengths, 16, 64, None, num_kv_heads=4)]
 
 
 def prod_full() -> List[Case]:
