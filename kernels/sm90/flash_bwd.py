@@ -1,6 +1,6 @@
 """Warp-specialized flash-attention backward for Hopper (sm_90) in Gluon: the dK/dV pass that also
 adds dQ's terms to float32 sums, as FlashAttention-3 orders it (``flash.bwd``'s three-pass
-backward), in any order by TMA reduce-adds or (``DETERMINISTIC``) a fixed one by atomic adds.
+backward), by TMA reduce-adds in any order or (``DETERMINISTIC``) in a fixed one.
 
 One program per 128-row key tile of a block and kv head (the flash tile table, a block's first
 tiles first: under causal masks those visit the most query tiles; see ``_turn`` for the ordered
@@ -24,10 +24,11 @@ causal adds), looping over the group's query heads and, per head, the block's 64
 - ``DQ_WRITER`` (the default): the consumers store their float32 dQ terms into a shared
   ``[2, 64, DQ_COLS]`` tile and go on; a one-warp writer partition adds them to the sums: in any
   order by two TMA reduce-adds (``tma_add``) over a tensor map of the block's rows (rows past the
-  block dropped), or, ``DETERMINISTIC``, by per-thread atomic adds after the query tile's counter
-  has counted the key tiles that come before this one (``_turn``), then counting this one, so the
-  float32 sums, and dQ, are bitwise the same run to run. Without the writer each consumer adds its
-  term itself by ``atomic_add`` (ordered: per column half, or per warpgroup at D 64).
+  block dropped), or, ``DETERMINISTIC``, by the same adds (at D 64 the two terms summed first) after
+  the query tile's counter has counted the key tiles that come before this one (``_turn``), each
+  waited for until written, then counting this one, so the float32 sums, and dQ, are bitwise the
+  same run to run. Without the writer each consumer adds its term itself by ``atomic_add``
+  (ordered: per column half, or per warpgroup at D 64).
 
 Padding key rows (a block ending inside the key tile) read zero k and v: their ``dS`` meets a zero
 k row in ``dS K``, and their dK, dV rows lie past the tensor maps' rows, where TMA stores drop
