@@ -475,6 +475,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 
+
 def required_copies(build: Build) -> Tuple[str, ...]:
     """Copy instructions a build's PTX must hold: TMA copies for tensor-map loads, asynchronous
     copies for the hopper kernels (every tile); for the warp-specialized kernels TMA copies (full

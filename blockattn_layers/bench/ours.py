@@ -242,12 +242,13 @@ def _triton_fast_backward():
 
 
 @contextlib.contextmanager
-def _emptied(module, *names: str):
-    """The sets ``module.NAME`` (where a kernel is chosen by default) emptied for the row's calls."""
-    before = {name: getattr(module, name) for name in names}
+def _attrs(module, **values):
+    """``module.NAME = value`` for each keyword (a kernel's constants and head-dim sets) for the row's
+    calls, the old values back afterwards."""
+    before = {name: getattr(module, name) for name in values}
     try:
-        for name in names:
-            setattr(module, name, frozenset())
+        for name, value in values.items():
+            setattr(module, name, value)
         yield
     finally:
         for name, value in before.items():
@@ -260,7 +261,8 @@ def _triton_backward():
     (``ORDERED_HEAD_DIMS``) nor as the dK/dV pass (``DKDV_ONLY_HEAD_DIMS``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    with blockattn_layers.fast_backward(False), _emptied(flash_bwd, "ORDERED_HEAD_DIMS", "DKDV_ONLY_HEAD_DIMS"):
+    with blockattn_layers.fast_backward(False), _attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset(),
+                                                       DKDV_ONLY_HEAD_DIMS=frozenset()):
         yield
 
 
@@ -286,13 +288,9 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
     dP's product (``P_BESIDE_DP``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    before = flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP
-    flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP = writer, early_p
-    try:
-        with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels():
-            yield
-    finally:
-        flash_bwd.DQ_WRITER, flash_bwd.P_BESIDE_DP = before
+    with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
+            _attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p):
+        yield
 
 
 @contextlib.contextmanager
@@ -303,7 +301,7 @@ def _gluon_dkdv_only_backward():
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels(), \
-            _emptied(flash_bwd, "ORDERED_HEAD_DIMS"):
+            _attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset()):
         yield
 
 
