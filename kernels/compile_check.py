@@ -526,16 +526,19 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
 
 def _linear_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 projection for sm_90 (``sm90.linear``): the ranking models' width
-    (E 256 to 768 outputs) in 128- and 256-column slices, a narrow one (E 64, 208 outputs, no bias)."""
+    (E 256 to 768 outputs) in 128- and 256-column slices, a narrow one (E 64, 208 outputs, no bias),
+    and the ranking width with ``x`` in 64-channel chunks (the ``CHUNKED`` candidate)."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
-    from .sm90.linear import _linear_ws_kernel, stages
+    from .sm90.linear import CHUNK, _linear_ws_kernel, chunk, stages
 
-    for in_dim, out_dim, bias, block_n, dtype in ((256, 768, True, 256, "bf16"), (256, 768, True, 128, "bf16"),
-                                                  (256, 384, True, 256, "fp16"), (64, 208, False, 128, "bf16")):
+    for in_dim, out_dim, bias, block_n, dtype, chunked in (
+            (256, 768, True, 256, "bf16", False), (256, 768, True, 128, "bf16", False),
+            (256, 384, True, 256, "fp16", False), (64, 208, False, 128, "bf16", False),
+            (256, 768, True, 256, "bf16", True)):
         constexprs = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias, BLOCK_N=block_n,
-                          STAGES=stages(in_dim, block_n))
-        name = f"fp8_linear_gluon_e{in_dim}_n{out_dim}_{block_n}cols_{dtype}"
+                          STAGES=stages(in_dim, block_n), CHUNK=CHUNK if chunked else chunk(in_dim))
+        name = f"fp8_linear_gluon_e{in_dim}_n{out_dim}{'_chunked' if chunked else ''}_{block_n}cols_{dtype}"
         yield Build(name, _linear_ws_kernel, dtype, constexprs, dict(num_warps=4))
 
 
@@ -543,28 +546,18 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 forward for sm_90 (``sm90.fp8_fwd``): D 64 / 128, rotary (split
     halves over every channel) or none, one query head per kv head with per-head factors and
     64-token blocks' outputs by TMA stores (the default, ``OUT_TMA``), or two (causal, rotary at
-    given positions) with per-sequence factors and masked stores only; bf16 output. Beside them the
-    candidate options off by default: ``F16_PV`` with ``ASYNC_SCORES`` (or rotary), three consumer
-    warpgroups or at D 64 four."""
+    given positions) with per-sequence factors and masked stores only; bf16 output."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
-    from .sm90.fp8_fwd import _fp8_ws_fwd_kernel, stages
+    from .sm90.fp8_fwd import CONSUMERS, _fp8_ws_fwd_kernel, stages
 
     for dim, groups, rotary in itertools.product((64, 128), (1, 2), (False, True)):
         batched = groups > 1
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, rotary), ROTARY=rotary,
                           HAS_POS=batched and rotary, IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched,
-                          KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched, F16_PV=False, ASYNC_SCORES=False,
-                          CONSUMERS=3)
+                          KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched, CONSUMERS=CONSUMERS)
         name = (f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else ''}{'_gqa_causal_per_sequence' if batched else ''}"
                 f"{'_masked_out' if batched else ''}")
-        yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
-    for dim, rotary, count in ((64, False, 3), (64, False, 4), (64, True, 3), (64, True, 4), (128, False, 3),
-                               (128, True, 3)):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=1, STAGES=stages(dim, rotary, count), ROTARY=rotary, HAS_POS=False,
-                          IS_CAUSAL=False, INLINE_SEQS=0, QD_BATCH=False, KD_BATCH=False, VD_BATCH=False, OUT_TMA=True,
-                          F16_PV=True, ASYNC_SCORES=not rotary, CONSUMERS=count)
-        name = f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else '_async_scores'}_f16_pv{'_4_consumers' if count == 4 else ''}"
         yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
 
 

@@ -251,8 +251,7 @@ def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(mon
     if not interpreter_active():
         pytest.skip("CPU interpreter test; the GPU runs these rows by `make gpu-fp8-bench`")
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() is not None and 1.0)
-    before = {key: getattr(ws, key) for key in ("F16_PV", "ASYNC_SCORES", "FOUR_CONSUMERS_AT", "ROTARY_SLOWER_AT",
-                                               "VERIFIED_ON")}
+    before = {key: getattr(ws, key) for key in ("ROTARY_SLOWER_AT", "VERIFIED_ON")}
     lengths = torch.tensor([0, 1, 70, 64, 5])
     cases = [Case("prod", "prod", lengths, 2, 64, 64), Case("rotary", "rotary", lengths, 4, 64, 64, rope_theta=1e4)]
     monkeypatch.setattr(bench_fp8, "CHECK_SEQS", 4)

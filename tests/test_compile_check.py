@@ -330,7 +330,7 @@ def test_fp8_kernels_compile(tmp_path):
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
         linear_ws = {name: text for name, text in ptx.items() if name.startswith("fp8_linear_gluon_")}
         assert len(ptx) - len(ws) - len(linear_ws) == 12, arch
-        assert (len(ws), len(linear_ws)) == ((14, 4) if arch == "sm_90" else (0, 0)), arch
+        assert (len(ws), len(linear_ws)) == ((8, 5) if arch == "sm_90" else (0, 0)), arch
         for name, text in ptx.items():
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
@@ -341,8 +341,8 @@ def test_fp8_kernels_compile(tmp_path):
             assert ("e4m3.e4m3" in text) != ("_rope" in name), name
             # 64-token blocks' outputs by TMA stores unless built with masked stores only.
             assert ("cp.async.bulk.tensor.2d.global.shared" in text) != ("_masked_out" in name), name
-            # F16_PV: v and P in float16 for P V.
-            assert (f"m64n{name.split('_d')[1][:3].rstrip('_')}k16.f32.f16.f16" in text) == ("_f16_pv" in name), name
+            # v and P in float16 for P V.
+            assert f"m64n{name.split('_d')[1][:3].rstrip('_')}k16.f32.f16.f16" in text, name
         for name, text in linear_ws.items():
             # 16-bit products over the program's columns, x and the weights in by TMA, e4m3 out by TMA.
             width = name.split("_")[-2].removesuffix("cols")

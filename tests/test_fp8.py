@@ -346,26 +346,6 @@ def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tm
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("options", [("F16_PV",), ("F16_PV", "ASYNC_SCORES"), ("F16_PV", "ASYNC_SCORES", "FOUR")],
-                         ids=["f16-pv", "f16-pv-async-scores", "f16-pv-async-scores-four-at-d64"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", WS_CASES, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_fp8_ws_kernel_candidate_options_on_the_gpu(monkeypatch, case, out_dtype, options):
-    """The kernel's options off by default (``F16_PV`` alone or with ``ASYNC_SCORES``, and four
-    consumers at D 64), on two programs (the ring wraps), TMA stores: the same cases and bounds as
-    with the defaults."""
-    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
-
-    monkeypatch.setattr(ws, "F16_PV", "F16_PV" in options)
-    monkeypatch.setattr(ws, "ASYNC_SCORES", "ASYNC_SCORES" in options)
-    monkeypatch.setattr(ws, "FOUR_CONSUMERS_AT", (64,) if "FOUR" in options else ())
-    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, programs=2, **case)
-    assert out.dtype == out_dtype and torch.isfinite(out).all()
-    assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
-
-
-@pytest.mark.gpu
-@HOPPER
 def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch):
     """Over 512 sequences (the block table, per-sequence factors searched over 2,000 offsets), a
     NaN sequence between ragged ones: its rows are NaN, every other row is finite and right (the

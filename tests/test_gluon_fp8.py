@@ -31,10 +31,9 @@ LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5, 40]
 
 
 def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None, rope_theta=None,
-         positions=None, out_tma=False, out_dtype=torch.float16, f16_pv=False, async_scores=False, consumers=3):
+         positions=None, out_tma=False, out_dtype=torch.float16):
     """The kernel on ``programs`` persistent programs; ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``;
-    ``rope_theta``: rotary over every channel in split halves, at ``positions`` or implicit ones;
-    ``f16_pv``, ``async_scores``, ``consumers``: the kernel's options of those names."""
+    ``rope_theta``: rotary over every channel in split halves, at ``positions`` or implicit ones."""
     total, heads, dim = q8.shape
     kv_heads = k8.shape[1]
     sched = Schedule(offsets, total, block_size, cpu_offsets)
@@ -51,8 +50,8 @@ def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offset
         search_top=1 << (num_seqs.bit_length() - 1),
         search_steps=num_seqs.bit_length(), stride_qt=q8.stride(0), stride_kt=k8.stride(0), stride_vt=v8.stride(0),
         stride_ot=o.stride(0), stride_oh=o.stride(1), HEAD_DIM=dim, GROUPS=heads // kv_heads,
-        STAGES=ws.stages(dim, rotary, consumers), ROTARY=rotary, HAS_POS=positions is not None, IS_CAUSAL=causal,
-        INLINE_SEQS=sched.inline_seqs, OUT_TMA=out_tma, F16_PV=f16_pv, ASYNC_SCORES=async_scores, CONSUMERS=consumers,
+        STAGES=ws.stages(dim, rotary), ROTARY=rotary, HAS_POS=positions is not None, IS_CAUSAL=causal,
+        INLINE_SEQS=sched.inline_seqs, OUT_TMA=out_tma, CONSUMERS=ws.CONSUMERS,
         QD_BATCH=qd.dim() == 2, KD_BATCH=kd.dim() == 2, VD_BATCH=vd.dim() == 2,
     )
     return o, run
@@ -125,29 +124,6 @@ def test_fp8_ws_rotary_forward_matches_the_oracle(name, out_tma):
     assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("name, consumers", [("d64-b64", 3), ("d64-b64", 4), ("d128-gqa-causal-b64", 3),
-                                             ("d64-b40-gqa-causal", 4), ("rotary", 3), ("rotary-d64", 4)])
-def test_fp8_ws_candidate_options_match_the_oracle(name, consumers):
-    """``F16_PV`` (v and P in float16, the tile read back as the bfloat16 output for its stores)
-    with ``ASYNC_SCORES`` (the scores' product beside v's conversion; rotary calls take F16_PV alone),
-    three or (D 64) four consumers, TMA and masked stores, against the same oracle and bound as the
-    default kernel."""
-    rotary = name.startswith("rotary")
-    dim, heads, kv_heads, block_size, causal, granularity, programs = CASES.get(
-        name, (64 if name == "rotary-d64" else 128, 2, 2, 64, False, "sequence_head", 3))
-    q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim)
-    (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(q, granularity, offsets=offsets, kv_heads=kv_heads),
-                                    bl.quantize_fp8(k, granularity, offsets=offsets), bl.quantize_fp8(v, "head"))
-    o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, programs, out_tma=True,
-                  out_dtype=torch.bfloat16, f16_pv=True, async_scores=not rotary, rope_theta=1e4 if rotary else None,
-                  consumers=consumers)
-    deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
-           for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
-    want = oracle_attention(*deq, offsets, block_size, causal=causal, rope_theta=1e4 if rotary else None)
-    assert o.dtype == torch.bfloat16 and rel_err(o, want) < 4e-3
-    assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
-
-
 def test_fp8_ws_forward_takes_the_block_table_past_the_inline_scan():
     """Over ``INLINE_MAX_SEQS`` sequences the blocks come from the table, and per-sequence factors
     from the search over 600 offsets."""
@@ -169,8 +145,8 @@ def test_fp8_ws_forward_keeps_non_finite_values_in_their_sequence():
     (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x) for x in (q, k, v))
     for x in (q8, k8, v8):
         x[40:104] = float("nan")
-    for f16_pv in (False, True):
-        o, _ = _run(q8, k8, v8, offsets, (qd, kd, vd), 64, False, 2, f16_pv=f16_pv, async_scores=f16_pv)
+    for out_dtype in (torch.float16, torch.bfloat16):
+        o, _ = _run(q8, k8, v8, offsets, (qd, kd, vd), 64, False, 2, out_dtype=out_dtype)
         assert torch.isfinite(o[:40]).all() and torch.isfinite(o[104:]).all() and torch.isnan(o[40:104]).all()
 
 
@@ -179,12 +155,10 @@ def test_fp8_ws_stages_give_each_slot_one_consumer():
     slot serves one consumer: the form that passed on the H200, ``stages``)."""
     assert ws.stages(64) == 9 and ws.stages(128) == 3 and ws.CONSUMERS == 3
     assert ws.stages(64, rotary=True) == 9 and ws.stages(128, rotary=True) == 3
-    assert ws.stages(64, count=4) == 8 and ws.stages(64, True, 4) == 8
-    assert ws.consumers(64) == ws.consumers(128) == 3
-    for dim, count in ((64, 3), (128, 3), (64, 4)):
+    for dim in (64, 128):
         for rotary in (False, True):
-            ring = ws.stages(dim, rotary, count) * 3 * ws.BLOCK_M * dim
-            assert ring + ws.consumer_tile_bytes(dim, rotary, count) <= 227 * 1024
+            ring = ws.stages(dim, rotary) * 3 * ws.BLOCK_M * dim
+            assert ring + ws.consumer_tile_bytes(dim, rotary) <= 227 * 1024
 
 
 def test_fp8_ws_reasons_name_what_the_kernel_needs():

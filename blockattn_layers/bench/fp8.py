@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import itertools
 from typing import List, Optional, Tuple
 
 import torch
@@ -178,14 +179,13 @@ def _sublayer_rows(commit: str, kernels: bool = False) -> List[dict]:
     return rows
 
 
-# The warp-specialized forward's candidate options (``kernels.sm90.fp8_fwd``), each timed beside the defaults.
+# The warp-specialized forward's candidate options (``kernels.sm90.fp8_fwd``: module constants set for the
+# row), each timed beside the defaults: more of the ring in flight (at D 128 the default 96 KB is three
+# items, one per consumer, so an item's copies start only once its consumer has released the last).
 WS_OPTIONS = {
     "defaults": {},
-    "F16_PV": {"F16_PV": True},
-    "ASYNC_SCORES": {"ASYNC_SCORES": True},
-    "F16_PV + ASYNC_SCORES": {"F16_PV": True, "ASYNC_SCORES": True},
-    "4 consumers at D64": {"FOUR_CONSUMERS_AT": (64,)},
-    "all three": {"F16_PV": True, "ASYNC_SCORES": True, "FOUR_CONSUMERS_AT": (64,)},
+    "ring 144 KB": {"SLOT_BYTES": 144 * 1024},
+    "ring 196 KB": {"SLOT_BYTES": 196 * 1024},
 }
 
 
@@ -223,8 +223,7 @@ def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = No
         settings = dict(WS_OPTIONS)
         settings["triton fp8 forward"] = None
         for name, options in settings.items():
-            saved = {key: getattr(ws, key) for key in ("F16_PV", "ASYNC_SCORES", "FOUR_CONSUMERS_AT", "ROTARY_SLOWER_AT",
-                                                         "VERIFIED_ON")}
+            saved = {key: getattr(ws, key) for key in {"ROTARY_SLOWER_AT", "VERIFIED_ON"}.union(*WS_OPTIONS.values())}
             try:
                 if options is None:
                     ws.VERIFIED_ON = frozenset()
@@ -250,7 +249,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
                     total: Optional[int] = None, bandwidth: Optional[float] = None) -> List[dict]:
     """The e4m3 QKV projection alone (``kernels.fp8_linear``) over the prod rows, ``[T, 256]``
     bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
-    256-column slices (``sm90.linear``, where it admits the call) and cuBLAS's bfloat16 product
+    256-column slices, its ``x`` in 64-channel chunks or whole tiles (``sm90.linear``, where it
+    admits the call; ``CHUNKED``) and cuBLAS's bfloat16 product
     (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
     time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``bandwidth`` bytes/s
     (default ``env.floor_bandwidth`` of ``device``). ``total``: rows (default the prod shapes')."""
@@ -280,12 +280,16 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
         from blockattn_layers.kernels.sm90 import linear as ws
 
         if not ws.linear_ws_reasons(x, w):
-            for block_n in (128, 256):
-                def run(block_n=block_n):
+            for block_n, chunked in itertools.product((128, 256), (True, False)):
+                def run(block_n=block_n, chunked=chunked):
                     y = output()
-                    ws.linear_ws(x, w, b, y, block_n)
+                    before, ws.CHUNKED = ws.CHUNKED, chunked
+                    try:
+                        ws.linear_ws(x, w, b, y, block_n)
+                    finally:
+                        ws.CHUNKED = before
                     return y
-                methods[f"gluon {block_n} columns"] = run
+                methods[f"gluon {block_n} columns{'' if chunked else ', whole tiles'}"] = run
     methods["cublas bf16"] = lambda: torch.nn.functional.linear(x, w, b.to(torch.bfloat16))
     rows = []
     for name, run in methods.items():

@@ -205,11 +205,10 @@ def _fp8_ws(q, k, v, o, sched: Schedule, offsets, positions, qd, kd, vd, batched
     kv_heads = k.shape[1]
     num_seqs = offsets.numel() - 1
     items = sched.programs * heads
-    consumers = ws.consumers(dim)
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim, rot > 0, consumers), ROTARY=rot > 0,
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim, rot > 0), ROTARY=rot > 0,
                 HAS_POS=rot > 0 and positions is not None, IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
-                QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2], OUT_TMA=ws.OUT_TMA, F16_PV=ws.F16_PV,
-                ASYNC_SCORES=ws.ASYNC_SCORES, CONSUMERS=consumers, num_warps=4)
+                QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2], OUT_TMA=ws.OUT_TMA,
+                CONSUMERS=ws.CONSUMERS, num_warps=4)
     pos = positions if positions is not None else sched.table
     log2_theta = math.log2(rope_theta) if rot else 0.0
     args = (q, k, v, o, sched.table, offsets, pos, qd, kd, vd, sched.programs, num_seqs, block_size, total, heads,

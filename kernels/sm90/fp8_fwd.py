@@ -11,16 +11,17 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   the block's first, one byte per element) by TMA into a ring of ``STAGES`` slots, from tensor
   maps over the whole ``[T, heads * D]`` row views made in the kernel (rows past ``T`` read as
   zeros; rows past a ragged block are the next block's and are masked below);
-- three consumer warpgroups (``CONSUMERS``; four where ``FOUR_CONSUMERS_AT`` says) take the
+- three consumer warpgroups (``CONSUMERS``) take the
   program's items in turn (consumer ``c`` its items ``c, c + 3, ...``; each ring slot serves one
   consumer, ``stages``).
-  Per item: ``S = Q K^T`` by an e4m3 ``wgmma`` straight from the slot; v converted to 16
-  bits into the consumer's own tile with the rows past the block zeroed (so a NaN or infinity in
-  the next block cannot reach this one through ``0 * x``); the slot released; the exact softmax
-  over the block's keys with ``scale * q_descale * k_descale`` on the scores; ``O = P V`` (16-bit
-  ``wgmma``, ``P`` from registers) times ``v_descale / rowsum``; the output stored through the
-  consumer's tile (dead by then): a 64-token block's by a TMA store (``OUT_TMA``), a shorter one's in
-  16-byte row chunks, rows past the block masked.
+  Per item: ``S = Q K^T`` by an e4m3 ``wgmma`` straight from the slot; v converted to float16
+  (exact for e4m3, one instruction per pair) into the consumer's own tile with the rows past the
+  block zeroed (so a NaN or infinity in the next block cannot reach this one through ``0 * x``);
+  the slot released; the exact softmax over the block's keys with ``scale * q_descale *
+  k_descale`` on the scores; ``O = P V`` (float16 ``wgmma``, ``P`` from registers with float16's
+  10 mantissa bits) times ``v_descale / rowsum``; the output stored through the consumer's tile
+  (dead by then, read back as the output dtype): a 64-token block's by a TMA store (``OUT_TMA``), a
+  shorter one's in 16-byte row chunks, rows past the block masked.
 
 With rotary (split halves over every channel, ``ROTARY``) each consumer first rotates the item's
 stored q and k in float32 into its own 16-bit half tiles, 32 rows at a time with those rows' angles
@@ -45,7 +46,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma,
 )
 
 from ..common.launch import Launcher
@@ -69,57 +70,44 @@ HEAD_DIMS = (64, 128)
 BLOCKS = (33, 64)
 # Consumer warpgroups per program. H200, prod lengths, one process, ms, two / three consumers (outputs
 # bitwise equal; the Triton fp8 forward beside): D 64 H4 1.014-1.026 / 0.860-0.868 (0.947), D 128 H2
-# 0.806-0.812 / 0.815 (0.840-0.845): three, within 1 % of two at D 128.
+# 0.806-0.812 / 0.815 (0.840-0.845): three, within 1 % of two at D 128. Four at D 64 (112 registers
+# each) were slower on an H100 (2026-12-06: 1.259 against 1.110 ms).
 CONSUMERS = 3
-# Head dims whose calls take four consumer warpgroups (112 registers each; 0 bytes spilled at D 64,
-# ptxas for sm_90): a candidate, compile-checked and run through tests/gluon_shim.py only (2026-12-05),
-# to be timed on the H200 (``python -m blockattn_layers.bench.fp8 --ws-options``).
-FOUR_CONSUMERS_AT = ()
 LOADER_REGS = gl.constexpr(40)
-# Registers of each consumer warpgroup: three or four of them and the loader in 64 K registers.
+# Registers of each consumer warpgroup: three of them and the loader in 64 K registers.
 CONSUMER_REGS = gl.constexpr(160)
-FOUR_CONSUMER_REGS = gl.constexpr(112)
 # Whether 64-token blocks' outputs leave by TMA stores (``OUT_TMA``). H200, prod lengths, one process,
 # ms, masked stores / TMA stores (two rounds, outputs bitwise equal): D 128 H2 0.822-0.824 /
 # 0.816; D 64 H4 0.860-0.871 / 0.834-0.837; rotary D 128 H2 1.238-1.246 / 1.223-1.231.
 OUT_TMA = True
-# Whether v and P enter ``P V`` in float16 (``F16_PV``: e4m3 converts to float16 exactly in one
-# instruction, and P keeps 10 mantissa bits instead of bfloat16's 7; the product's tile is then
-# read back as the output dtype for the store), and whether the scores' e4m3 ``wgmma`` runs while
-# v is converted (``ASYNC_SCORES``, calls without rotary). Both compile-checked and run through
-# tests/gluon_shim.py only (2026-12-05): off until the H200 has timed them
-# (``python -m blockattn_layers.bench.fp8 --ws-options``) and run their GPU tests.
-F16_PV = False
-ASYNC_SCORES = False
+# v and P enter ``P V`` in float16, not the output dtype (H100, 2026-12-06, prod lengths, ms, error
+# against the float32 reference of the descaled inputs, bfloat16 / float16 P V): D 128 H2 1.113 /
+# 1.113, 2.12e-3 / 1.68e-3; D 64 H4 1.110 / 1.120, 2.11e-3 / 1.67e-3; rotary D 128 H2 1.213 / 1.158,
+# 3.07e-3 / 2.79e-3. The scores' e4m3 product issued before v's conversion and waited for after it
+# gained nothing there (1.115 / 1.118 ms) and was removed.
 
 
 SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
 SHARED_BYTES = 220 * 1024  # the ring and the consumers' 16-bit tiles together
 
 
-def consumers(head_dim: int) -> int:
-    """Consumer warpgroups per program at ``head_dim``: ``CONSUMERS``, or four at ``FOUR_CONSUMERS_AT``
-    (D 64 only: at D 128 four consumers' tiles leave too little shared memory for the rotary ring)."""
-    return 4 if head_dim in FOUR_CONSUMERS_AT and head_dim <= 64 else CONSUMERS
-
-
-def consumer_tile_bytes(head_dim: int, rotary: bool, count: int = CONSUMERS) -> int:
-    """The ``count`` consumers' 16-bit tiles: each one's output tile (v's 16-bit copy first), and with
+def consumer_tile_bytes(head_dim: int, rotary: bool) -> int:
+    """The consumers' 16-bit tiles: each one's output tile (v's 16-bit copy first), and with
     rotary its rotated q and k halves."""
-    return count * BLOCK_M * head_dim * 2 * (3 if rotary else 1)
+    return CONSUMERS * BLOCK_M * head_dim * 2 * (3 if rotary else 1)
 
 
-def stages(head_dim: int, rotary: bool = False, count: int = CONSUMERS) -> int:
+def stages(head_dim: int, rotary: bool = False) -> int:
     """Ring slots: about ``SLOT_BYTES`` of items in flight (less where the consumers' tiles leave less
-    of ``SHARED_BYTES``), a multiple of the ``count`` consumers: with three, 3 at D 128, 9 at D 64,
-    with rotary too. Consumer ``c`` takes the items ``c, c + count, ...``, so each slot serves one consumer.
+    of ``SHARED_BYTES``), a multiple of the consumers: 3 at D 128, 9 at D 64, with rotary too.
+    Consumer ``c`` takes the items ``c, c + CONSUMERS, ...``, so each slot serves one consumer.
     That is the form that passed on the H200: a first build with three consumers on a 4-slot ring
     failed there ("unspecified launch failure", session 34). Why is not established: with the
     loader copying items in order, no parity wait on a shared slot can pass a phase early (a
     consumer at item ``j`` has seen item ``j - CONSUMERS`` loaded, hence every earlier one; a
     simulation of the ring with random interleavings agrees, session 35)."""
-    ring = min(SLOT_BYTES, SHARED_BYTES - consumer_tile_bytes(head_dim, rotary, count))
-    return max(round(ring / (3 * BLOCK_M * head_dim) / count), 1) * count
+    ring = min(SLOT_BYTES, SHARED_BYTES - consumer_tile_bytes(head_dim, rotary))
+    return max(round(ring / (3 * BLOCK_M * head_dim) / CONSUMERS), 1) * CONSUMERS
 
 
 @gluon.constexpr_function
@@ -264,22 +252,16 @@ def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, 
               stride_oh,
               HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr,
               HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr,
-              KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, F16_PV: gl.constexpr,
-              ASYNC_SCORES: gl.constexpr, CONSUMERS: gl.constexpr):
+              KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
     and store (through its tile of ``o_s``; with ``ROTARY`` q and k rotated first into its halves of
     ``r_s``, the scores their 16-bit products); each next item's block and factors read while this
     one is computed. ``OUT_TMA``: a 64-token block's output leaves by a TMA store from the tile (waited
-    for before the tile's next use), a ragged one's by masked stores. ``F16_PV``: v and P in float16
-    (the tile read back as the output dtype for the store); ``ASYNC_SCORES``: the scores' product
-    runs while v is converted."""
+    for before the tile's next use), a ragged one's by masked stores. v and P enter ``P V`` in float16,
+    the tile read back as the output dtype for the store."""
     HALF: gl.constexpr = HEAD_DIM // 2
     o_s = o_s.index(c)
-    pv_dtype: gl.constexpr = o_s.dtype
-    if F16_PV:
-        o_out = o_s._reinterpret(O.dtype.element_ty, [64, HEAD_DIM], _smem_layout(HEAD_DIM))
-    else:
-        o_out = o_s
+    o_out = o_s._reinterpret(O.dtype.element_ty, [64, HEAD_DIM], _smem_layout(HEAD_DIM))
     qa, qb, ka, kb = r_s.index(4 * c), r_s.index(4 * c + 1), r_s.index(4 * c + 2), r_s.index(4 * c + 3)
     dtype: gl.constexpr = O.dtype.element_ty
     acc_s: gl.constexpr = _scores_layout(ROTARY)
@@ -306,26 +288,20 @@ def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, 
                 _rotate_item(q_s.index(s), k_s.index(s), qa, qb, ka, kb, Pos, start, n, first_row, log2_theta, HALF,
                              HAS_POS)
             else:
-                scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s, is_async=ASYNC_SCORES)
-            if F16_PV:
-                v = v_s.index(s).load(vl).to(gl.float16)
-            else:
-                v = v_s.index(s).load(vl).to(gl.float32)
-            v = gl.where(gl.expand_dims(offs_m < n, 1), v, 0.0)
-            if ASYNC_SCORES and not ROTARY:
-                scores = warpgroup_mma_wait(0, deps=[scores])
+                scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s)
+            v = gl.where(gl.expand_dims(offs_m < n, 1), v_s.index(s).load(vl).to(gl.float16), 0.0)
             if OUT_TMA:
                 tma.store_wait(0)  # the tile's last output has left (waited for by the warps that issued it)
             gl.thread_barrier()  # every warp is done with the slot, and with o_s's last store
             mbarrier.arrive(empty.index(s))
-            o_s.store(v.to(pv_dtype))
+            o_s.store(v)
             fence_async_shared()
             gl.thread_barrier()
             if ROTARY:
                 scores = warpgroup_mma(qa, ka.permute((1, 0)), zero_s)
                 scores = warpgroup_mma(qb, kb.permute((1, 0)), scores)
             p, inv = _probs(scores, n, score_scale, IS_CAUSAL, 64, acc_s)
-            o = warpgroup_mma(gl.convert_layout(p.to(pv_dtype), a_d), o_s, zero_d)
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), a_d), o_s, zero_d)
             o = o * gl.expand_dims(gl.convert_layout(inv * out_scale, gl.SliceLayout(1, acc_d)), 1)
             if OUT_TMA and n == 64:
                 o_out.store(o.to(dtype))
@@ -351,8 +327,7 @@ def _fp8_ws_fwd_kernel(
     stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr, HAS_POS: gl.constexpr,
     IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr,
-    VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, F16_PV: gl.constexpr, ASYNC_SCORES: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -362,8 +337,7 @@ def _fp8_ws_fwd_kernel(
     q_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
     k_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
     v_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
-    pv_dtype: gl.constexpr = gl.float16 if F16_PV else dtype
-    o_s = gl.allocate_shared_memory(pv_dtype, [CONSUMERS, 64, HEAD_DIM], _smem_layout(HEAD_DIM))
+    o_s = gl.allocate_shared_memory(gl.float16, [CONSUMERS, 64, HEAD_DIM], _smem_layout(HEAD_DIM))
     if ROTARY:
         r_s = gl.allocate_shared_memory(dtype, [4 * CONSUMERS, 64, HALF], _smem_layout(HALF))
     else:
@@ -371,45 +345,23 @@ def _fp8_ws_fwd_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     init_ring(ready, empty, STAGES, 1)
-    gl.static_assert(CONSUMERS == 3 or CONSUMERS == 4, "three or four consumer warpgroups")
-    if CONSUMERS == 4:
-        gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_consumer, (3, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
-                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
-        ], [4, 4, 4, 1], [FOUR_CONSUMER_REGS, FOUR_CONSUMER_REGS, FOUR_CONSUMER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
-                       block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
-                       stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                       QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, F16_PV, ASYNC_SCORES, CONSUMERS)),
-            (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
-                       kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    gl.static_assert(CONSUMERS == 3, "three consumer warpgroups")
+    gl.warp_specialize([
+        (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                   block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                   stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+        (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                   block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                   stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+        (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
+                   block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
+                   stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+        (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
+                   kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     drop_ring(ready, empty, STAGES)
 
 

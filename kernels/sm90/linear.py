@@ -57,7 +57,22 @@ LOADER_REGS = gl.constexpr(40)
 CONSUMER_REGS = gl.constexpr(232)  # two consumer warpgroups and the loader in 64 K registers
 SHARED_BYTES = 227 * 1024  # what one program may take on sm_90
 MAX_STAGES = 8
+# Input channels per ``x`` copy and product (``CHUNK``, one 128-byte swizzle row of 16-bit values):
+# each chunk's slot goes back to the loader once its product is done, so the next tile's copy starts
+# while this one multiplies (``CHUNKED``), where with whole ``[64, E]`` tiles a consumer's next tile
+# is copied only after its last product (at E 256 with 256-column slices the ring holds one tile per
+# consumer). A candidate (session 43): compile-checked (no spills, 229.9 KB of shared memory) and
+# run through tests/gluon_shim.py, not yet on a GPU; off, the kernel's instructions are those of the
+# whole-tile kernel timed and tested before (PTX differs in debug info only). To time:
+# ``python -m blockattn_layers.bench.fp8 --projection`` (rows with and without ", whole tiles").
+CHUNK = 64
+CHUNKED = False
 E4M3_MAX = gl.constexpr(448.0)
+
+
+def chunk(in_dim: int) -> int:
+    """Input channels per ``x`` copy and product: ``CHUNK`` where ``CHUNKED``, else all of them."""
+    return CHUNK if CHUNKED else in_dim
 
 
 def shared_bytes(in_dim: int, block_n: int, stages: int) -> int:
@@ -66,7 +81,7 @@ def shared_bytes(in_dim: int, block_n: int, stages: int) -> int:
     weights = block_n * in_dim * 2
     ring = stages * BLOCK_M * in_dim * 2
     outputs = CONSUMERS.value * BLOCK_M * block_n
-    return weights + ring + outputs + 8 * (2 * stages + 1)
+    return weights + ring + outputs + 8 * (2 * stages * (in_dim // chunk(in_dim)) + 1)
 
 
 def stages(in_dim: int, block_n: int) -> int:
@@ -74,7 +89,7 @@ def stages(in_dim: int, block_n: int) -> int:
     ``MAX_STAGES``), a power of two (as Gluon's shared memory shapes must be) and at least the
     consumers: 2 at E 256 with 256-column slices, 4 with 128-column ones."""
     free = SHARED_BYTES - shared_bytes(in_dim, block_n, 0)
-    fit = min(free // (BLOCK_M * in_dim * 2 + 16), MAX_STAGES)
+    fit = min(free // (BLOCK_M * in_dim * 2 + 16 * (in_dim // chunk(in_dim))), MAX_STAGES)
     return max(1 << (max(fit, 1).bit_length() - 1), CONSUMERS.value)
 
 
@@ -99,29 +114,35 @@ def _program_share(rows, lanes, OUT_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _loader(x_s, w_s, ready, empty, w_bar, X, W, rows, lanes, stride_xt, stride_wn, IN_DIM: gl.constexpr,
-            OUT_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loader partition (one warp): the program's weight slice once, then each of its row tiles'
-    ``x`` into the next free slot."""
+            OUT_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr):
+    """Loader partition (one warp): the program's weight slice once (in ``CHUNK``-channel column
+    tiles), then each of its row tiles' ``x``, ``CHUNK`` channels at a time, into the next free
+    chunk slots (a tile's chunks in slots ``(j % STAGES) * KC ..``)."""
+    KC: gl.constexpr = IN_DIM // CHUNK
     col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
-    x_map = tma.make_tensor_descriptor(X, [rows, IN_DIM], [stride_xt, 1], [64, IN_DIM], _smem_layout(IN_DIM))
-    w_map = tma.make_tensor_descriptor(W, [OUT_DIM, IN_DIM], [stride_wn, 1], [BLOCK_N, IN_DIM],
-                                       _smem_layout(IN_DIM))
+    x_map = tma.make_tensor_descriptor(X, [rows, IN_DIM], [stride_xt, 1], [64, CHUNK], _smem_layout(CHUNK))
+    w_map = tma.make_tensor_descriptor(W, [OUT_DIM, IN_DIM], [stride_wn, 1], [BLOCK_N, CHUNK], _smem_layout(CHUNK))
     mbarrier.expect(w_bar, BLOCK_N * IN_DIM * 2)
-    tma.async_copy_global_to_shared(w_map, [col0, 0], w_bar, w_s)
+    for kc in gl.static_range(KC):
+        tma.async_copy_global_to_shared(w_map, [col0, kc * CHUNK], w_bar, w_s.index(kc))
     for j in range(count):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, 64 * IN_DIM * 2)
-        tma.async_copy_global_to_shared(x_map, [(lane + j * lanes) * 64, 0], bar, x_s.index(s))
+        for kc in gl.static_range(KC):
+            s = (j % STAGES) * KC + kc
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, 64 * CHUNK * 2)
+            tma.async_copy_global_to_shared(x_map, [(lane + j * lanes) * 64, kc * CHUNK], bar, x_s.index(s))
 
 
 @gluon.jit
-def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, Y, B, rows, lanes, stride_yt, OUT_DIM: gl.constexpr,
-              HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer partition ``c`` (one warpgroup): its tiles' products, released slots, and the
-    bias, saturation, e4m3 cast and store through its output tile (each store waited for before
-    the tile's next use)."""
+def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, Y, B, rows, lanes, stride_yt, IN_DIM: gl.constexpr,
+              OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CHUNK: gl.constexpr):
+    """Consumer partition ``c`` (one warpgroup): its tiles' products, one asynchronous ``wgmma`` per
+    ``CHUNK``-channel chunk, each chunk's slot released once its product is done (the loader copies
+    the next tile's chunk while this tile's later ones multiply), and the bias, saturation, e4m3
+    cast and store through its output tile (each store waited for before the tile's next use)."""
+    KC: gl.constexpr = IN_DIM // CHUNK
     acc_l: gl.constexpr = _acc_layout(BLOCK_N)
     col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
     y_map = tma.make_tensor_descriptor(Y, [rows, OUT_DIM], [stride_yt, 1], [64, BLOCK_N], _e4m3_layout(BLOCK_N))
@@ -130,12 +151,20 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, Y, B, rows, lanes, stride
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
     mbarrier.wait(w_bar, 0)
     for j in range(c, count, CONSUMERS):
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-        acc = warpgroup_mma(x_s.index(s), w_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        base = (j % STAGES) * KC
+        phase = (j // STAGES) & 1
+        acc = zero
+        for kc in gl.static_range(KC):
+            mbarrier.wait(ready.index(base + kc), phase)
+            acc = warpgroup_mma(x_s.index(base + kc), w_s.index(kc).permute((1, 0)), acc, use_acc=kc > 0,
+                                is_async=True)
+            if kc > 0:
+                acc = warpgroup_mma_wait(1, deps=[acc])  # the previous chunk's product is done
+                gl.thread_barrier()  # every warp's products have read its slot
+                mbarrier.arrive(empty.index(base + kc - 1))
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # every warp's products have read the slot
-        mbarrier.arrive(empty.index(s))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(base + KC - 1))
         if HAS_BIAS:
             acc = acc + gl.expand_dims(gl.load(B + cols, mask=cols < OUT_DIM, other=0.0), 0)
         y = gl.minimum(gl.maximum(acc, -E4M3_MAX), E4M3_MAX).to(out_s.dtype)
@@ -150,26 +179,28 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, Y, B, rows, lanes, stride
 
 @gluon.jit(do_not_specialize=["rows", "lanes"])
 def _linear_ws_kernel(X, W, B, Y, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
-                      OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    gl.static_assert(IN_DIM % 64 == 0, "input channels in 128-byte swizzle rows")
+                      OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CHUNK: gl.constexpr):
+    gl.static_assert(IN_DIM % CHUNK == 0, "input channels in whole chunks")
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
-    x_s = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, 64, IN_DIM], _smem_layout(IN_DIM))
-    w_s = gl.allocate_shared_memory(W.dtype.element_ty, [BLOCK_N, IN_DIM], _smem_layout(IN_DIM))
+    KC: gl.constexpr = IN_DIM // CHUNK
+    x_s = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * KC, 64, CHUNK], _smem_layout(CHUNK))
+    w_s = gl.allocate_shared_memory(W.dtype.element_ty, [KC, BLOCK_N, CHUNK], _smem_layout(CHUNK))
     out_s = gl.allocate_shared_memory(Y.dtype.element_ty, [CONSUMERS, 64, BLOCK_N], _e4m3_layout(BLOCK_N))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES * KC, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES * KC, 1], mbarrier.MBarrierLayout())
     w_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    init_ring(ready, empty, STAGES, 1)
+    init_ring(ready, empty, STAGES * KC, 1)
     mbarrier.init(w_bar.index(0), count=1)
     gl.warp_specialize([
-        (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, OUT_DIM,
-                     HAS_BIAS, BLOCK_N, STAGES)),
-        (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, OUT_DIM,
-                     HAS_BIAS, BLOCK_N, STAGES)),
+        (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, IN_DIM,
+                     OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK)),
+        (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), Y, B, rows, lanes, stride_yt, IN_DIM,
+                     OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK)),
         (_loader, (x_s, w_s, ready, empty, w_bar.index(0), X, W, rows, lanes, stride_xt, stride_wn, IN_DIM,
-                   OUT_DIM, BLOCK_N, STAGES)),
+                   OUT_DIM, BLOCK_N, STAGES, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    drop_ring(ready, empty, STAGES)
+    drop_ring(ready, empty, STAGES * KC)
     mbarrier.invalidate(w_bar.index(0))
 
 
@@ -182,7 +213,7 @@ def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, bloc
     out_dim = weight.shape[0]
     slices, lanes = grid(rows, out_dim, block_n, sm_count(x.device))
     meta = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                STAGES=stages(in_dim, block_n), num_warps=4)
+                STAGES=stages(in_dim, block_n), CHUNK=chunk(in_dim), num_warps=4)
     args = (x, weight, bias if bias is not None else weight, y, rows, lanes, x.stride(0), weight.stride(0), y.stride(0))
     launch((slices * lanes,), args, meta, x)
 
