@@ -225,3 +225,17 @@ class Method:
     description: str = ""
     context: Callable[[], ContextManager] = contextlib.nullcontext
     opt_in: Optional[str] = None
+
+
+@contextlib.contextmanager
+def module_attrs(module, **values):
+    """``module.NAME = value`` for each keyword (a kernel's constants and head-dim sets) for a row's
+    calls, the old values back afterwards."""
+    before = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)

@@ -32,6 +32,7 @@ from blockattn_layers import fp8
 
 from blockattn_layers.kernels.block.variants import unverified_kernels
 
+from .common import module_attrs
 from .env import bandwidth_text, floor_bandwidth, git_commit
 from .shapes import prod, rotary
 
@@ -223,21 +224,13 @@ def ws_option_rows(commit: str, device: str = "cuda", cases: Optional[list] = No
         settings = dict(WS_OPTIONS)
         settings["triton fp8 forward"] = None
         for name, options in settings.items():
-            saved = {key: getattr(ws, key) for key in {"ROTARY_SLOWER_AT", "VERIFIED_ON"}.union(*WS_OPTIONS.values())}
-            try:
-                if options is None:
-                    ws.VERIFIED_ON = frozenset()
-                    ws.ROTARY_SLOWER_AT = tuple(ws.HEAD_DIMS)
-                else:
-                    ws.ROTARY_SLOWER_AT = ()
-                    for key, value in options.items():
-                        setattr(ws, key, value)
-                with torch.no_grad(), unverified_kernels(False):
-                    err = _check(call, total_check, want)
-                    ms = triton.testing.do_bench(call, warmup=25, rep=150, return_mode="median")
-            finally:
-                for key, value in saved.items():
-                    setattr(ws, key, value)
+            if options is None:
+                overrides = dict(VERIFIED_ON=frozenset(), ROTARY_SLOWER_AT=tuple(ws.HEAD_DIMS))
+            else:
+                overrides = dict(options, ROTARY_SLOWER_AT=())
+            with module_attrs(ws, **overrides), torch.no_grad(), unverified_kernels(False):
+                err = _check(call, total_check, want)
+                ms = triton.testing.do_bench(call, warmup=25, rep=150, return_mode="median")
             floor = _floor_ms(case.total, case.num_heads, case.kv_heads, case.head_dim, 1, 2, bandwidth)
             rows.append(dict(shape=case.name, method=f"fp8, {name}", ms=ms, floor_ms=floor, x_floor=ms / floor,
                              err=err, commit=commit))
@@ -283,11 +276,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
             for block_n, chunked in itertools.product((128, 256), (True, False)):
                 def run(block_n=block_n, chunked=chunked):
                     y = output()
-                    before, ws.CHUNKED = ws.CHUNKED, chunked
-                    try:
+                    with module_attrs(ws, CHUNKED=chunked):
                         ws.linear_ws(x, w, b, y, block_n)
-                    finally:
-                        ws.CHUNKED = before
                     return y
                 methods[f"gluon {block_n} columns{'' if chunked else ', whole tiles'}"] = run
     methods["cublas bf16"] = lambda: torch.nn.functional.linear(x, w, b.to(torch.bfloat16))

@@ -13,7 +13,7 @@ from blockattn_layers.ops import backends as _backends
 from blockattn_layers._validation import validate_attention_args
 from blockattn_layers.ops.backends.triton_block import ROTATED_COPIES
 
-from .common import Case, Inputs, Method, Prepared, RunConfig
+from .common import Case, Inputs, Method, Prepared, RunConfig, module_attrs
 
 # Above this many tokens the reference backend runs on GPU only with --with-reference (it is slow).
 REFERENCE_MAX_TOKENS = 1 << 18
@@ -242,26 +242,12 @@ def _triton_fast_backward():
 
 
 @contextlib.contextmanager
-def _attrs(module, **values):
-    """``module.NAME = value`` for each keyword (a kernel's constants and head-dim sets) for the row's
-    calls, the old values back afterwards."""
-    before = {name: getattr(module, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in before.items():
-            setattr(module, name, value)
-
-
-@contextlib.contextmanager
 def _triton_backward():
     """The deterministic backward by the Triton passes everywhere: the Gluon kernel not taken whole
     (``ORDERED_HEAD_DIMS``) nor as the dK/dV pass (``DKDV_ONLY_HEAD_DIMS``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    with blockattn_layers.fast_backward(False), _attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset(),
+    with blockattn_layers.fast_backward(False), module_attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset(),
                                                        DKDV_ONLY_HEAD_DIMS=frozenset()):
         yield
 
@@ -289,7 +275,7 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
-            _attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p):
+            module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p):
         yield
 
 
@@ -301,7 +287,7 @@ def _gluon_dkdv_only_backward():
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels(), \
-            _attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset()):
+            module_attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset()):
         yield
 
 
