@@ -450,9 +450,11 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     from .sm90.flash_persistent import _flash_fwd_persistent_kernel
 
-    for dtype, dim, (causal, groups) in itertools.product(("bf16", "fp16"), (64, 128), ((False, 1), (True, 4))):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal)
-        name = f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
+    for dtype, dim, (causal, groups), overlap in itertools.product(
+            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
+        name = (f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
+                f"{'_overlap' if overlap else ''}")
         yield Build(name, _flash_fwd_persistent_kernel, dtype, constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols
 

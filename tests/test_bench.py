@@ -302,3 +302,16 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
         with method.context():
             assert switches() == want[name], name
         assert switches() == defaults, name
+
+
+def test_gluon_overlap_row_sets_the_consumer_loop_and_restores_it():
+    """``triton_flash[gluon_overlap]`` times the persistent Gluon forward with its overlapped consumer loop:
+    inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial" after."""
+    from blockattn_layers.bench import ours
+    from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
+
+    cpu = torch.device("cpu")
+    assert flash_fwd.CONSUMER_LOOP == "serial" and not flash_fwd.overlap_taken()
+    with ours.GLUON_FLASH_OVERLAP.context():
+        assert flash_fwd.overlap_taken() and not flash_fwd.pingpong_taken() and flash_persistent.taken(cpu)
+    assert flash_fwd.CONSUMER_LOOP == "serial"

@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def _run(q, k, v, offsets, block_size, causal, programs):
+def _run(q, k, v, offsets, block_size, causal, programs, overlap=False):
     total, heads, dim = q.shape
     sched = FlashSchedule(offsets, total, block_size, flash_fwd.TILE_M, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
@@ -47,7 +47,7 @@ def _run(q, k, v, offsets, block_size, causal, programs):
         items=sched.programs * heads, total=total, qk_scale=dim ** -0.5 * LOG2E, stride_qt=q.stride(0),
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
         HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=flash_fwd.TILE_M, BLOCK_N=flash_fwd.TILE_N,
-        IS_CAUSAL=causal,
+        IS_CAUSAL=causal, OVERLAP=overlap,
     )
     return o, lse, run
 
@@ -59,11 +59,12 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     return q, k, v, offsets_from_lengths(lengths)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_persistent_forward_matches_the_reference(name):
+def test_persistent_forward_matches_the_reference(name, overlap):
     lengths, heads, kv_heads, dim, block_size, causal, programs = CASES[name]
     q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=len(lengths) + dim)
-    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs)
+    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap)
     d = [x.double() for x in (q, k, v)]
     want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
     assert rel_err(o, want) < 3e-3
@@ -82,26 +83,33 @@ def test_persistent_forward_matches_the_reference(name):
     assert torch.allclose(lse[:, lo:u1].double(), torch.logsumexp(s, -1), atol=2e-3)
 
 
-def test_persistent_forward_keeps_non_finite_values_in_their_sequence():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_persistent_forward_keeps_non_finite_values_in_their_sequence(overlap):
     """Tensor maps over all rows: the ragged last key tile of a block holds the next sequence's rows;
     their scores are masked and their v rows zeroed, so a NaN sequence leaves its neighbours finite."""
     lengths = [130, 70, 200]
     q, k, v, offsets = _inputs(lengths, 2, 2, 64, seed=3)
     for x in (q, k, v):
         x[130:200] = float("nan")
-    o, _, _ = _run(q, k, v, offsets, 0, False, 2)
+    o, _, _ = _run(q, k, v, offsets, 0, False, 2, overlap)
     assert torch.isfinite(o[:130]).all() and torch.isfinite(o[200:]).all() and torch.isnan(o[130:200]).all()
 
 
 def test_the_persistent_kernel_is_taken_by_default_where_verified(monkeypatch):
     """``flash_attention_fwd_ws`` hands its calls over while ``TAKEN`` is set (the default) on the GPU
     generations its tests passed on (sm_90), off CUDA (the shim / interpreter), or anywhere with
-    unverified kernels allowed; never with ``TAKEN`` cleared."""
+    unverified kernels allowed; never with ``TAKEN`` cleared, nor while the consumer loop asks for
+    ping-pong (only the per-tile kernel has it)."""
     from blockattn_layers.kernels.block import variants
 
     cpu = torch.device("cpu")
     assert flash_persistent.TAKEN == [True] and flash_persistent.taken(cpu)
     assert flash_persistent.VERIFIED_ON == frozenset({9})
+    monkeypatch.setattr(flash_fwd, "CONSUMER_LOOP", "overlap")
+    assert flash_persistent.taken(cpu)
+    monkeypatch.setattr(flash_fwd, "CONSUMER_LOOP", "pingpong")
+    assert not flash_persistent.taken(cpu)
+    monkeypatch.setattr(flash_fwd, "CONSUMER_LOOP", "serial")
     monkeypatch.setattr(flash_persistent, "TAKEN", [False])
     assert not flash_persistent.taken(cpu)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])

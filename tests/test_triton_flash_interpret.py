@@ -238,10 +238,13 @@ def test_tensor_maps_off_by_environment():
 
 @interpret_only
 @pytest.mark.parametrize("fast,causal", [(False, False), (True, True)], ids=["deterministic", "fast-causal"])
-def test_non_finite_values_stay_in_their_sequence(fast, causal):
+def test_non_finite_values_stay_in_their_sequence(monkeypatch, fast, causal):
     """A NaN in one sequence leaves its neighbours' outputs and gradients finite: no tile reads
     rows past its block (tensor-map loads take whole tiles only), and the fast backward's atomic
-    adds touch only the rows of the key tile's own block."""
+    adds (its Triton form, ``TRITON_FAST_TAKEN``) touch only the rows of the key tile's own block."""
+    from blockattn_layers.kernels.flash import bwd
+
+    monkeypatch.setattr(bwd, "TRITON_FAST_TAKEN", [fast])
     lengths = [70, 65, 100]
     q, k, v = _inputs(lengths, 2, 2, 32, torch.float32, 14)
     for x in (q, k, v):
@@ -280,11 +283,13 @@ FAST_CASES = [
 @pytest.mark.parametrize("case", FAST_CASES, ids=["full-fp32", "full-gqa-causal-fp16", "b256-mqa-causal-d24",
                                                   "rotary-interleaved-partial-gqa-causal"])
 def test_fast_backward_matches_oracle_and_the_deterministic_backward(monkeypatch, case):
-    """The fast backward (dQ by atomic adds in the dK/dV pass) runs under ``fast_backward()`` and
-    matches the float64 oracle; its gradients agree with the deterministic backward's to rounding
-    (its dK/dV pass takes the scores transposed, so not bit for bit)."""
+    """The fast backward's Triton form (dQ by atomic adds in the dK/dV pass) runs under
+    ``fast_backward()`` with ``TRITON_FAST_TAKEN`` set and matches the float64 oracle; its gradients
+    agree with the deterministic backward's to rounding (its dK/dV pass takes the scores transposed,
+    so not bit for bit)."""
     from blockattn_layers.kernels.flash import bwd
 
+    monkeypatch.setattr(bwd, "TRITON_FAST_TAKEN", [True])
     case = dict(case)
     lengths, heads, kv_heads, dim, dtype = (case.pop(n) for n in ("lengths", "heads", "kv_heads", "dim", "dtype"))
     fast = []
@@ -302,6 +307,30 @@ def test_fast_backward_matches_oracle_and_the_deterministic_backward(monkeypatch
     grads = torch.autograd.grad(out, (q, k, v), g)
     assert fast == [1, 1]
     assert all(rel_err(a, b.double()) < TOL[dtype] for a, b in zip(fast_grads, grads))
+
+
+@interpret_only
+@pytest.mark.parametrize("case", FAST_CASES[1:3], ids=["full-gqa-causal-fp16", "b256-mqa-causal-d24"])
+def test_fast_backward_runs_the_deterministic_one_where_no_one_pass_form_is_taken(monkeypatch, case):
+    """By default (``TRITON_FAST_TAKEN`` off) a fast backward that the Gluon kernel does not take (here: off
+    sm_90) is the deterministic backward, measured faster than the Triton one-pass form: no atomic-add
+    pass runs and the gradients are bitwise the deterministic ones."""
+    from blockattn_layers.kernels.flash import bwd
+
+    assert bwd.TRITON_FAST_TAKEN == [False] and not bwd.fast_form_taken(False) and bwd.fast_form_taken(True)
+    case = dict(case)
+    lengths, heads, kv_heads, dim, dtype = (case.pop(n) for n in ("lengths", "heads", "kv_heads", "dim", "dtype"))
+    fast = []
+    real = bwd._fast_bwd
+    monkeypatch.setattr(bwd, "_fast_bwd", lambda *a: fast.append(1) or real(*a))
+    q, k, v = (x.requires_grad_() for x in _inputs(lengths, heads, kv_heads, dim, dtype, 4))
+    out = bl.block_attention(q, k, v, offsets_from_lengths(lengths), backend="triton_flash", **case)
+    g = torch.randn_like(out)
+    with bl.fast_backward():
+        fast_grads = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert fast == []
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, grads))
 
 
 @interpret_only
@@ -369,20 +398,23 @@ def _gpu_inputs(case: dict, dtype, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+@pytest.mark.parametrize("mode", ["deterministic", "fast", "triton_fast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_gpu_matches_float64_reference(case, dtype, mode):
+def test_gpu_matches_float64_reference(monkeypatch, case, dtype, mode):
     """Error within 2x (forward) / 3x (gradients) of the naive same-dtype error, with a floor, in
-    both backwards; the deterministic one gives the same bits twice, the fast one (atomic dQ) the
-    deterministic dK and dV up to rounding."""
+    both backwards; the deterministic one gives the same bits twice, the fast one the deterministic
+    dK and dV up to rounding: as chosen (the Gluon one-pass kernel or the deterministic backward),
+    and in its Triton form (atomic dQ, ``TRITON_FAST_TAKEN``) where the Gluon kernel does not take it."""
     from blockattn_layers import reference
+    from blockattn_layers.kernels.flash import bwd
 
+    monkeypatch.setattr(bwd, "TRITON_FAST_TAKEN", [mode == "triton_fast"])
     case, dim, q, k, v, offsets = _gpu_inputs(case, dtype, 0)
     qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
     out = bl.block_attention(qs, ks, vs, offsets, backend="triton_flash", **case)
     grad_out = torch.randn_like(out)
-    with bl.fast_backward(mode == "fast"):
+    with bl.fast_backward(mode != "deterministic"):
         grads = torch.autograd.grad(out, (qs, ks, vs), grad_out, retain_graph=True)
     again = torch.autograd.grad(out, (qs, ks, vs), grad_out)
     if mode == "deterministic":
@@ -467,8 +499,9 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
-                                                         (True, True, False), (False, False, True)],
-                         ids=["serial", "overlap", "pingpong", "persistent"])
+                                                         (True, True, False), (False, False, True),
+                                                         (True, False, True)],
+                         ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its

@@ -196,6 +196,24 @@ GLUON_FLASH_BY_TILES = Method(
     context=_gluon_forward_by_tiles)
 
 
+@contextlib.contextmanager
+def _gluon_forward_overlapped():
+    """The Gluon forward (persistent) with its consumers' overlapped loop (``sm90.flash_fwd.CONSUMER_LOOP``
+    "overlap")."""
+    from blockattn_layers.kernels.sm90 import flash_fwd
+
+    with module_attrs(flash_fwd, CONSUMER_LOOP="overlap"):
+        yield
+
+
+GLUON_FLASH_OVERLAP = Method(
+    "triton_flash[gluon_overlap]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
+    gpu_only=True, description="triton_flash with the persistent Gluon forward's consumers overlapping a key "
+                               "tile's Q K^T with the previous tile's softmax and P V (FlashAttention-3's "
+                               "intra-warpgroup order)",
+    context=_gluon_forward_overlapped)
+
+
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     refused = _flash_skip(case, cfg)
     if refused:
@@ -226,18 +244,21 @@ def _flash_skip(case: Case, cfg: RunConfig) -> Optional[str]:
 
 FAST_BACKWARD = Method(
     "triton_flash[fast_bwd]", "ours", _setup("triton_flash"), _attention, skip=_flash_skip, gpu_only=True,
-    description="triton_flash with the fast backward (dQ's terms added in any order; blockattn_layers.fast_backward): "
-                "on sm_90 its dK/dV pass by the warp-specialized Gluon kernel where that admits the call",
+    description="triton_flash with the fast backward (blockattn_layers.fast_backward): on sm_90 at full attention "
+                "with D 128 the warp-specialized Gluon kernel in one pass, dQ's terms added in any order; the "
+                "deterministic backward elsewhere (measured faster)",
     context=blockattn_layers.fast_backward)
 
 
 @contextlib.contextmanager
 def _triton_fast_backward():
     """The fast backward with the Triton dK/dV pass (its dQ terms by per-tile TMA reductions)
-    everywhere: the Gluon one not taken."""
+    everywhere: the Gluon one not taken, the Triton one taken (``flash.bwd.TRITON_FAST_TAKEN``)."""
+    from blockattn_layers.kernels.flash import bwd
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    with blockattn_layers.fast_backward(), _taken(flash_bwd, False, "FAST_TAKEN"):
+    with blockattn_layers.fast_backward(), _taken(flash_bwd, False, "FAST_TAKEN"), \
+            _taken(bwd, True, "TRITON_FAST_TAKEN"):
         yield
 
 
@@ -395,8 +416,8 @@ def our_methods() -> List[Method]:
                               description=spec.description))
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
-            methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES, *GLUON_BACKWARDS,
-                            GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+            methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
+                            GLUON_FLASH_OVERLAP, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

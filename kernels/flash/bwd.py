@@ -20,14 +20,17 @@ exactly one program in a fixed order, so the backward is bitwise deterministic. 
 gradients are rotated back by the transpose rotation before dq and dk are stored
 (``rotate_pair(..., INVERSE=True)``).
 
-The fast backward (``deterministic=False``) computes each score tile once instead of twice: a
+The fast backward's Triton form (``deterministic=False`` with ``TRITON_FAST_TAKEN``) computes each
+score tile once instead of twice: a
 delta pass (``rowsum(dO * O)``), then the dK/dV pass, which also adds each (query tile, key tile)
 term ``dS K`` of dQ to float32 sums ``[T, H, D]`` by atomic adds, then a pass that scales, rotates
 back and casts those sums into dQ. dK and dV are as deterministic as above; dQ's float32 sums
-depend on the order of the adds, so dQ can differ between runs in its last bits.
+depend on the order of the adds, so dQ can differ between runs in its last bits. It measured slower
+than the deterministic backward everywhere, so a fast backward runs a one-pass form only where the
+Gluon kernel below takes it (``fast_form_taken``) and is the deterministic backward elsewhere.
 
-On sm_90, where ``sm90.flash_bwd`` takes the call (``sm90.flash_bwd.taken``: the fast backward;
-the deterministic one at full attention with D 128), the backward is the fast one's three passes
+On sm_90, where ``sm90.flash_bwd`` takes the call (``sm90.flash_bwd.taken``: full attention with D
+128, both backwards), the backward is the fast one's three passes
 with the dK/dV pass by its warp-specialized Gluon kernel (dQ's terms by TMA reduce-adds); the
 deterministic form has that kernel add each query tile's dQ terms in a fixed order (key tile by key
 tile, each waiting for its turn on a counter and for its adds' writes), so its float32 sums, and
@@ -59,6 +62,14 @@ from .schedule import (
 from ..common.launch import Launcher
 from ..common.split import load_split, split_acc, split_scores, store_split
 from ..common.tiles import load_cols, row_ptrs, store_cols
+
+# Whether the fast backward may run its Triton one-pass form (dQ's terms by atomic adds in the Triton
+# dK/dV pass) where the Gluon kernel does not take it. Measured slower than the deterministic
+# backward wherever it runs (seed3: 5.01 ms against 3.84 on the H200, session 17; 5.07 against 3.84 on
+# an H100, causal 3.07 / 2.23, GQA 4.81 / 3.87, prod_full 56.6 / 43.5, blocks of 256 10.3 / 7.33, of
+# 512 14.6 / 10.8, session 40), so off: the fast backward runs the deterministic one there. Set by the
+# tests of that form and the benchmark's ``triton_flash[triton_fast_bwd]`` row.
+TRITON_FAST_TAKEN = [False]
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -356,9 +367,12 @@ def flash_attention_bwd(
         return q.new_empty(q.shape), dk, dv
     tiles = tiles or flash_tiles(head_dim, q.device.type, q.element_size(), major_of(q), block_size,
                                  rope_theta is not None)
+    gluon, gluon_adds_dq = _gluon_dkdv(do, q, k, v, rope_theta, deterministic, block_size)
+    if not deterministic and not fast_form_taken(gluon_adds_dq):
+        deterministic = True
+        gluon, gluon_adds_dq = _gluon_dkdv(do, q, k, v, rope_theta, deterministic, block_size)
     dkv_n, dkv_m = tiles["dkv"] if deterministic else tiles.get("dkv_fast", tiles["dkv"])
     dq_m, dq_n = tiles["dq"]
-    gluon, gluon_adds_dq = _gluon_dkdv(do, q, k, v, rope_theta, deterministic, block_size)
     if gluon is not None:
         dkv_n = gluon.TILE_N
     longest_first = block_size == 0
@@ -403,6 +417,13 @@ def flash_attention_bwd(
         _dkdv_pass(do, q, k, v, lse, delta, dk, dv, None, dkv_sched, dkv_m, dkv_n, positions, scale, log2_theta,
                    pass_meta)
     return dq, dk, dv
+
+
+def fast_form_taken(gluon_adds_dq: bool) -> bool:
+    """Whether a fast backward (``deterministic=False``) runs a one-pass form: the Gluon kernel's where
+    it adds dQ's terms (``gluon_adds_dq``: ``sm90.flash_bwd.taken``), the Triton one only while
+    ``TRITON_FAST_TAKEN`` is set; else it runs the deterministic backward, measured faster."""
+    return gluon_adds_dq or TRITON_FAST_TAKEN[0]
 
 
 def _dkdv_pass(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, block_m, block_n, positions, scale, log2_theta,

@@ -38,9 +38,10 @@ softmax scale) and dV rows in the dead k and v tiles for the TMA store.
 The delta pass before and the pass that scales and casts the sums into dQ after are
 ``flash.bwd``'s. Admitted calls (``flash_ws_bwd_reasons``): those of ``flash_fwd``'s kernel
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
-offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it
-(``FAST_TAKEN``; H100, bf16, seed3: 3.11 ms against the Triton fast backward's 5.07 and the
-deterministic one's 3.84). The deterministic backward takes it whole, its writer's ordered TMA adds,
+offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it at
+full attention with D 128 (``FAST_TAKEN``, ``FAST_HEAD_DIMS``; H100, bf16, seed3: 3.11 ms against the
+Triton fast backward's 5.07 and the deterministic one's 3.84); elsewhere the fast backward is the
+deterministic one (``flash.bwd.fast_form_taken``). The deterministic backward takes it whole, its writer's ordered TMA adds,
 at full attention with D 128 (``ORDERED_HEAD_DIMS``; seed3: 3.24 ms against 3.75); at full attention
 with D 64 (``DKDV_ONLY_HEAD_DIMS``) it keeps the Triton dQ pass and takes this kernel as its dK/dV
 pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66); elsewhere the Triton passes.
@@ -72,6 +73,12 @@ VERIFIED_ON = frozenset({9})
 # 2026-12-05: seed3 3.11 ms against the Triton fast 5.07 and deterministic 3.84).
 TAKEN = [False]
 FAST_TAKEN = [True]
+# Where the fast backward takes this kernel (its writer's TMA reduce-adds in any order) while ``FAST_TAKEN``
+# is set: full attention with these head dims. Elsewhere the deterministic backward measured as fast or
+# faster and runs in its place (``flash.bwd.fast_form_taken``; H100, bf16, 2026-12-05, ms, fast /
+# deterministic: seed3_d64 4.37 / 4.29, 4.34 / 4.18; blocks of 256 8.78 / 7.27, 8.87 / 7.39; blocks of
+# 512 10.8 / 10.6, 10.7 / 10.7).
+FAST_HEAD_DIMS = frozenset({128})
 # Where the deterministic backward takes this kernel whole, dQ's terms added in a fixed order by the
 # writer's TMA reduce-adds: at full attention with the head dims of ``ORDERED_HEAD_DIMS``, measured
 # faster there than either two-pass form (H100, bf16, D 128, 2026-12-05, ms: seed3 3.24 against 3.65
@@ -472,10 +479,11 @@ def dq_cols(head_dim: int) -> int:
 def taken(deterministic: bool, block_size: int, head_dim: int) -> bool:
     """Whether the switches hand the dK/dV pass of a backward of this mode and these facts
     (``block_size`` 0: full attention) to this kernel with dQ's terms: ``TAKEN`` (both modes),
-    ``FAST_TAKEN`` (the fast one), ``ORDERED_HEAD_DIMS`` (the deterministic one at full attention)."""
+    ``FAST_TAKEN`` (the fast one at full attention with the head dims of ``FAST_HEAD_DIMS``),
+    ``ORDERED_HEAD_DIMS`` (the deterministic one at full attention)."""
     if deterministic:
         return TAKEN[0] or (block_size == 0 and head_dim in ORDERED_HEAD_DIMS)
-    return TAKEN[0] or FAST_TAKEN[0]
+    return TAKEN[0] or (FAST_TAKEN[0] and block_size == 0 and head_dim in FAST_HEAD_DIMS)
 
 
 def dkdv_only(deterministic: bool, block_size: int, head_dim: int) -> bool:

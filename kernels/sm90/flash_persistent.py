@@ -15,7 +15,8 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
   inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
   v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
   infinity in the next block must not reach this one through ``0 * x``);
-- two consumer warpgroups, one per query half, run ``flash_fwd``'s serial loop per item; the
+- two consumer warpgroups, one per query half, run ``flash_fwd``'s serial loop per item (its
+  overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap": ``OVERLAP``); the
   output leaves through the dead query half by a TMA store where the half lies inside the
   block, else by masked stores; a consumer releases an item's query buffer once its store has
   had the next item's first key tile to land.
@@ -29,14 +30,17 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from ..common.launch import Launcher
 from ..common.meta import LOG2E, sm_count
+from . import flash_fwd
 from .block import _acc_layout, _row_layout, _smem_layout, _store_via
 from .flash_fwd import (
-    _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, STAGES, TILE_M, TILE_N, _online_softmax, _release, key_tiles,
-    outputs_and_table,
+    _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, OVERLAP_CONSUMER_REGS, OVERLAP_LOADER_REGS, STAGES, TILE_M, TILE_N,
+    _online_softmax, _release, key_tiles, outputs_and_table,
 )
 from .persistent import bounded_row_map, drop_ring, init_ring
 
@@ -130,11 +134,22 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, T
 
 
 @gluon.jit
+def _release_buffer(q_empty, b):
+    """The previous item's output store (from query buffer ``b``) has had a key tile's time: the
+    buffer goes back to the loader."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    mbarrier.arrive(q_empty.index(b))
+
+
+@gluon.jit
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items, total,
               qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
     """Consumer partition (one warpgroup): query half ``half`` of each item, ``flash_fwd``'s serial
-    loop, the output through the dead half (TMA store inside the block, masked stores past it)."""
+    loop, or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
+    ``P V`` issued together, tile ``j + 1``'s softmax while ``P V`` runs); the output through the
+    dead half (TMA store inside the block, masked stores past it)."""
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -155,21 +170,44 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse,
             l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, acc_s))
             acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, acc_d)
             mbarrier.wait(q_ready.index(b), (qi // 2) & 1)
-            for j in range(tiles):
+            if OVERLAP:
                 s = it % STAGES
                 mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
-                scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
-                p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
+                scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, use_acc=False)
+                p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                      IS_CAUSAL)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+                if qi > 0:
+                    _release_buffer(q_empty, 1 - b)
+                for j in range(tiles - 1):
+                    s = it % STAGES
+                    t = (it + 1) % STAGES
+                    mbarrier.wait(kv_ready.index(t), ((it + 1) // STAGES) & 1)
+                    scores = warpgroup_mma(q, k_s.index(t).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
+                    scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+                    p, alpha, m_i, l_i = _online_softmax(scores, j + 1, unmasked, rows, n, m_i, l_i, qk_scale,
+                                                         BLOCK_N, IS_CAUSAL)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _release(kv_empty, s)
+                    it += 1
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+                s = it % STAGES
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
                 _release(kv_empty, s)
                 it += 1
-                if j == 0 and qi > 0:
-                    # The previous item's output store has had this key tile's time: its buffer goes back.
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    mbarrier.arrive(q_empty.index(1 - b))
+            else:
+                for j in range(tiles):
+                    s = it % STAGES
+                    mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
+                    scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
+                    p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
+                                                         IS_CAUSAL)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
+                    _release(kv_empty, s)
+                    it += 1
+                    if j == 0 and qi > 0:
+                        _release_buffer(q_empty, 1 - b)
             o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
             if first + HALF_M <= n:
                 q.store(o.to(dtype))  # the query half is dead: its tile stages the output
@@ -190,7 +228,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse,
 def _flash_fwd_persistent_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * HALF_M, "two consumer warpgroups of 64 query rows")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -208,13 +246,14 @@ def _flash_fwd_persistent_kernel(
     mbarrier.init(fix.index(0), count=1)
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
-                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL)),
+                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
         (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
-                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL)),
+                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
         (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
                    kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
                    IS_CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
+                OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
     drop_ring(q_ready, q_empty, 2)
     drop_ring(kv_ready, kv_empty, STAGES)
     mbarrier.invalidate(fix.index(0))
@@ -224,10 +263,11 @@ launch = Launcher(_flash_fwd_persistent_kernel, scratch=True)
 
 
 def taken(device: torch.device) -> bool:
-    """Whether ``flash_fwd.flash_attention_fwd_ws`` hands its calls on ``device`` to this kernel."""
+    """Whether ``flash_fwd.flash_attention_fwd_ws`` hands its calls on ``device`` to this kernel (not
+    while ``flash_fwd.CONSUMER_LOOP`` asks for ping-pong, which only the per-tile kernel has)."""
     from ..block.variants import taken_on
 
-    return TAKEN[0] and taken_on(device, VERIFIED_ON)
+    return TAKEN[0] and not flash_fwd.pingpong_taken() and taken_on(device, VERIFIED_ON)
 
 
 def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
@@ -239,7 +279,7 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     total, heads, dim = q.shape
     items = sched.programs * heads
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
-                num_warps=4)
+                OVERLAP=flash_fwd.overlap_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)

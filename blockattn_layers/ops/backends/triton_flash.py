@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from blockattn_layers.kernels.block import variants
-from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.bwd import fast_form_taken, flash_attention_bwd
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...determinism import deterministic_backward
@@ -98,10 +98,10 @@ def _gluon_admits(req: AttentionRequest) -> List[str]:
 def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     """The flash kernels that run a call like ``req``: the forward's ``gluon`` or ``triton`` (the
     first without reasons runs) and, where the backward's choice differs, ``backward: NAME`` (the
-    Gluon dK/dV pass, with the delta and dQ passes by Triton, in the fast backward; in the
-    deterministic one at full attention with D 128, ``sm90.flash_bwd.taken``, or 64,
-    ``sm90.flash_bwd.dkdv_only``). The backward
-    follows the current ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
+    Gluon kernel at full attention: with D 128 in one pass in either backward, ``sm90.flash_bwd.taken``;
+    with D 64 as the deterministic one's dK/dV pass, ``sm90.flash_bwd.dkdv_only``, which the fast
+    backward runs there, ``flash.bwd.fast_form_taken``). The backward follows the current
+    ``blockattn_layers.fast_backward`` setting. Per call the Gluon kernels also need rows of
     ``H * D`` contiguous, 16-byte aligned elements and 32-bit offsets; where a call's tensors lack
     them the Triton kernels run it."""
     admits = _gluon_admits(req)
@@ -114,12 +114,14 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
 
         if req.capability[0] not in flash_bwd.VERIFIED_ON and not variants.unverified_allowed():
             backward.append("a GPU its tests passed on (unverified kernels allowed)")
-        deterministic = deterministic_backward()
         block_size = 0 if req.block_size is None else req.block_size
+        deterministic = deterministic_backward() or not fast_form_taken(flash_bwd.taken(False, block_size,
+                                                                                         req.head_dim))
         if not flash_bwd.runs(deterministic, block_size, req.head_dim):
-            dims = "/".join(str(dim) for dim in sorted(flash_bwd.ORDERED_HEAD_DIMS | flash_bwd.DKDV_ONLY_HEAD_DIMS))
-            backward.append(f"the fast backward (blockattn_layers.use_fast_backward) or full attention at D {dims}: "
-                            "the deterministic one's Triton passes measured faster elsewhere")
+            dims = "/".join(str(dim) for dim in sorted(flash_bwd.ORDERED_HEAD_DIMS | flash_bwd.DKDV_ONLY_HEAD_DIMS
+                                                       | flash_bwd.FAST_HEAD_DIMS))
+            backward.append(f"full attention at D {dims}: the deterministic backward's Triton passes measured "
+                            "faster elsewhere (the fast backward runs the deterministic one there)")
     reasons = {GLUON_KERNELS: forward, TRITON_KERNELS: []}
     if bool(backward) != bool(forward):
         reasons.update({f"backward: {GLUON_KERNELS}": backward, f"backward: {TRITON_KERNELS}": []})
