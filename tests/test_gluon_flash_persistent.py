@@ -36,9 +36,9 @@ CASES = {
 }
 
 
-def _run(q, k, v, offsets, block_size, causal, programs, overlap=False):
+def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=flash_fwd.TILE_M):
     total, heads, dim = q.shape
-    sched = FlashSchedule(offsets, total, block_size, flash_fwd.TILE_M, None, longest_first=block_size == 0)
+    sched = FlashSchedule(offsets, total, block_size, tile_m, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((heads, total), float("nan"))
     run = gs.launch(
@@ -46,7 +46,7 @@ def _run(q, k, v, offsets, block_size, causal, programs, overlap=False):
         Table=sched.table(late_first=True), slots=sched.programs, heads=heads, kv_heads=k.shape[1],
         items=sched.programs * heads, total=total, qk_scale=dim ** -0.5 * LOG2E, stride_qt=q.stride(0),
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
-        HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=flash_fwd.TILE_M, BLOCK_N=flash_fwd.TILE_N,
+        HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=flash_fwd.TILE_N,
         IS_CAUSAL=causal, OVERLAP=overlap,
     )
     return o, lse, run
@@ -59,12 +59,16 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     return q, k, v, offsets_from_lengths(lengths)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("overlap,tile_m", [(False, 128), (True, 128), (False, 192), (True, 192)],
+                         ids=["serial", "overlap", "m192-serial", "m192-overlap"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_persistent_forward_matches_the_reference(name, overlap):
+def test_persistent_forward_matches_the_reference(name, overlap, tile_m):
+    """Output and logsumexp against the float64 reference, each output element stored once: two consumer
+    warpgroups per 128-row item or three per 192-row item (``THREE_CONSUMER_HEAD_DIMS``), serial or
+    overlapped loops."""
     lengths, heads, kv_heads, dim, block_size, causal, programs = CASES[name]
     q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=len(lengths) + dim)
-    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap)
+    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap, tile_m)
     d = [x.double() for x in (q, k, v)]
     want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
     assert rel_err(o, want) < 3e-3
@@ -83,15 +87,16 @@ def test_persistent_forward_matches_the_reference(name, overlap):
     assert torch.allclose(lse[:, lo:u1].double(), torch.logsumexp(s, -1), atol=2e-3)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_persistent_forward_keeps_non_finite_values_in_their_sequence(overlap):
+@pytest.mark.parametrize("overlap,tile_m", [(False, 128), (True, 128), (False, 192)],
+                         ids=["serial", "overlap", "m192"])
+def test_persistent_forward_keeps_non_finite_values_in_their_sequence(overlap, tile_m):
     """Tensor maps over all rows: the ragged last key tile of a block holds the next sequence's rows;
     their scores are masked and their v rows zeroed, so a NaN sequence leaves its neighbours finite."""
     lengths = [130, 70, 200]
     q, k, v, offsets = _inputs(lengths, 2, 2, 64, seed=3)
     for x in (q, k, v):
         x[130:200] = float("nan")
-    o, _, _ = _run(q, k, v, offsets, 0, False, 2, overlap)
+    o, _, _ = _run(q, k, v, offsets, 0, False, 2, overlap, tile_m)
     assert torch.isfinite(o[:130]).all() and torch.isfinite(o[200:]).all() and torch.isnan(o[130:200]).all()
 
 

@@ -500,20 +500,24 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
                                                          (True, True, False), (False, False, True),
-                                                         (True, False, True)],
-                         ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap"])
+                                                         (True, False, True), (False, False, "m192")],
+                         ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
+                              "persistent_m192"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
-    persistent form (``sm90.flash_persistent``): output within 2x the naive same-dtype error of the
-    float64 oracle, logsumexp as the Triton forward's, and the backward on its output and logsumexp
-    as accurate as on the Triton forward's."""
+    persistent form (``sm90.flash_persistent``; "m192": 192-row items, three consumer warpgroups,
+    at D 64): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
+    Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
+    forward's."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_fwd as ws
     from blockattn_layers.kernels.sm90 import flash_persistent
 
-    monkeypatch.setattr(flash_persistent, "TAKEN", [persistent])
+    monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
+    if persistent == "m192":
+        monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS", frozenset({64}))
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))

@@ -198,11 +198,11 @@ GLUON_FLASH_BY_TILES = Method(
 
 @contextlib.contextmanager
 def _gluon_forward_overlapped():
-    """The Gluon forward (persistent) with its consumers' overlapped loop (``sm90.flash_fwd.CONSUMER_LOOP``
-    "overlap")."""
+    """The Gluon forward (persistent) on every call it admits, with its consumers' overlapped loop
+    (``sm90.flash_fwd.CONSUMER_LOOP`` "overlap")."""
     from blockattn_layers.kernels.sm90 import flash_fwd
 
-    with module_attrs(flash_fwd, CONSUMER_LOOP="overlap"):
+    with module_attrs(flash_fwd, CONSUMER_LOOP="overlap"), _unverified_kernels():
         yield
 
 
@@ -210,8 +210,25 @@ GLUON_FLASH_OVERLAP = Method(
     "triton_flash[gluon_overlap]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
     gpu_only=True, description="triton_flash with the persistent Gluon forward's consumers overlapping a key "
                                "tile's Q K^T with the previous tile's softmax and P V (FlashAttention-3's "
-                               "intra-warpgroup order)",
+                               "intra-warpgroup order), on every call it admits",
     context=_gluon_forward_overlapped)
+
+
+@contextlib.contextmanager
+def _gluon_forward_three_consumers():
+    """The persistent Gluon forward with 192-row items and three consumer warpgroups at D 64
+    (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``)."""
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset({64})), _unverified_kernels():
+        yield
+
+
+GLUON_FLASH_M192 = Method(
+    "triton_flash[gluon_m192]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
+    gpu_only=True, description="triton_flash with the persistent Gluon forward at D 64 on 192-row query tiles, "
+                               "three consumer warpgroups (FlashAttention-3's D 64 tile), on every call it admits",
+    context=_gluon_forward_three_consumers)
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -417,7 +434,7 @@ def our_methods() -> List[Method]:
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
-                            GLUON_FLASH_OVERLAP, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M192, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

@@ -301,15 +301,15 @@ def pingpong_taken() -> bool:
     return CONSUMER_LOOP == "pingpong"
 
 
-def outputs_and_table(q, offsets, block_size: int, cpu_offsets):
+def outputs_and_table(q, offsets, block_size: int, cpu_offsets, tile_m: int = TILE_M):
     """``(o, lse, sched, table)`` of a forward call: its outputs (unwritten), and the flash tile
-    schedule and table of its 128-row query tiles (``table`` None where there is no tile)."""
+    schedule and table of its ``tile_m``-row query tiles (``table`` None where there is no tile)."""
     total, heads, _ = q.shape
     o = empty_contiguous(q)
     lse = torch.empty((heads, total), dtype=torch.float32, device=q.device)
     if total == 0:
         return o, lse, None, None
-    sched = FlashSchedule(offsets, total, block_size, TILE_M, cpu_offsets, longest_first=block_size == 0)
+    sched = FlashSchedule(offsets, total, block_size, tile_m, cpu_offsets, longest_first=block_size == 0)
     if sched.programs == 0:
         return o, lse, sched, None
     return o, lse, sched, sched.table(late_first=True)

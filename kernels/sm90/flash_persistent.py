@@ -15,7 +15,8 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
   inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
   v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
   infinity in the next block must not reach this one through ``0 * x``);
-- two consumer warpgroups, one per query half, run ``flash_fwd``'s serial loop per item (its
+- two consumer warpgroups (three on 192-row items at the head dims of ``THREE_CONSUMER_HEAD_DIMS``, a
+  candidate), one per 64-row part of the query tile, run ``flash_fwd``'s serial loop per item (its
   overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap": ``OVERLAP``); the
   output leaves through the dead query half by a TMA store where the half lies inside the
   block, else by masked stores; a consumer releases an item's query buffer once its store has
@@ -52,6 +53,13 @@ VERIFIED_ON = frozenset({9})
 # ``flash_fwd``'s one program per tile / this kernel: seed3 1.136 / 1.083, seed3 causal 0.705 /
 # 0.640, seed3 GQA 8 / 2 heads 1.124 / 1.047, prod_full 13.0 / 12.3.
 TAKEN = [True]
+# Query rows per item at these head dims: 192 (three consumer warpgroups, FlashAttention-3's tile at D 64,
+# where a key tile's softmax is long beside its products and a third warpgroup keeps the tensor cores
+# busier), else 128. A candidate, empty by default until timed (the benchmark's
+# ``triton_flash[gluon_m192]`` row sets it to D 64).
+THREE_CONSUMER_HEAD_DIMS = frozenset()
+# Three consumer warpgroups and the loader's: 3 x 128 x 160 + 128 x 24 registers fit the SM's 65,536.
+THREE_CONSUMER_REGS = gl.constexpr(160)
 
 
 @gluon.jit
@@ -92,7 +100,7 @@ def _copy_kv(k_map, v_map, coord, bar, k_tile, v_tile, BLOCK_N: gl.constexpr, NB
 def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, Table, slots, heads, kv_heads, items,
             total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Loader partition (one warp): per item its query halves into the next query buffer, then its
+    """Loader partition (one warp): per item its query parts into the next query buffer, then its
     key tiles' k and v into the ring (a block's ragged last tile through ``fix``, its v rows past the
     block zeroed)."""
     q_map = bounded_row_map(Q, total, heads, stride_qt, HALF_M, HEAD_DIM, HEAD_DIM)
@@ -108,11 +116,10 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, T
         if n > 0:
             b = qi % 2
             mbarrier.wait(q_empty.index(b), ((qi // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(b), 2 * HALF_M * nbytes)
-            tma.async_copy_global_to_shared(q_map, [start + tile_row, h * HEAD_DIM], q_ready.index(b),
-                                            q_s.index(2 * b))
-            tma.async_copy_global_to_shared(q_map, [start + tile_row + HALF_M, h * HEAD_DIM], q_ready.index(b),
-                                            q_s.index(2 * b + 1))
+            mbarrier.expect(q_ready.index(b), BLOCK_M * nbytes)
+            for c in gl.static_range(BLOCK_M // HALF_M):
+                tma.async_copy_global_to_shared(q_map, [start + tile_row + c * HALF_M, h * HEAD_DIM],
+                                                q_ready.index(b), q_s.index(BLOCK_M // HALF_M * b + c))
             col = (h // GROUPS) * HEAD_DIM
             for j in range(tiles):
                 s = it % STAGES
@@ -146,7 +153,7 @@ def _release_buffer(q_empty, b):
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items, total,
               qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
-    """Consumer partition (one warpgroup): query half ``half`` of each item, ``flash_fwd``'s serial
+    """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop, or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
     ``P V`` issued together, tile ``j + 1``'s softmax while ``P V`` runs); the output through the
     dead half (TMA store inside the block, masked stores past it)."""
@@ -163,7 +170,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse,
         start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, i, BLOCK_M, BLOCK_N, IS_CAUSAL)
         if n > 0:
             b = qi % 2
-            q = q_s.index(2 * b + half)
+            q = q_s.index(BLOCK_M // HALF_M * b + half)
             first = tile_row + half * HALF_M
             rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_s))
             m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, acc_s))
@@ -230,10 +237,11 @@ def _flash_fwd_persistent_kernel(
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_M == 2 * HALF_M, "two consumer warpgroups of 64 query rows")
+    gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
+    CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     dtype: gl.constexpr = Q.dtype.element_ty
     layout: gl.constexpr = _smem_layout(HEAD_DIM)
-    q_s = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], layout)  # two buffers of two halves
+    q_s = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, HALF_M, HEAD_DIM], layout)  # two buffers of parts
     k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
     v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -241,19 +249,32 @@ def _flash_fwd_persistent_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    init_ring(q_ready, q_empty, 2, 2)  # a query buffer is free once both consumers are done with it
-    init_ring(kv_ready, kv_empty, STAGES, 2)
+    init_ring(q_ready, q_empty, 2, CONSUMERS)  # a query buffer is free once every consumer is done with it
+    init_ring(kv_ready, kv_empty, STAGES, CONSUMERS)
     mbarrier.init(fix.index(0), count=1)
-    gl.warp_specialize([
-        (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
-                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
-        (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
-                     total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
-        (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
-                   kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
-                   IS_CAUSAL)),
-    ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
-                OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                         total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
+            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                         total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
+            (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                         total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
+            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
+                       kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
+                       IS_CAUSAL)),
+        ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, OVERLAP_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                         total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
+            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
+                         total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP)),
+            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
+                       kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
+                       IS_CAUSAL)),
+        ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
+                    OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
     drop_ring(q_ready, q_empty, 2)
     drop_ring(kv_ready, kv_empty, STAGES)
     mbarrier.invalidate(fix.index(0))
@@ -270,15 +291,22 @@ def taken(device: torch.device) -> bool:
     return TAKEN[0] and not flash_fwd.pingpong_taken() and taken_on(device, VERIFIED_ON)
 
 
+def item_rows(head_dim: int) -> int:
+    """Query rows per item: three 64-row consumer parts at the head dims of ``THREE_CONSUMER_HEAD_DIMS``,
+    else two."""
+    return 3 * HALF_M.value if head_dim in THREE_CONSUMER_HEAD_DIMS else TILE_M
+
+
 def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
     """``(o [T, H, D], lse [H, T])`` as ``flash_fwd.flash_attention_fwd_ws`` computes them, by this
     kernel (the caller checks ``flash_fwd.flash_ws_reasons`` first)."""
-    o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets)
+    total, heads, dim = q.shape
+    tile_m = item_rows(dim)
+    o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets, tile_m)
     if table is None:
         return o, lse
-    total, heads, dim = q.shape
     items = sched.programs * heads
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, IS_CAUSAL=causal,
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, IS_CAUSAL=causal,
                 OVERLAP=flash_fwd.overlap_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
