@@ -456,7 +456,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         name = (f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
                 f"{'_overlap' if overlap else ''}")
         yield Build(name, _flash_fwd_persistent_kernel, dtype, constexprs, dict(num_warps=4))
-    # The candidate: 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS), at D 64.
+    # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64.
     for (causal, groups), overlap in itertools.product(((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
         name = f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}{'_overlap' if overlap else ''}"

@@ -123,17 +123,19 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
     (dict(block_size=None), False, "triton_flash, gluon kernels"),
     (dict(block_size=256), True, "triton_flash, gluon kernels (backward: triton kernels)"),
     (dict(block_size=256), False, "triton_flash, gluon kernels (backward: triton kernels)"),
-    (dict(block_size=None, head_dim=64), True, "triton_flash, triton kernels (backward: gluon kernels)"),
-    (dict(block_size=None, head_dim=64), False, "triton_flash, triton kernels (backward: gluon kernels)"),
+    (dict(block_size=None, head_dim=64), True, "triton_flash, gluon kernels"),
+    (dict(block_size=None, head_dim=64), False, "triton_flash, gluon kernels"),
+    (dict(block_size=256, head_dim=64), True, "triton_flash, triton kernels"),
     (dict(block_size=512, head_dim=96), False, "triton_flash, triton kernels"),
     (dict(block_size=None, rotary=True), False, "triton_flash, triton kernels"),
     (dict(block_size=None, capability=(8, 0)), False, "triton_flash, triton kernels"),
     (dict(block_size=None, dtype=torch.float32), False, "triton_flash, triton kernels"),
-], ids=["full-d128", "full-d128-fast", "block256-d128", "block256-d128-fast", "full-d64", "full-d64-fast", "block512-d96-fast",
+], ids=["full-d128", "full-d128-fast", "block256-d128", "block256-d128-fast", "full-d64", "full-d64-fast",
+        "block256-d64", "block512-d96-fast",
         "rotary-fast", "sm80-fast", "fp32-fast"])
 def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, deterministic, want):
-    """``triton_flash``'s Gluon forward where measured faster (D128), the Gluon backward kernel at full
-    attention (D 128 whole in either backward; D 64 without dQ's terms in the deterministic one, which
+    """``triton_flash``'s Gluon forward where measured faster (D128; D 64 at full attention), the Gluon
+    backward kernel at full attention (D 128 whole in either backward; D 64 without dQ's terms in the deterministic one, which
     the fast one runs there), the Triton kernels elsewhere (the fast backward on blocks runs the
     deterministic one's Triton passes), with the reasons ``explain_variants`` gives."""
     req = dataclasses.replace(SM90, **changes)
@@ -145,8 +147,9 @@ def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, de
         assert shown["gluon"] == ["no rotary"]
     if "capability" in changes:
         assert shown["gluon"] == ["an sm_90 GPU"]
-    if changes.get("head_dim") == 64:
-        assert shown["gluon"] == ["head dim 64: the Triton forward measured faster (or forced off)"]
+    if changes.get("head_dim") == 64 and changes.get("block_size"):
+        assert shown["gluon"] == ["head dim 64 on blocks: the Triton forward measured faster, or not yet measured "
+                                  "(or forced off)"]
     if changes.get("block_size") is not None and "head_dim" not in changes:
         assert shown["backward: gluon"] == ["full attention at D 64/128: the deterministic backward's Triton passes "
                                             "measured faster elsewhere (the fast backward runs the deterministic "

@@ -496,7 +496,8 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
-                         + [dict(heads=8, kv_heads=2, dim=128, block_size=512)],
+                         + [dict(heads=8, kv_heads=2, dim=128, block_size=512),
+                            dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
                                                          (True, True, False), (False, False, True),
@@ -506,8 +507,8 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
-    persistent form (``sm90.flash_persistent``; "m192": 192-row items, three consumer warpgroups,
-    at D 64): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
+    persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
+    warpgroups, at full attention with D 64, as taken by default): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
     Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
     forward's."""
     from blockattn_layers import reference
@@ -516,8 +517,7 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
-    if persistent == "m192":
-        monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS", frozenset({64}))
+    monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS", frozenset({64} if persistent == "m192" else ()))
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))

@@ -215,20 +215,21 @@ GLUON_FLASH_OVERLAP = Method(
 
 
 @contextlib.contextmanager
-def _gluon_forward_three_consumers():
-    """The persistent Gluon forward with 192-row items and three consumer warpgroups at D 64
-    (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``)."""
+def _gluon_forward_two_consumers():
+    """The persistent Gluon forward on every call it admits, 128-row items everywhere (two consumer
+    warpgroups; ``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS`` emptied)."""
     from blockattn_layers.kernels.sm90 import flash_persistent
 
-    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset({64})), _unverified_kernels():
+    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset()), _unverified_kernels():
         yield
 
 
-GLUON_FLASH_M192 = Method(
-    "triton_flash[gluon_m192]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
-    gpu_only=True, description="triton_flash with the persistent Gluon forward at D 64 on 192-row query tiles, "
-                               "three consumer warpgroups (FlashAttention-3's D 64 tile), on every call it admits",
-    context=_gluon_forward_three_consumers)
+GLUON_FLASH_M128 = Method(
+    "triton_flash[gluon_m128]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
+    gpu_only=True, description="triton_flash with the persistent Gluon forward on 128-row query tiles (two "
+                               "consumer warpgroups) everywhere, where it takes 192-row tiles at full "
+                               "attention with D 64, on every call it admits",
+    context=_gluon_forward_two_consumers)
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -434,7 +435,7 @@ def our_methods() -> List[Method]:
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
-                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M192, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M128, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

@@ -15,8 +15,8 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
   inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
   v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
   infinity in the next block must not reach this one through ``0 * x``);
-- two consumer warpgroups (three on 192-row items at the head dims of ``THREE_CONSUMER_HEAD_DIMS``, a
-  candidate), one per 64-row part of the query tile, run ``flash_fwd``'s serial loop per item (its
+- two consumer warpgroups (three on 192-row items at full attention with the head dims of
+  ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s serial loop per item (its
   overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap": ``OVERLAP``); the
   output leaves through the dead query half by a TMA store where the half lies inside the
   block, else by masked stores; a consumer releases an item's query buffer once its store has
@@ -53,11 +53,13 @@ VERIFIED_ON = frozenset({9})
 # ``flash_fwd``'s one program per tile / this kernel: seed3 1.136 / 1.083, seed3 causal 0.705 /
 # 0.640, seed3 GQA 8 / 2 heads 1.124 / 1.047, prod_full 13.0 / 12.3.
 TAKEN = [True]
-# Query rows per item at these head dims: 192 (three consumer warpgroups, FlashAttention-3's tile at D 64,
-# where a key tile's softmax is long beside its products and a third warpgroup keeps the tensor cores
-# busier), else 128. A candidate, empty by default until timed (the benchmark's
-# ``triton_flash[gluon_m192]`` row sets it to D 64).
-THREE_CONSUMER_HEAD_DIMS = frozenset()
+# Query rows per item at full attention with these head dims: 192 (three consumer warpgroups,
+# FlashAttention-3's tile at D 64, where a key tile's softmax is long beside its products and a third
+# warpgroup keeps the tensor cores busier), else 128. H100, bf16, seed3_d64, 2026-12-06, forward ms,
+# 128-row / 192-row items: H16 1.427, 1.414 / 1.242, 1.242; causal 0.826, 0.839 / 0.813, 0.827; 16 query
+# heads on 4 kv heads 1.397, 1.398 / 1.237, 1.238. Blocks keep 128-row items (a 256-token block would
+# take 384 rows of 192-row items).
+THREE_CONSUMER_HEAD_DIMS = frozenset({64})
 # Three consumer warpgroups and the loader's: 3 x 128 x 160 + 128 x 24 registers fit the SM's 65,536.
 THREE_CONSUMER_REGS = gl.constexpr(160)
 
@@ -291,17 +293,17 @@ def taken(device: torch.device) -> bool:
     return TAKEN[0] and not flash_fwd.pingpong_taken() and taken_on(device, VERIFIED_ON)
 
 
-def item_rows(head_dim: int) -> int:
-    """Query rows per item: three 64-row consumer parts at the head dims of ``THREE_CONSUMER_HEAD_DIMS``,
-    else two."""
-    return 3 * HALF_M.value if head_dim in THREE_CONSUMER_HEAD_DIMS else TILE_M
+def item_rows(head_dim: int, block_size: int) -> int:
+    """Query rows per item: three 64-row consumer parts at full attention (``block_size`` 0) with the
+    head dims of ``THREE_CONSUMER_HEAD_DIMS``, else two."""
+    return 3 * HALF_M.value if block_size == 0 and head_dim in THREE_CONSUMER_HEAD_DIMS else TILE_M
 
 
 def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
     """``(o [T, H, D], lse [H, T])`` as ``flash_fwd.flash_attention_fwd_ws`` computes them, by this
     kernel (the caller checks ``flash_fwd.flash_ws_reasons`` first)."""
     total, heads, dim = q.shape
-    tile_m = item_rows(dim)
+    tile_m = item_rows(dim, block_size)
     o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets, tile_m)
     if table is None:
         return o, lse
