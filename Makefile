@@ -64,8 +64,8 @@ gpu-check: gpu-tests gpu-tests-forced
 # tests (the e4m3 projection, the fp8 forward's options, the persistent flash forward, the Gluon
 # dK/dV pass of the flash backward in its forms) under a time limit, so that a hang would not hold the machine
 # (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
-# forward under each option, and the flash forward and backwards beside ours on the full-attention
-# shapes (about 7 minutes).
+# forward under each option, the flash forward and backwards beside ours on the full-attention
+# shapes, and the flash forward's loop and tile options (about 9 minutes).
 CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
@@ -80,6 +80,9 @@ gpu-candidates-bench:
 	timeout 150 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
 	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
 		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
+	timeout 120 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
+		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_overlap],triton_flash[gluon_m128]" \
+		--out $(GPU_OUT)/flash_fwd || true
 
 # The flash backward's forms beside each other in one process, on the full-attention shapes (D 128 and
 # D 64) and blocks of 256 / 512: the default (deterministic), the fast one, the deterministic one by the

@@ -95,11 +95,13 @@ def prod_full() -> List[Case]:
 
 
 def block256() -> List[Case]:
-    return _heads("block256", prod_lengths(), 256, heads=((2, 128),))
+    """Blocks of 256 tokens on prod lengths, both production head layouts (D128 H2, D64 H4)."""
+    return _heads("block256", prod_lengths(), 256)
 
 
 def block512() -> List[Case]:
-    return _heads("block512", prod_lengths(), 512, heads=((2, 128),))
+    """Blocks of 512 tokens on prod lengths, both production head layouts (D128 H2, D64 H4)."""
+    return _heads("block512", prod_lengths(), 512)
 
 
 def layer() -> List[Case]:

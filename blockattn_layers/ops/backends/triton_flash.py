@@ -8,9 +8,12 @@ The backward is deterministic, or fast with atomic dQ (``blockattn_layers.determ
 forward at D = 128 on sm_90 runs the warp-specialized Gluon kernel (``kernels.sm90.flash_fwd``;
 GPU tests passed on the H200 and an H100) in its persistent form (``kernels.sm90.flash_persistent``,
 one program per SM): full attention (1.02-1.06x the Triton forward on the H200) and blocks over
-128 tokens (1.06x / 1.22x at 256 / 512 on an H100); with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` it
-takes every call it admits (D 64 too). The fast backward's dK/dV pass on sm_90 is the Gluon one
-(``kernels.sm90.flash_bwd``) where that admits the call. :func:`_variant_reasons` shows these
+128 tokens (1.06x / 1.22x at 256 / 512 on an H100); at D 64 full attention, on 192-row query tiles
+of three consumer warpgroups (1.10-1.13x the Triton forward on an H100, equal causal); with
+``BLOCKATTN_UNVERIFIED_KERNELS=1`` it takes every call it admits (D 64 blocks too). The backward on
+sm_90 at full attention is the Gluon kernel (``kernels.sm90.flash_bwd``) where that admits the call:
+whole at D 128, the deterministic one's dK/dV pass at D 64; a fast backward runs the deterministic
+one wherever its one-pass form measured slower. :func:`_variant_reasons` shows these
 choices to the dispatcher (``explain_variants``, ``describe``). ``backend="auto"`` takes this
 backend on CUDA devices for what the single-tile ``triton`` backend does not serve.
 """
