@@ -308,7 +308,7 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     """``triton_flash[gluon_overlap]`` times the persistent Gluon forward with its overlapped consumer loop
     (inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial"
     after), ``triton_flash[gluon_m128]`` with 128-row items everywhere (192 at full attention, D 64,
-    after)."""
+    after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too."""
     from blockattn_layers.bench import ours
     from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
 
@@ -317,8 +317,11 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_OVERLAP.context():
         assert flash_fwd.overlap_taken() and not flash_fwd.pingpong_taken() and flash_persistent.taken(cpu)
     assert flash_fwd.CONSUMER_LOOP == "serial"
-    assert flash_persistent.item_rows(64, 0) == 192 and flash_persistent.item_rows(64, 256) == 128
-    assert flash_persistent.item_rows(128, 0) == 128
+    assert flash_persistent.item_tile(64, 0) == (192, 128) and flash_persistent.item_tile(64, 256) == (128, 128)
+    assert flash_persistent.item_tile(128, 0) == (128, 128)
     with ours.GLUON_FLASH_M128.context():
-        assert flash_persistent.item_rows(64, 0) == 128 and flash_persistent.item_rows(128, 0) == 128
+        assert flash_persistent.item_tile(64, 0) == (128, 128) and flash_persistent.item_tile(128, 0) == (128, 128)
+    with ours.GLUON_FLASH_M192.context():
+        assert flash_persistent.item_tile(64, 0) == (192, 128) and flash_persistent.item_tile(128, 0) == (192, 64)
+        assert flash_persistent.item_tile(128, 512) == (128, 128)
     assert flash_persistent.THREE_CONSUMER_HEAD_DIMS == frozenset({64})

@@ -508,7 +508,7 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
-    warpgroups, at full attention with D 64, as taken by default): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
+    warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
     Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
     forward's."""
     from blockattn_layers import reference
@@ -517,7 +517,8 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
-    monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS", frozenset({64} if persistent == "m192" else ()))
+    monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
+                        frozenset({64, 128} if persistent == "m192" else ()))
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))

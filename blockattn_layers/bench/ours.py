@@ -232,6 +232,24 @@ GLUON_FLASH_M128 = Method(
     context=_gluon_forward_two_consumers)
 
 
+@contextlib.contextmanager
+def _gluon_forward_three_consumers():
+    """The persistent Gluon forward on every call it admits, 192-row items at full attention with D 128
+    too (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``; 64-row key tiles there)."""
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128})), _unverified_kernels():
+        yield
+
+
+GLUON_FLASH_M192 = Method(
+    "triton_flash[gluon_m192]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
+    gpu_only=True, description="triton_flash with the persistent Gluon forward on 192-row query tiles (three "
+                               "consumer warpgroups) at full attention with D 128 as at D 64 (64-row key tiles "
+                               "at D 128), on every call it admits",
+    context=_gluon_forward_three_consumers)
+
+
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     refused = _flash_skip(case, cfg)
     if refused:
@@ -435,7 +453,8 @@ def our_methods() -> List[Method]:
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
-                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M128, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M128,
+                            GLUON_FLASH_M192, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

@@ -16,9 +16,9 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
   v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
   infinity in the next block must not reach this one through ``0 * x``);
 - two consumer warpgroups (three on 192-row items at full attention with the head dims of
-  ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s serial loop per item (its
-  overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap": ``OVERLAP``); the
-  output leaves through the dead query half by a TMA store where the half lies inside the
+  ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s
+  serial loop per item (its overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap":
+  ``OVERLAP``); the output leaves through the dead query half by a TMA store where the half lies inside the
   block, else by masked stores; a consumer releases an item's query buffer once its store has
   had the next item's first key tile to land.
 
@@ -62,6 +62,11 @@ TAKEN = [True]
 THREE_CONSUMER_HEAD_DIMS = frozenset({64})
 # Three consumer warpgroups and the loader's: 3 x 128 x 160 + 128 x 24 registers fit the SM's 65,536.
 THREE_CONSUMER_REGS = gl.constexpr(160)
+# Key rows per ring slot on 192-row items, by head dim: 128 at D 64; 64 at D 128, where a [64, 128]
+# score tile beside the [64, 128] accumulator would not fit 160 registers (ptxas sm_90 with 64-row key
+# tiles: 28 B spilled). D 128 on 192-row items is a candidate, not in ``THREE_CONSUMER_HEAD_DIMS`` until
+# timed (the benchmark's ``triton_flash[gluon_m192]`` row adds it).
+THREE_CONSUMER_KEY_ROWS = {64: TILE_N, 128: 64}
 
 
 @gluon.jit
@@ -293,22 +298,25 @@ def taken(device: torch.device) -> bool:
     return TAKEN[0] and not flash_fwd.pingpong_taken() and taken_on(device, VERIFIED_ON)
 
 
-def item_rows(head_dim: int, block_size: int) -> int:
-    """Query rows per item: three 64-row consumer parts at full attention (``block_size`` 0) with the
-    head dims of ``THREE_CONSUMER_HEAD_DIMS``, else two."""
-    return 3 * HALF_M.value if block_size == 0 and head_dim in THREE_CONSUMER_HEAD_DIMS else TILE_M
+def item_tile(head_dim: int, block_size: int) -> tuple:
+    """``(query rows per item, key rows per ring slot)``: three 64-row consumer parts at full attention
+    (``block_size`` 0) with the head dims of ``THREE_CONSUMER_HEAD_DIMS`` (key rows as
+    ``THREE_CONSUMER_KEY_ROWS`` says), else two and ``TILE_N``."""
+    if block_size == 0 and head_dim in THREE_CONSUMER_HEAD_DIMS:
+        return 3 * HALF_M.value, THREE_CONSUMER_KEY_ROWS[head_dim]
+    return TILE_M, TILE_N
 
 
 def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: float, causal: bool, cpu_offsets=None):
     """``(o [T, H, D], lse [H, T])`` as ``flash_fwd.flash_attention_fwd_ws`` computes them, by this
     kernel (the caller checks ``flash_fwd.flash_ws_reasons`` first)."""
     total, heads, dim = q.shape
-    tile_m = item_rows(dim, block_size)
+    tile_m, tile_n = item_tile(dim, block_size)
     o, lse, sched, table = outputs_and_table(q, offsets, block_size, cpu_offsets, tile_m)
     if table is None:
         return o, lse
     items = sched.programs * heads
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, IS_CAUSAL=causal,
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
                 OVERLAP=flash_fwd.overlap_taken(), num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
