@@ -460,7 +460,8 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     # (a candidate) on 64-row key tiles (THREE_CONSUMER_KEY_ROWS).
     for (causal, groups), overlap in itertools.product(((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
-        name = f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}{'_overlap' if overlap else ''}"
+        name = (f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}"
+                f"{'_overlap' if overlap else ''}")
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, OVERLAP=False)

@@ -39,12 +39,13 @@ The delta pass before and the pass that scales and casts the sums into dQ after 
 ``flash.bwd``'s. Admitted calls (``flash_ws_bwd_reasons``): those of ``flash_fwd``'s kernel
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
 offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it at
-full attention with D 128 (``FAST_TAKEN``, ``FAST_HEAD_DIMS``; H100, bf16, seed3: 3.11 ms against the
-Triton fast backward's 5.07 and the deterministic one's 3.84); elsewhere the fast backward is the
-deterministic one (``flash.bwd.fast_form_taken``). The deterministic backward takes it whole, its writer's ordered TMA adds,
-at full attention with D 128 (``ORDERED_HEAD_DIMS``; seed3: 3.24 ms against 3.75); at full attention
-with D 64 (``DKDV_ONLY_HEAD_DIMS``) it keeps the Triton dQ pass and takes this kernel as its dK/dV
-pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66); elsewhere the Triton passes.
+full attention with D 128 (``FAST_TAKEN``, ``FAST_HEAD_DIMS``; H100, bf16, seed3: 3.11 ms against
+the Triton fast backward's 5.07 and the deterministic one's 3.84); elsewhere the fast backward is
+the deterministic one (``flash.bwd.fast_form_taken``). The deterministic backward takes it whole,
+its writer's ordered TMA adds, at full attention with D 128 (``ORDERED_HEAD_DIMS``; seed3: 3.24 ms
+against 3.75); at full attention with D 64 (``DKDV_ONLY_HEAD_DIMS``) it keeps the Triton dQ pass and
+takes this kernel as its dK/dV pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66);
+elsewhere the Triton passes.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
 - two consumer warpgroups (three on 192-row items at full attention with the head dims of
   ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s
   serial loop per item (its overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap":
-  ``OVERLAP``); the output leaves through the dead query half by a TMA store where the half lies inside the
-  block, else by masked stores; a consumer releases an item's query buffer once its store has
+  ``OVERLAP``); the output leaves through the dead query part by a TMA store where the part lies
+  inside the block, else by masked stores; a consumer releases an item's query buffer once its store has
   had the next item's first key tile to land.
 
 Admitted calls as ``flash_fwd``'s (``flash_ws_reasons``). Taken where ``VERIFIED_ON`` says (or with
