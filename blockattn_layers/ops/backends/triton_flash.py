@@ -117,7 +117,8 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     admits = _gluon_admits(req)
     forward = list(admits)
     if not admits and not gluon_forward_taken(0 if req.block_size is None else req.block_size, req.head_dim):
-        forward.append(f"head dim {req.head_dim} on blocks: the Triton forward measured faster, or not yet "
+        where = "" if req.block_size is None else " on blocks"
+        forward.append(f"head dim {req.head_dim}{where}: the Triton forward measured faster, or not yet "
                        "measured (or forced off)")
     backward = list(admits)
     if not admits:
