@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 from typing import Dict, List, Optional
 
@@ -196,58 +197,34 @@ GLUON_FLASH_BY_TILES = Method(
     context=_gluon_forward_by_tiles)
 
 
-@contextlib.contextmanager
-def _gluon_forward_overlapped():
-    """The Gluon forward (persistent) on every call it admits, with its consumers' overlapped loop
-    (``sm90.flash_fwd.CONSUMER_LOOP`` "overlap")."""
-    from blockattn_layers.kernels.sm90 import flash_fwd
+def _gluon_forward_option(name: str, module: str, description: str, **values) -> Method:
+    """A row timing the Gluon forward on every call it admits with ``kernels.sm90.<module>``'s constants
+    set to ``values`` (``bench.common.module_attrs``) for its calls."""
+    @contextlib.contextmanager
+    def context():
+        kernels = importlib.import_module(f"blockattn_layers.kernels.sm90.{module}")
+        with module_attrs(kernels, **values), _unverified_kernels():
+            yield
 
-    with module_attrs(flash_fwd, CONSUMER_LOOP="overlap"), _unverified_kernels():
-        yield
-
-
-GLUON_FLASH_OVERLAP = Method(
-    "triton_flash[gluon_overlap]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
-    gpu_only=True, description="triton_flash with the persistent Gluon forward's consumers overlapping a key "
-                               "tile's Q K^T with the previous tile's softmax and P V (FlashAttention-3's "
-                               "intra-warpgroup order), on every call it admits",
-    context=_gluon_forward_overlapped)
+    return Method(name, "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+                  description=description, context=context)
 
 
-@contextlib.contextmanager
-def _gluon_forward_two_consumers():
-    """The persistent Gluon forward on every call it admits, 128-row items everywhere (two consumer
-    warpgroups; ``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS`` emptied)."""
-    from blockattn_layers.kernels.sm90 import flash_persistent
-
-    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset()), _unverified_kernels():
-        yield
-
-
-GLUON_FLASH_M128 = Method(
-    "triton_flash[gluon_m128]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
-    gpu_only=True, description="triton_flash with the persistent Gluon forward on 128-row query tiles (two "
-                               "consumer warpgroups) everywhere, where it takes 192-row tiles at full "
-                               "attention with D 64, on every call it admits",
-    context=_gluon_forward_two_consumers)
-
-
-@contextlib.contextmanager
-def _gluon_forward_three_consumers():
-    """The persistent Gluon forward on every call it admits, 192-row items at full attention with D 128
-    too (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``; 64-row key tiles there)."""
-    from blockattn_layers.kernels.sm90 import flash_persistent
-
-    with module_attrs(flash_persistent, THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128})), _unverified_kernels():
-        yield
-
-
-GLUON_FLASH_M192 = Method(
-    "triton_flash[gluon_m192]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
-    gpu_only=True, description="triton_flash with the persistent Gluon forward on 192-row query tiles (three "
-                               "consumer warpgroups) at full attention with D 128 as at D 64 (64-row key tiles "
-                               "at D 128), on every call it admits",
-    context=_gluon_forward_three_consumers)
+GLUON_FLASH_OVERLAP = _gluon_forward_option(
+    "triton_flash[gluon_overlap]", "flash_fwd",
+    "triton_flash with the persistent Gluon forward's consumers overlapping a key tile's Q K^T with the previous "
+    "tile's softmax and P V (FlashAttention-3's intra-warpgroup order), on every call it admits",
+    CONSUMER_LOOP="overlap")
+GLUON_FLASH_M128 = _gluon_forward_option(
+    "triton_flash[gluon_m128]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward on 128-row query tiles (two consumer warpgroups) everywhere, "
+    "where it takes 192-row tiles at full attention with D 64, on every call it admits",
+    THREE_CONSUMER_HEAD_DIMS=frozenset())
+GLUON_FLASH_M192 = _gluon_forward_option(
+    "triton_flash[gluon_m192]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward on 192-row query tiles (three consumer warpgroups) at full "
+    "attention with D 128 as at D 64 (64-row key tiles at D 128), on every call it admits",
+    THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128}))
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:

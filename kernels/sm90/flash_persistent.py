@@ -259,6 +259,7 @@ def _flash_fwd_persistent_kernel(
     init_ring(q_ready, q_empty, 2, CONSUMERS)  # a query buffer is free once every consumer is done with it
     init_ring(kv_ready, kv_empty, STAGES, CONSUMERS)
     mbarrier.init(fix.index(0), count=1)
+    # One call per consumer count: the Gluon frontend takes the partition and register lists only as literals.
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, O, Lse, Table, slots, heads, items,
