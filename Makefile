@@ -42,18 +42,21 @@ info: $(VENV)/.installed
 # On a CUDA machine whose python3 already has torch and triton (the lent H200): install this
 # package there, run the GPU tests in parallel (JIT compiles dominate) and the full benchmark.
 # A device call runs at most 10 minutes: `make gpu-tests` (about 6 minutes with cold compile caches
-# on 8 workers; more workers run an 80 GB card out of memory) and `make gpu-tests-forced` fit one
-# call each; `make gpu-check` is the whole of it, for a machine without that limit.
+# on the H200's 8 workers) fits one call; `make gpu-tests-forced` (over 4 minutes on an H100) one more;
+# `make gpu-check` is the whole of it, for a machine without that limit.
 GPU_OUT ?= bench_out
+# Test workers: one per 12 GiB of GPU memory, at most 8 (8 on the H200; 6 on an 80 GB H100, where 8
+# workers' compiled kernels and float64 oracles ran it out of memory).
+GPU_WORKERS ?= $(shell python3 -c "import torch; print(max(1, min(8, torch.cuda.get_device_properties(0).total_memory // (12 << 30))))" 2>/dev/null || echo 1)
 gpu-tests:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider -rfE tests
+	python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider -rfE tests
 
 gpu-tests-forced:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
+	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py
-	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n 8 --dist loadgroup -p no:cacheprovider \
+	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider \
 		tests/test_triton_gpu.py tests/test_prepared_backward.py
 
 gpu-check: gpu-tests gpu-tests-forced

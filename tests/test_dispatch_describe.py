@@ -13,6 +13,7 @@ from blockattn_layers import fp8
 from blockattn_layers.cli.backend_choice import format_choice
 from blockattn_layers.dispatch import AttentionRequest, describe, explain, explain_variants, running_variants
 from blockattn_layers.kernels.block import variants
+from blockattn_layers.ops.backends import triton_flash
 
 SM90 = AttentionRequest("cuda", (9, 0), torch.bfloat16, 128, 2, 2, 64, False, False)
 FP8 = dataclasses.replace(SM90, dtype=torch.float8_e4m3fn)
@@ -125,7 +126,7 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
     (dict(block_size=256), False, "triton_flash, gluon kernels (backward: triton kernels)"),
     (dict(block_size=None, head_dim=64), True, "triton_flash, gluon kernels"),
     (dict(block_size=None, head_dim=64), False, "triton_flash, gluon kernels"),
-    (dict(block_size=256, head_dim=64), True, "triton_flash, triton kernels"),
+    (dict(block_size=256, head_dim=64), True, "triton_flash, gluon kernels (backward: triton kernels)"),
     (dict(block_size=512, head_dim=96), False, "triton_flash, triton kernels"),
     (dict(block_size=None, rotary=True), False, "triton_flash, triton kernels"),
     (dict(block_size=None, capability=(8, 0)), False, "triton_flash, triton kernels"),
@@ -134,7 +135,7 @@ def test_fp8_call_with_the_triton_backend_where_it_cannot_run_names_the_backend(
         "block256-d64", "block512-d96-fast",
         "rotary-fast", "sm80-fast", "fp32-fast"])
 def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, deterministic, want):
-    """``triton_flash``'s Gluon forward where measured faster (D128; D 64 at full attention), the Gluon
+    """``triton_flash``'s Gluon forward where measured faster (D 128 and D 64) unless forced off, the Gluon
     backward kernel at full attention (D 128 whole in either backward; D 64 without dQ's terms in the deterministic one, which
     the fast one runs there), the Triton kernels elsewhere (the fast backward on blocks runs the
     deterministic one's Triton passes), with the reasons ``explain_variants`` gives."""
@@ -147,9 +148,11 @@ def test_describe_names_the_flash_kernels_each_phase_runs(with_cuda, changes, de
         assert shown["gluon"] == ["no rotary"]
     if "capability" in changes:
         assert shown["gluon"] == ["an sm_90 GPU"]
-    if changes.get("head_dim") == 64 and changes.get("block_size"):
-        assert shown["gluon"] == ["head dim 64 on blocks: the Triton forward measured faster, or not yet measured "
-                                  "(or forced off)"]
+    if changes.get("head_dim") == 64:
+        with triton_flash.gluon_forward(False):
+            assert explain_variants(req)["triton_flash"]["gluon"] == [
+                "head dim 64: the Triton forward measured faster, or not yet measured (or forced by "
+                "gluon_forward(False))"]
     if changes.get("block_size") is not None and "head_dim" not in changes:
         assert shown["backward: gluon"] == ["full attention at D 64/128: the deterministic backward's Triton passes "
                                             "measured faster elsewhere (the fast backward runs the deterministic "

@@ -99,17 +99,20 @@ def test_flash_ws_forward_keeps_non_finite_values_in_their_sequence():
 
 
 def test_the_backend_takes_it_where_measured_faster_else_only_when_unverified_kernels_are_allowed(monkeypatch):
-    """``triton_flash`` runs the Gluon forward at D = 128 (full attention and blocks over 128 rows) and at
-    D 64 at full attention; D 64 on blocks only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``."""
+    """``triton_flash`` runs the Gluon forward at D 128 and D 64 (full attention and blocks over 128 rows);
+    at other head dims only with ``BLOCKATTN_UNVERIFIED_KERNELS=1``; never inside ``gluon_forward(False)``."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.ops.backends import triton_flash
 
     monkeypatch.setattr(variants, "gluon_import_error", lambda: None)
     monkeypatch.setattr(variants, "_UNVERIFIED", [False])
     assert triton_flash.gluon_forward_taken(0, 128) and triton_flash.gluon_forward_taken(256, 128)
-    assert triton_flash.gluon_forward_taken(0, 64) and not triton_flash.gluon_forward_taken(512, 64)
+    assert triton_flash.gluon_forward_taken(0, 64) and triton_flash.gluon_forward_taken(512, 64)
+    assert not triton_flash.gluon_forward_taken(0, 96)
+    with triton_flash.gluon_forward(False):
+        assert not triton_flash.gluon_forward_taken(0, 128) and not triton_flash.gluon_forward_taken(512, 64)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
-    assert triton_flash.gluon_forward_taken(256, 128) and triton_flash.gluon_forward_taken(512, 64)
+    assert triton_flash.gluon_forward_taken(256, 128) and triton_flash.gluon_forward_taken(0, 96)
     monkeypatch.setattr(variants, "gluon_import_error", lambda: "no gluon")
     assert not triton_flash.gluon_forward_taken(0, 128)
     cpu = torch.device("cpu")

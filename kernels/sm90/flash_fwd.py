@@ -1,7 +1,7 @@
 """Warp-specialized flash-attention forward for Hopper (sm_90) in Gluon: the forward the
-``triton_flash`` backend takes at D 128, full attention and blocks over 128 tokens, and at D 64 full
-attention (``ops.backends.triton_flash.gluon_forward_taken``; with unverified kernels allowed, for
-every call it admits).
+``triton_flash`` backend takes at D 128 and D 64, full attention and blocks over 128 tokens
+(``ops.backends.triton_flash.gluon_forward_taken``; with unverified kernels allowed, for every call it
+admits).
 
 One program per 128-row query tile of a block (the flash tile table, longest blocks first) and
 query head. Three partitions share the program's shared memory:

@@ -51,15 +51,14 @@ def _forward(
     )
 
 
-# Where the Gluon forward was measured faster than the Triton one (bf16): at these head dims, full
-# attention (H200 and H100) and blocks of 256 / 512 (H100, 2026-12-05: 1.06x / 1.22x).
-GLUON_FORWARD_HEAD_DIMS = frozenset({128})
-# ... and at these head dims at full attention only, on its 192-row items of three consumer warpgroups
-# (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``; H100, bf16, seed3_d64, 2026-12-06, two runs, ms,
-# Triton / Gluon: H16 1.368, 1.371 / 1.242, 1.242; causal 0.813, 0.827 / 0.813, 0.827; 16 query heads on
-# 4 kv heads 1.397, 1.409 / 1.237, 1.238). Blocks at D 64 were not timed (a 256-token block would
-# take 384 rows of 192-row items).
-GLUON_FULL_FORWARD_HEAD_DIMS = frozenset({64})
+# Where the Gluon forward was measured faster than the Triton one (bf16), at full attention and blocks
+# over 128 rows: D 128 (H200 and H100; blocks of 256 / 512 on an H100, 2026-12-05: 1.06x / 1.22x) and
+# D 64. At D 64, full attention, it runs 192-row items of three consumer warpgroups
+# (``sm90.flash_persistent.THREE_CONSUMER_HEAD_DIMS``; H100, bf16, seed3_d64, 2026-12-06, two runs,
+# ms, Triton / Gluon: H16 1.368, 1.371 / 1.242, 1.242; causal 0.813, 0.827 / 0.813, 0.827; 16 query
+# heads on 4 kv heads 1.397, 1.409 / 1.237, 1.238), on blocks 128-row items (H100, D 64 H4, the bench's
+# block lengths, ms, Triton / Gluon: blocks of 256 2.862 / 2.200, of 512 3.783 / 3.464).
+GLUON_FORWARD_HEAD_DIMS = frozenset({64, 128})
 _GLUON_FORWARD = [True]
 
 
@@ -78,13 +77,12 @@ def gluon_forward(enabled: bool) -> Iterator[None]:
 
 def gluon_forward_taken(block_size: int, head_dim: int) -> bool:
     """Whether a call of these facts that the warp-specialized Gluon forward admits runs it: full
-    attention or blocks over 128 rows (every call of this backend) at D = 128, full attention at D 64
-    (measured faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` (``variants.allow_unverified``);
+    attention or blocks over 128 rows (every call of this backend) at D 128 and D 64 (measured
+    faster), else only with ``BLOCKATTN_UNVERIFIED_KERNELS=1`` (``variants.allow_unverified``);
     never inside ``gluon_forward(False)``."""
     if not _GLUON_FORWARD[0] or variants.gluon_import_error() is not None:
         return False
-    measured = head_dim in GLUON_FORWARD_HEAD_DIMS or (block_size == 0 and head_dim in GLUON_FULL_FORWARD_HEAD_DIMS)
-    return measured or variants.unverified_allowed()
+    return head_dim in GLUON_FORWARD_HEAD_DIMS or variants.unverified_allowed()
 
 
 # The flash path's kernels as ``explain_variants`` names them: the warp-specialized Gluon ones
@@ -117,9 +115,8 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     admits = _gluon_admits(req)
     forward = list(admits)
     if not admits and not gluon_forward_taken(0 if req.block_size is None else req.block_size, req.head_dim):
-        where = "" if req.block_size is None else " on blocks"
-        forward.append(f"head dim {req.head_dim}{where}: the Triton forward measured faster, or not yet "
-                       "measured (or forced off)")
+        forward.append(f"head dim {req.head_dim}: the Triton forward measured faster, or not yet measured (or "
+                       "forced by gluon_forward(False))")
     backward = list(admits)
     if not admits:
         from blockattn_layers.kernels.sm90 import flash_bwd
