@@ -539,19 +539,23 @@ def _fp8_builds(capability: int) -> Iterator[Build]:
 
 def _linear_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 projection for sm_90 (``sm90.linear``): the ranking models' width
-    (E 256 to 768 outputs) in 128- and 256-column slices, a narrow one (E 64, 208 outputs, no bias),
-    and the ranking width with ``x`` in 64-channel chunks (the ``CHUNKED`` candidate)."""
+    (E 256 to 768 outputs) in 128- and 256-column slices, ``x`` in 64-channel chunks (``CHUNKED``,
+    the default) or whole tiles, a narrow one (E 64, 208 outputs, no bias), and the ranking width
+    without ``PINGPONG`` and ``BIAS_ONCE`` (both taken by default)."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
-    from .sm90.linear import CHUNK, _linear_ws_kernel, chunk, stages
+    from .sm90.linear import CHUNK, _linear_ws_kernel, stages
 
-    for in_dim, out_dim, bias, block_n, dtype, chunked in (
-            (256, 768, True, 256, "bf16", False), (256, 768, True, 128, "bf16", False),
-            (256, 384, True, 256, "fp16", False), (64, 208, False, 128, "bf16", False),
-            (256, 768, True, 256, "bf16", True)):
+    for in_dim, out_dim, bias, block_n, dtype, chunked, options in (
+            (256, 768, True, 256, "bf16", False, ""), (256, 768, True, 128, "bf16", False, ""),
+            (256, 384, True, 256, "fp16", False, ""), (64, 208, False, 128, "bf16", False, ""),
+            (256, 768, True, 256, "bf16", True, ""), (256, 768, True, 256, "bf16", True, "no_pingpong"),
+            (256, 768, True, 256, "bf16", True, "no_pingpong_bias_per_tile")):
         constexprs = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias, BLOCK_N=block_n,
-                          STAGES=stages(in_dim, block_n), CHUNK=CHUNK if chunked else chunk(in_dim))
-        name = f"fp8_linear_gluon_e{in_dim}_n{out_dim}{'_chunked' if chunked else ''}_{block_n}cols_{dtype}"
+                          STAGES=stages(in_dim, block_n), CHUNK=CHUNK if chunked else in_dim,
+                          PINGPONG="no_pingpong" not in options, BIAS_ONCE="bias_per_tile" not in options)
+        name = (f"fp8_linear_gluon_e{in_dim}_n{out_dim}{'_chunked' if chunked else ''}_{block_n}cols_{dtype}"
+                f"{'_' + options if options else ''}")
         yield Build(name, _linear_ws_kernel, dtype, constexprs, dict(num_warps=4))
 
 

@@ -146,19 +146,23 @@ def _e4m3_close(got, want):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole-tiles", "chunked"])
+@pytest.mark.parametrize("options", [dict(), dict(CHUNKED=False), dict(PINGPONG=False),
+                                     dict(PINGPONG=False, BIAS_ONCE=False)],
+                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile"])
 @pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("case", [(300, 256, 768, True), (129, 64, 208, False), (70_001, 256, 768, True),
                                   (1000, 128, 400, True)], ids=str)
-def test_warp_specialized_projection_on_the_gpu(monkeypatch, case, block_n, chunked, dtype):
+def test_warp_specialized_projection_on_the_gpu(monkeypatch, case, block_n, options, dtype):
     """The Gluon projection (``sm90.linear``) against float64, as the Triton kernel's test, its ``x``
-    in whole tiles or 64-channel chunks (``CHUNKED``); with unverified kernels allowed
-    ``linear_e4m3`` takes it for the projections it admits."""
+    in whole tiles or 64-channel chunks (``CHUNKED``), the consumers' products in turns (``PINGPONG``),
+    the bias loaded once (``BIAS_ONCE``); with unverified kernels allowed ``linear_e4m3`` takes it for
+    the projections it admits."""
     from blockattn_layers.kernels import fp8_linear
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import linear as ws
 
-    monkeypatch.setattr(ws, "CHUNKED", chunked)
+    for name, value in options.items():
+        monkeypatch.setattr(ws, name, value)
     (x, w, b), want = _linear_inputs(*case, dtype, device="cuda")
     assert ws.linear_ws_reasons(x, w) == []
     y = torch.full((case[0], case[2]), float("nan"), dtype=torch.float8_e4m3fn, device="cuda")

@@ -42,16 +42,21 @@ def _run(x, w, b, y, block_n, lanes):
     return gs.launch(
         ws._linear_ws_kernel, (slices * lanes,), X=x, W=w, B=b if b is not None else w, Y=y, rows=rows, lanes=lanes,
         stride_xt=x.stride(0), stride_wn=w.stride(0), stride_yt=y.stride(0), IN_DIM=in_dim, OUT_DIM=w.shape[0],
-        HAS_BIAS=b is not None, BLOCK_N=block_n, STAGES=ws.stages(in_dim, block_n), CHUNK=ws.chunk(in_dim))
+        HAS_BIAS=b is not None, BLOCK_N=block_n, STAGES=ws.stages(in_dim, block_n), CHUNK=ws.chunk(in_dim),
+        PINGPONG=ws.PINGPONG, BIAS_ONCE=ws.BIAS_ONCE)
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-tiles"])
+@pytest.mark.parametrize("options", [dict(), dict(CHUNKED=False), dict(PINGPONG=False),
+                                     dict(PINGPONG=False, BIAS_ONCE=False, CHUNKED=False)],
+                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile-whole-tiles"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_projection_against_float64(monkeypatch, case, chunked):
+def test_projection_against_float64(monkeypatch, case, options):
     """Float32 out (the product, bias and saturation exactly): within float32 sums of float64;
     each element written once, and only inside the ``[T, N]`` output. ``x`` copied and multiplied
-    in 64-channel chunks (``CHUNKED``) or in whole tiles."""
-    monkeypatch.setattr(ws, "CHUNKED", chunked)
+    in 64-channel chunks (``CHUNKED``) or in whole tiles; the consumers' products in turns
+    (``PINGPONG``); the bias loaded once (``BIAS_ONCE``)."""
+    for name, value in options.items():
+        monkeypatch.setattr(ws, name, value)
     rows, width, out, bias, block_n, lanes = case
     x, w, b, want = _inputs(rows, width, out, bias)
     y = torch.full((rows + 3, out + 16), float("nan"))

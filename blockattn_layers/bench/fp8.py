@@ -243,7 +243,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
     """The e4m3 QKV projection alone (``kernels.fp8_linear``) over the prod rows, ``[T, 256]``
     bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
     256-column slices, its ``x`` in 64-channel chunks or whole tiles (``sm90.linear``, where it
-    admits the call; ``CHUNKED``) and cuBLAS's bfloat16 product
+    admits the call; ``CHUNKED``), at 256 columns without its consumers' turns (``PINGPONG``) or its
+    bias loaded once (``BIAS_ONCE``), and cuBLAS's bfloat16 product
     (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
     time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``bandwidth`` bytes/s
     (default ``env.floor_bandwidth`` of ``device``). ``total``: rows (default the prod shapes')."""
@@ -273,13 +274,18 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
         from blockattn_layers.kernels.sm90 import linear as ws
 
         if not ws.linear_ws_reasons(x, w):
-            for block_n, chunked in itertools.product((128, 256), (True, False)):
-                def run(block_n=block_n, chunked=chunked):
+            options = [(f"gluon {block_n} columns{'' if chunked else ', whole tiles'}", block_n, dict(CHUNKED=chunked))
+                       for block_n, chunked in itertools.product((128, 256), (True, False))]
+            options += [("gluon 256 columns, no ping-pong", 256, dict(CHUNKED=True, PINGPONG=False)),
+                        ("gluon 256 columns, bias per tile", 256, dict(CHUNKED=True, BIAS_ONCE=False)),
+                        ("gluon 256 columns, neither", 256, dict(CHUNKED=True, PINGPONG=False, BIAS_ONCE=False))]
+            for name, block_n, values in options:
+                def run(block_n=block_n, values=values):
                     y = output()
-                    with module_attrs(ws, CHUNKED=chunked):
+                    with module_attrs(ws, **values):
                         ws.linear_ws(x, w, b, y, block_n)
                     return y
-                methods[f"gluon {block_n} columns{'' if chunked else ', whole tiles'}"] = run
+                methods[name] = run
     methods["cublas bf16"] = lambda: torch.nn.functional.linear(x, w, b.to(torch.bfloat16))
     rows = []
     for name, run in methods.items():
