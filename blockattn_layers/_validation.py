@@ -198,6 +198,18 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
+def check_positions(positions: Any, total: int, device: torch.device, where: str = "q") -> torch.Tensor:
+    """``positions`` is an integer or float tensor ``[T]`` on ``device`` (that of ``where``)."""
+    positions = _check_tensor("positions", positions)
+    if positions.shape != (total,):
+        raise ValueError(f"positions must have shape [T={total}], got {tuple(positions.shape)}")
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"positions must be an integer or float tensor, got {positions.dtype}")
+    if positions.device != device:
+        raise ValueError(f"positions is on {positions.device} but {where} is on {device}")
+    return positions
+
+
 def check_offsets_tensor(name: str, offsets: Any, total: int) -> torch.Tensor:
     """``offsets`` is a 1-D, non-empty int32 / int64 tensor (int64 where ``total`` needs it)."""
     _check_tensor(name, offsets)
@@ -308,13 +320,7 @@ def validate_attention_args(
         rope_theta = check_rope_theta(rope_theta)
         rotary_dim = D if rotary_dim is None else check_rotary_dim(rotary_dim, D)
         if positions is not None:
-            positions = _check_tensor("positions", positions)
-            if positions.shape != (T,):
-                raise ValueError(f"positions must have shape [T={T}], got {tuple(positions.shape)}")
-            if positions.dtype == torch.bool or positions.is_complex():
-                raise TypeError(f"positions must be an integer or float tensor, got {positions.dtype}")
-            if positions.device != device:
-                raise ValueError(f"positions is on {positions.device} but q is on {device}")
+            positions = check_positions(positions, T, device)
 
     if cpu_offsets is not None:
         cpu_offsets = _check_tensor("cpu_offsets", cpu_offsets)

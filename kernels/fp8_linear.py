@@ -86,21 +86,37 @@ def linear_meta(in_dim: int, out_dim: int, has_bias: bool, int64: bool) -> dict:
 
 
 def linear_e4m3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                out_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float8_e4m3fn, rotary=None) -> torch.Tensor:
     """``clamp(x @ weight.T + bias, -448, 448)`` as e4m3 ``[T, N]`` (module docstring): ``x [T, E]``
-    with unit column stride, ``weight [N, E]`` contiguous in ``x``'s dtype, ``bias`` float32 ``[N]``."""
+    with unit column stride, ``weight [N, E]`` contiguous in ``x``'s dtype, ``bias`` float32 ``[N]``.
+    ``rotary`` (``sm90.linear.PairRotary``, where :func:`rotates_pairs` says so): its columns' pairs
+    rotated before the saturation."""
     total, in_dim = x.shape
     out_dim = weight.shape[0]
     y = torch.empty((total, out_dim), dtype=out_dtype, device=x.device)
+    if rotary is not None and not rotates_pairs(x, weight, rotary.head_dim):
+        raise ValueError("linear_e4m3: rotary in the projection needs the sm_90 kernel and heads within its "
+                         "column slices (rotates_pairs)")
     if total == 0:
         return y
     if _ws_taken(x, weight, out_dtype):
         from .sm90.linear import linear_ws
 
-        linear_ws(x, weight, bias, y)
+        linear_ws(x, weight, bias, y, rotary=rotary)
     else:
         linear_triton(x, weight, bias, y)
     return y
+
+
+def rotates_pairs(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`linear_e4m3` can rotate pairs of adjacent columns in heads of ``head_dim``
+    (``sm90.linear.PairRotary``): its sm_90 kernel takes the projection and no head straddles two of
+    the kernel's column slices (``head_dim`` even and dividing them)."""
+    if not _ws_taken(x, weight, torch.float8_e4m3fn):
+        return False
+    from .sm90.linear import BLOCK_N
+
+    return head_dim % 2 == 0 and BLOCK_N % head_dim == 0
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor) -> None:

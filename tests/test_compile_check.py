@@ -326,13 +326,14 @@ def test_fp8_kernels_compile(tmp_path):
     generation's products) and not before sm_89, where Triton has no e4m3. On sm_90 also the
     warp-specialized fp8 forward (``sm90.fp8_fwd``): e4m3 wgmma scores (16-bit ones of the rotated
     halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation; and
-    the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out."""
+    the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out, and with
+    rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles)."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
         linear_ws = {name: text for name, text in ptx.items() if name.startswith("fp8_linear_gluon_")}
         assert len(ptx) - len(ws) - len(linear_ws) == 12, arch
-        assert (len(ws), len(linear_ws)) == ((8, 5) if arch == "sm_90" else (0, 0)), arch
+        assert (len(ws), len(linear_ws)) == ((8, 9) if arch == "sm_90" else (0, 0)), arch
         for name, text in ptx.items():
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
@@ -351,6 +352,8 @@ def test_fp8_kernels_compile(tmp_path):
             product = f"m64n{width}k16.f32.{name.split('_')[-1].replace('fp16', 'f16')}"
             assert all(x in text for x in (product, "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier",
                                            "cp.async.bulk.tensor.2d.global.shared", "setmaxnreg")), name
+            # Rotary in the epilogue: approximate sines of the reduced angles, and no data moved for the pairs.
+            assert ("sin.approx.f32" in text) == ("_rotary" in name) and "shfl.sync.bfly" not in text, name
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
            str(tmp_path / "sm_80"), "--only", "fp8_"]

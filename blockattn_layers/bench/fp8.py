@@ -31,6 +31,7 @@ import blockattn_layers as bl
 from blockattn_layers import fp8
 
 from blockattn_layers.kernels.block.variants import unverified_kernels
+from blockattn_layers.reference import sequence_positions
 
 from .common import module_attrs
 from .env import bandwidth_text, floor_bandwidth, git_commit
@@ -244,7 +245,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
     bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
     256-column slices, its ``x`` in 64-channel chunks or whole tiles (``sm90.linear``, where it
     admits the call; ``CHUNKED``), at 256 columns without its consumers' turns (``PINGPONG``) or its
-    bias loaded once (``BIAS_ONCE``), and cuBLAS's bfloat16 product
+    bias loaded once (``BIAS_ONCE``), with rotary on q and k in its epilogue (``PairRotary``, prod's D128 and
+    D64 heads; its GPU test checks the values), and cuBLAS's bfloat16 product
     (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
     time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``bandwidth`` bytes/s
     (default ``env.floor_bandwidth`` of ``device``). ``total``: rows (default the prod shapes')."""
@@ -286,10 +288,16 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
                         ws.linear_ws(x, w, b, y, block_n)
                     return y
                 methods[name] = run
+            if total == prod()[0].total and (in_dim, out_dim) == (256, 768):
+                positions = sequence_positions(prod()[0].offsets.to(device), total).float()
+                for dim in (128, 64):  # prod's D128 H2 and D64 H4: q and k rotated (unchecked: want is unrotated)
+                    rotary = ws.PairRotary(positions, 10000.0, dim, dim, 512)
+                    methods[f"gluon 256 columns, rotary D{dim}"] = (
+                        lambda rotary=rotary: ws.linear_ws(x, w, b, output(), rotary=rotary))
     methods["cublas bf16"] = lambda: torch.nn.functional.linear(x, w, b.to(torch.bfloat16))
     rows = []
     for name, run in methods.items():
-        err = float((run()[check].float() - want).norm() / want.norm())
+        err = float("nan") if "rotary" in name else float((run()[check].float() - want).norm() / want.norm())
         ms = triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
         floor = 1e3 * total * (in_dim * 2 + out_dim * (2 if name.startswith("cublas") else 1)) / bandwidth
         rows.append(dict(shape=f"prod e{in_dim} n{out_dim}", method=f"projection, {name}", ms=ms, floor_ms=floor,

@@ -6,7 +6,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_attention_args, check_bool, check_module_input, check_rotary_args
+from .._validation import check_attention_args, check_bool, check_module_input, check_positions, check_rotary_args
 from ..dispatch import Backend
 from ..fp8 import OUT_DTYPES as FP8_OUT_DTYPES
 from ..functional import block_attention
@@ -102,7 +102,7 @@ class BlockSelfAttention(nn.Module):
                       validate=self.validate, **self._attention_kwargs(positions))
         if self.fp8 is not None:
             _check_fp8_call(values, self.training)
-            q, k, v, q_descale, k_descale, v_descale = self.fp8(values)
+            (q, k, v, q_descale, k_descale, v_descale), kwargs = self._fp8_qkv(values, offsets, positions, kwargs)
             dtype = self.out_proj.weight.dtype
             out = block_attention(q, k, v, offsets, self.block_size, q_descale=q_descale, k_descale=k_descale,
                                   v_descale=v_descale, out_dtype=dtype if dtype in FP8_OUT_DTYPES else torch.float32,
@@ -111,6 +111,10 @@ class BlockSelfAttention(nn.Module):
             q, k, v = self._qkv(values)
             out = block_attention(q, k, v, offsets, self.block_size, **kwargs)
         return self.out_proj(out.flatten(1))
+
+    def _fp8_qkv(self, values: Tensor, offsets: Tensor, positions: Optional[Tensor], kwargs: dict) -> Tuple[tuple, dict]:
+        """The converted layer's e4m3 q, k, v and descales (``self.fp8``) and the attention's keywords."""
+        return self.fp8(values), kwargs
 
     def forward(
         self, x: Any, offsets: Optional[Tensor] = None, *, cpu_offsets: Optional[Tensor] = None,
@@ -195,6 +199,18 @@ class RotaryBlockAttention(BlockSelfAttention):
             "rope_theta": self.rope_theta, "positions": positions, "rotary_dim": self.rotary_dim,
             "rotary_interleaved": self.rotary_interleaved,
         }
+
+    def _fp8_qkv(self, values: Tensor, offsets: Tensor, positions: Optional[Tensor], kwargs: dict) -> Tuple[tuple, dict]:
+        """As :class:`BlockSelfAttention`'s, with q and k rotated in the e4m3 projection where its kernel
+        can (``FP8QKVProjection.rotated``): attention then runs without rotary."""
+        if positions is not None:
+            check_positions(positions, values.shape[0], values.device, where="the input")
+        rotated = self.fp8.rotated(values, offsets, positions, self.rope_theta, self.rotary_dim or self.head_dim,
+                                   self.rotary_interleaved)
+        if rotated is None:
+            return self.fp8(values), kwargs
+        rotary = ("rope_theta", "positions", "rotary_dim", "rotary_interleaved")
+        return rotated, {name: value for name, value in kwargs.items() if name not in rotary}
 
     def forward(
         self, x: Any, offsets: Optional[Tensor] = None, positions: Any = None, *,

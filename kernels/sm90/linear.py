@@ -22,13 +22,16 @@ every band. Here the copies run on their own and the weights are read once per p
   (rows past T and columns past N are not written).
 
 The consumers issue their tiles' products in turns (``PINGPONG``), so the other consumer's products run
-during one consumer's epilogue. Admitted calls
+during one consumer's epilogue. With a ``PairRotary`` the epilogue also rotates q's and k's columns in
+adjacent pairs at each row's position before the e4m3 cast (``modules.fp8.ROTARY_IN_PROJECTION``;
+measured slower than rotary in attention, so not taken). Admitted calls
 (``linear_ws_reasons``): sm_90, 16-bit input, input widths 64-256 in steps of 64, outputs a
 multiple of 16, 16-byte aligned rows, fewer than 2**31 rows.
 """
 from __future__ import annotations
 
-from typing import List
+import math
+from typing import List, NamedTuple, Optional
 
 import torch
 from triton.experimental import gluon
@@ -42,6 +45,7 @@ from ..common.meta import sm_count
 from .block import _acc_layout, _smem_layout
 from .fp8_fwd import _e4m3_layout
 from .persistent import drop_ring, init_ring
+from .rotary import pair_sin_cos
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_fp8_modules.py,
 # E 64 / 128 / 256, 129 to 70,001 rows, both slice widths); elsewhere it runs only with
@@ -80,6 +84,17 @@ BIAS_ONCE = True
 E4M3_MAX = gl.constexpr(448.0)
 
 
+class PairRotary(NamedTuple):
+    """Rotary in the projection's epilogue: the first ``columns`` output columns (q's and k's) in
+    heads of ``head_dim``, each head's first ``rotary_dim`` channels as adjacent pairs ``(2 i, 2 i + 1)``
+    at frequency ``theta ** (-2 i / rotary_dim)``; ``positions`` ``[T]`` (float32 or int32), each row's."""
+    positions: torch.Tensor
+    theta: float
+    head_dim: int
+    rotary_dim: int
+    columns: int
+
+
 def chunk(in_dim: int) -> int:
     """Input channels per ``x`` copy and product: ``CHUNK`` where ``CHUNKED``, else all of them."""
     return CHUNK if CHUNKED else in_dim
@@ -109,6 +124,30 @@ def grid(rows: int, out_dim: int, block_n: int, num_sms: int) -> tuple:
     slices = -(-out_dim // block_n)
     tiles = -(-rows // BLOCK_M)
     return slices, max(1, min(num_sms // slices, tiles))
+
+
+@gluon.jit
+def _rotate_pairs(acc, Pos, row0, rows, col0, log2_theta, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
+                  ROT_END: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``acc [64, BLOCK_N]`` (rows ``row0 ..``, output columns ``col0 ..``) with rotary applied to its
+    first ``ROT_END`` output columns (q's and k's) at the rows' positions ``Pos``: in each head of
+    ``HEAD_DIM`` columns, columns ``2 i, 2 i + 1`` (``i < ROT_DIM / 2``) are a pair rotated by the angle
+    ``position * theta ** (-2 i / ROT_DIM)`` (``rotary.pair_sin_cos``); the other columns pass through.
+    The pair sits in one thread's adjacent accumulator registers, so the split into the pairs' first
+    and second columns and the join back move no data."""
+    acc_l: gl.constexpr = _acc_layout(BLOCK_N)
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
+    pair = (cols % HEAD_DIM) // 2
+    inv_freq = gl.where((pair < ROT_DIM // 2) & (cols < ROT_END),
+                        gl.exp2(pair.to(gl.float32) * (log2_theta * (-2.0 / ROT_DIM))), 0.0)
+    offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    pos = gl.load(Pos + offs_m, mask=offs_m < rows, other=0).to(gl.float32)
+    angle = gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0)
+    angle, _ = gl.split(gl.reshape(angle, [64, BLOCK_N // 2, 2]))
+    sin, cos = pair_sin_cos(angle)
+    a, b = gl.split(gl.reshape(acc, [64, BLOCK_N // 2, 2]))
+    rotated = gl.reshape(gl.join(a * cos - b * sin, a * sin + b * cos), [64, BLOCK_N])
+    return gl.convert_layout(rotated, acc_l)
 
 
 @gluon.jit
@@ -145,14 +184,16 @@ def _loader(x_s, w_s, ready, empty, w_bar, X, W, rows, lanes, stride_xt, stride_
 
 
 @gluon.jit
-def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, rows, lanes, stride_yt, IN_DIM: gl.constexpr,
-              OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CHUNK: gl.constexpr, PINGPONG: gl.constexpr, BIAS_ONCE: gl.constexpr):
+def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_theta, rows, lanes, stride_yt,
+              IN_DIM: gl.constexpr, OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CHUNK: gl.constexpr, PINGPONG: gl.constexpr, BIAS_ONCE: gl.constexpr,
+              HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, ROT_END: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup): its tiles' products, one asynchronous ``wgmma`` per
     ``CHUNK``-channel chunk, each chunk's slot released once its product is done (the loader copies
     the next tile's chunk while this tile's later ones multiply), and the bias, saturation, e4m3
     cast and store through its output tile (each store waited for before the tile's next use).
-    ``PINGPONG``: its tiles' products issued in turn with the other consumer's (``turn``)."""
+    ``PINGPONG``: its tiles' products issued in turn with the other consumer's (``turn``). ``ROT_END``
+    over 0: rotary on the first ``ROT_END`` columns after the bias (``_rotate_pairs``)."""
     KC: gl.constexpr = IN_DIM // CHUNK
     acc_l: gl.constexpr = _acc_layout(BLOCK_N)
     col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
@@ -190,6 +231,10 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, rows, lanes, 
                 acc = acc + bias
             else:
                 acc = acc + gl.expand_dims(gl.load(B + cols, mask=cols < OUT_DIM, other=0.0), 0)
+        if ROT_END > 0:
+            if col0 < ROT_END:
+                acc = _rotate_pairs(acc, Pos, (lane + j * lanes) * 64, rows, col0, log2_theta, HEAD_DIM, ROT_DIM,
+                                    ROT_END, BLOCK_N)
         y = gl.minimum(gl.maximum(acc, -E4M3_MAX), E4M3_MAX).to(out_s.dtype)
         tma.store_wait(0)  # this consumer's last store has left its tile
         gl.thread_barrier()
@@ -200,10 +245,11 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, rows, lanes, 
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["rows", "lanes"])
-def _linear_ws_kernel(X, W, B, Y, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
+@gluon.jit(do_not_specialize=["rows", "lanes", "log2_theta"])
+def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
                       OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CHUNK: gl.constexpr, PINGPONG: gl.constexpr = False, BIAS_ONCE: gl.constexpr = False):
+                      CHUNK: gl.constexpr, PINGPONG: gl.constexpr = False, BIAS_ONCE: gl.constexpr = False,
+                      HEAD_DIM: gl.constexpr = 64, ROT_DIM: gl.constexpr = 64, ROT_END: gl.constexpr = 0):
     gl.static_assert(IN_DIM % CHUNK == 0, "input channels in whole chunks")
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     KC: gl.constexpr = IN_DIM // CHUNK
@@ -220,10 +266,12 @@ def _linear_ws_kernel(X, W, B, Y, rows, lanes, stride_xt, stride_wn, stride_yt, 
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
     gl.warp_specialize([
-        (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, rows, lanes, stride_yt, IN_DIM,
-                     OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE)),
-        (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, rows, lanes, stride_yt, IN_DIM,
-                     OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE)),
+        (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, Pos, log2_theta, rows, lanes,
+                     stride_yt, IN_DIM, OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE, HEAD_DIM,
+                     ROT_DIM, ROT_END)),
+        (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, Pos, log2_theta, rows, lanes,
+                     stride_yt, IN_DIM, OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE, HEAD_DIM,
+                     ROT_DIM, ROT_END)),
         (_loader, (x_s, w_s, ready, empty, w_bar.index(0), X, W, rows, lanes, stride_xt, stride_wn, IN_DIM,
                    OUT_DIM, BLOCK_N, STAGES, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -237,15 +285,23 @@ def _linear_ws_kernel(X, W, B, Y, rows, lanes, stride_xt, stride_wn, stride_yt, 
 launch = Launcher(_linear_ws_kernel, scratch=True)
 
 
-def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, block_n: int = BLOCK_N) -> None:
-    """``y = e4m3(clamp(x @ weight.T + bias))`` by this kernel (``linear_ws_reasons`` empty, T > 0)."""
+def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, block_n: int = BLOCK_N,
+              rotary: Optional[PairRotary] = None) -> None:
+    """``y = e4m3(clamp(x @ weight.T + bias))`` by this kernel (``linear_ws_reasons`` empty, T > 0);
+    with ``rotary``, its pairs rotated before the saturation (``_rotate_pairs``)."""
     rows, in_dim = x.shape
     out_dim = weight.shape[0]
     slices, lanes = grid(rows, out_dim, block_n, sm_count(x.device))
     meta = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                STAGES=stages(in_dim, block_n), CHUNK=chunk(in_dim), PINGPONG=PINGPONG, BIAS_ONCE=BIAS_ONCE,
-                num_warps=4)
-    args = (x, weight, bias if bias is not None else weight, y, rows, lanes, x.stride(0), weight.stride(0), y.stride(0))
+                STAGES=stages(in_dim, block_n), CHUNK=chunk(in_dim), PINGPONG=PINGPONG,
+                BIAS_ONCE=BIAS_ONCE and rotary is None, HEAD_DIM=64, ROT_DIM=64, ROT_END=0,
+                num_warps=4)  # with rotary no registers are left for the bias
+    pos, log2_theta = weight, 0.0
+    if rotary is not None:
+        meta.update(HEAD_DIM=rotary.head_dim, ROT_DIM=rotary.rotary_dim, ROT_END=rotary.columns)
+        pos, log2_theta = rotary.positions, math.log2(rotary.theta)
+    args = (x, weight, bias if bias is not None else weight, y, pos, log2_theta, rows, lanes, x.stride(0),
+            weight.stride(0), y.stride(0))
     launch((slices * lanes,), args, meta, x)
 
 

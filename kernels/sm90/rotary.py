@@ -100,6 +100,13 @@ def sin_cos_at(Pos, rows, row_ok, prow, log2_theta, HALF: gl.constexpr, ROT_HALF
 
 
 @gluon.jit
+def pair_sin_cos(angle):
+    """``(sin, cos)`` of any float32 ``angle`` (reduced into [-pi, pi] first), as the rotary kernels
+    take them."""
+    return _sin_cos_of(_reduced(angle))
+
+
+@gluon.jit
 def _sin_cos_of(angle):
     """``(sin, cos)`` of angles in [-pi, pi] (``sin.approx`` / ``cos.approx``)."""
     sin = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=gl.float32, is_pure=True, pack=1)
