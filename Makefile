@@ -84,7 +84,7 @@ gpu-candidates-bench:
 	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
 		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
 	timeout 120 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
-		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_overlap],triton_flash[gluon_m128],triton_flash[gluon_m192]" \
+		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_overlap],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong]" \
 		--out $(GPU_OUT)/flash_fwd || true
 
 # The flash backward's forms beside each other in one process, on the full-attention shapes (D 128 and

@@ -450,21 +450,26 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     from .sm90.flash_persistent import _flash_fwd_persistent_kernel
 
-    for dtype, dim, (causal, groups), overlap in itertools.product(
-            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
-        name = (f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}"
-                f"{'_overlap' if overlap else ''}")
+    # The persistent form's consumer loops: serial, overlapped (OVERLAP), serial in turns (PINGPONG).
+    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (False, True)}
+    for dtype, dim, (causal, groups), loop in itertools.product(
+            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
+        overlap, pingpong = loops[loop]
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
+                          PINGPONG=pingpong)
+        name = f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_persistent_kernel, dtype, constexprs, dict(num_warps=4))
     # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64; at D 128
     # (a candidate) on 64-row key tiles (THREE_CONSUMER_KEY_ROWS).
-    for (causal, groups), overlap in itertools.product(((False, 1), (True, 4)), (False, True)):
-        constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap)
-        name = (f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}"
-                f"{'_overlap' if overlap else ''}")
+    for (causal, groups), loop in itertools.product(((False, 1), (True, 4)), loops):
+        overlap, pingpong = loops[loop]
+        constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
+                          PINGPONG=pingpong)
+        name = f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, OVERLAP=False)
+        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, OVERLAP=False,
+                          PINGPONG=False)
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols

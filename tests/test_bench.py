@@ -308,7 +308,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     """``triton_flash[gluon_overlap]`` times the persistent Gluon forward with its overlapped consumer loop
     (inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial"
     after), ``triton_flash[gluon_m128]`` with 128-row items everywhere (192 at full attention, D 64,
-    after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too."""
+    after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too,
+    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns."""
     from blockattn_layers.bench import ours
     from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
 
@@ -325,3 +326,7 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
         assert flash_persistent.item_tile(64, 0) == (192, 128) and flash_persistent.item_tile(128, 0) == (192, 64)
         assert flash_persistent.item_tile(128, 512) == (128, 128)
     assert flash_persistent.THREE_CONSUMER_HEAD_DIMS == frozenset({64})
+    assert not flash_persistent.PINGPONG
+    with ours.GLUON_FLASH_PINGPONG.context():
+        assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
+    assert not flash_persistent.PINGPONG

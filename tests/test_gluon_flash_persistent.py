@@ -37,7 +37,7 @@ CASES = {
 
 
 def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=flash_fwd.TILE_M,
-         tile_n=flash_fwd.TILE_N):
+         tile_n=flash_fwd.TILE_N, pingpong=False):
     total, heads, dim = q.shape
     sched = FlashSchedule(offsets, total, block_size, tile_m, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
@@ -48,7 +48,7 @@ def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=f
         items=sched.programs * heads, total=total, qk_scale=dim ** -0.5 * LOG2E, stride_qt=q.stride(0),
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
         HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n,
-        IS_CAUSAL=causal, OVERLAP=overlap,
+        IS_CAUSAL=causal, OVERLAP=overlap, PINGPONG=pingpong,
     )
     return o, lse, run
 
@@ -60,17 +60,18 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     return q, k, v, offsets_from_lengths(lengths)
 
 
-@pytest.mark.parametrize("overlap,tile_m,tile_n", [(False, 128, 128), (True, 128, 128), (False, 192, 128),
-                                                   (True, 192, 128), (False, 192, 64)],
-                         ids=["serial", "overlap", "m192-serial", "m192-overlap", "m192-n64"])
+@pytest.mark.parametrize("overlap,tile_m,tile_n,pingpong", [
+    (False, 128, 128, False), (True, 128, 128, False), (False, 192, 128, False), (True, 192, 128, False),
+    (False, 192, 64, False), (False, 128, 128, True), (False, 192, 128, True)],
+    ids=["serial", "overlap", "m192-serial", "m192-overlap", "m192-n64", "pingpong", "m192-pingpong"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_persistent_forward_matches_the_reference(name, overlap, tile_m, tile_n):
+def test_persistent_forward_matches_the_reference(name, overlap, tile_m, tile_n, pingpong):
     """Output and logsumexp against the float64 reference, each output element stored once: two consumer
     warpgroups per 128-row item or three per 192-row item (``THREE_CONSUMER_HEAD_DIMS``; 64-row key tiles
-    as at D 128), serial or overlapped loops."""
+    as at D 128), serial or overlapped loops, the serial one's products in turns (``PINGPONG``)."""
     lengths, heads, kv_heads, dim, block_size, causal, programs = CASES[name]
     q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=len(lengths) + dim)
-    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap, tile_m, tile_n)
+    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap, tile_m, tile_n, pingpong)
     d = [x.double() for x in (q, k, v)]
     want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
     assert rel_err(o, want) < 3e-3

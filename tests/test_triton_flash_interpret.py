@@ -502,14 +502,16 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
                                                          (True, True, False), (False, False, True),
-                                                         (True, False, True), (False, False, "m192")],
+                                                         (True, False, True), (False, False, "m192"),
+                                                         (False, False, "pingpong")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
-                              "persistent_m192"])
+                              "persistent_m192", "persistent_pingpong"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
-    warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
+    warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
+    serial loop's products in turns, on the default items): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
     Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
     forward's."""
     from blockattn_layers import reference
@@ -519,7 +521,8 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
-                        frozenset({64, 128} if persistent == "m192" else ()))
+                        frozenset({64, 128} if persistent == "m192" else {64} if persistent == "pingpong" else ()))
+    monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))

@@ -225,6 +225,11 @@ GLUON_FLASH_M192 = _gluon_forward_option(
     "triton_flash with the persistent Gluon forward on 192-row query tiles (three consumer warpgroups) at full "
     "attention with D 128 as at D 64 (64-row key tiles at D 128), on every call it admits",
     THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128}))
+GLUON_FLASH_PINGPONG = _gluon_forward_option(
+    "triton_flash[gluon_pingpong]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward's consumers issuing their products in turns in the serial loop "
+    "(FlashAttention-3's inter-warpgroup ping-pong), on every call it admits",
+    PINGPONG=True)
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -431,7 +436,7 @@ def our_methods() -> List[Method]:
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_OVERLAP, GLUON_FLASH_M128,
-                            GLUON_FLASH_M192, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):
