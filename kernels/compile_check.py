@@ -432,33 +432,33 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
     return EXPECTED[arch]
 
 
+def _flash_forward_loop_builds(kernel, prefix: str, loops: Dict[str, Tuple[bool, bool]]) -> Iterator[Build]:
+    """One Gluon flash forward on 128-row tiles: bf16 / fp16, D 64 / 128, causal GQA or neither, each
+    consumer loop of ``loops`` (name suffix -> ``(OVERLAP, PINGPONG)``)."""
+    for dtype, dim, (causal, groups), loop in itertools.product(
+            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
+        overlap, pingpong = loops[loop]
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
+                          PINGPONG=pingpong)
+        yield Build(f"{prefix}_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}", kernel, dtype, constexprs,
+                    dict(num_warps=4))
+
+
 def _flash_gluon_builds(capability: int) -> Iterator[Build]:
-    """The warp-specialized Gluon flash forward (``sm90.flash_fwd``), sm_90 only: D 64
-    and 128, bf16 / fp16, causal with GQA or neither, the consumers serial, overlapped
-    (``OVERLAP``) or overlapped and taking turns (``PINGPONG``), the tiles ``flash.gluon_fwd`` launches."""
+    """The warp-specialized Gluon flash forward (``sm90.flash_fwd``, and its persistent form
+    ``sm90.flash_persistent``), sm_90 only: D 64 and 128, bf16 / fp16, causal with GQA or neither, each
+    consumer loop, the tiles they launch; then the flash backward's dK/dV pass (``sm90.flash_bwd``)."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     from .sm90.flash_fwd import _flash_fwd_ws_kernel
-
-    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (True, True)}
-    for dtype, dim, (causal, groups), loop in itertools.product(
-            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
-        overlap, pingpong = loops[loop]
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
-                          PINGPONG=pingpong)
-        name = f"flash_gluon_fwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}"
-        yield Build(name, _flash_fwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     from .sm90.flash_persistent import _flash_fwd_persistent_kernel
 
-    # The persistent form's consumer loops: serial, overlapped (OVERLAP), serial in turns (PINGPONG).
+    # Consumer loops: (OVERLAP, PINGPONG). The per-tile form's ping-pong overlaps too; the persistent
+    # form's takes turns in the serial loop.
+    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (True, True)}
+    yield from _flash_forward_loop_builds(_flash_fwd_ws_kernel, "flash_gluon_fwd", loops)
     loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (False, True)}
-    for dtype, dim, (causal, groups), loop in itertools.product(
-            ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
-        overlap, pingpong = loops[loop]
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
-                          PINGPONG=pingpong)
-        name = f"flash_gluon_fwd_persistent_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}"
-        yield Build(name, _flash_fwd_persistent_kernel, dtype, constexprs, dict(num_warps=4))
+    yield from _flash_forward_loop_builds(_flash_fwd_persistent_kernel, "flash_gluon_fwd_persistent", loops)
     # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64; at D 128
     # (a candidate) on 64-row key tiles (THREE_CONSUMER_KEY_ROWS).
     for (causal, groups), loop in itertools.product(((False, 1), (True, 4)), loops):
