@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
-.PHONY: demo test bench info install clean gpu-tests gpu-tests-forced gpu-check gpu-grid gpu-candidates \
+.PHONY: demo test bench info install clean gpu-tests gpu-tests-block gpu-tests-rest gpu-tests-forced gpu-check gpu-grid gpu-candidates \
 	gpu-candidates-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
@@ -42,22 +42,31 @@ info: $(VENV)/.installed
 # On a CUDA machine whose python3 already has torch and triton (the lent H200): install this
 # package there, run the GPU tests in parallel (JIT compiles dominate) and the full benchmark.
 # A device call runs at most 10 minutes: `make gpu-tests` (about 6 minutes with cold compile caches
-# on the H200's 8 workers) fits one call; `make gpu-tests-forced` (over 4 minutes on an H100) one more;
-# `make gpu-check` is the whole of it, for a machine without that limit.
+# on the H200's 8 workers) fits one call there; on an H100 (6 workers) run its halves `make
+# gpu-tests-block` (tests/test_triton_gpu.py) and `make gpu-tests-rest` in two calls; `make
+# gpu-tests-forced` (over 4 minutes on an H100) one more. `make gpu-check` is the whole of it, for a
+# machine without that limit.
 GPU_OUT ?= bench_out
 # Test workers: one per 12 GiB of GPU memory, at most 8 (8 on the H200; 6 on an 80 GB H100, where 8
 # workers' compiled kernels and float64 oracles ran it out of memory).
 GPU_WORKERS ?= $(shell python3 -c "import torch; print(max(1, min(8, torch.cuda.get_device_properties(0).total_memory // (12 << 30))))" 2>/dev/null || echo 1)
+GPU_PYTEST = python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider -rfE
 gpu-tests:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider -rfE tests
+	$(GPU_PYTEST) tests
+
+gpu-tests-block:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PYTEST) tests/test_triton_gpu.py
+
+gpu-tests-rest:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PYTEST) tests --ignore=tests/test_triton_gpu.py
 
 gpu-tests-forced:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	BLOCKATTN_KERNELS=simple python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider \
-		tests/test_triton_gpu.py
-	BLOCKATTN_KERNELS=hopper_ws python3 -m pytest -q -m gpu -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider \
-		tests/test_triton_gpu.py tests/test_prepared_backward.py
+	BLOCKATTN_KERNELS=simple $(GPU_PYTEST) tests/test_triton_gpu.py
+	BLOCKATTN_KERNELS=hopper_ws $(GPU_PYTEST) tests/test_triton_gpu.py tests/test_prepared_backward.py
 
 gpu-check: gpu-tests gpu-tests-forced
 	python3 -m blockattn_layers verify-arch --quick --no-bench --out $(GPU_OUT)/verify_arch.md
