@@ -248,8 +248,8 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_the
 @gluon.jit(do_not_specialize=["rows", "lanes", "log2_theta"])
 def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
                       OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CHUNK: gl.constexpr, PINGPONG: gl.constexpr = False, BIAS_ONCE: gl.constexpr = False,
-                      HEAD_DIM: gl.constexpr = 64, ROT_DIM: gl.constexpr = 64, ROT_END: gl.constexpr = 0):
+                      CHUNK: gl.constexpr, PINGPONG: gl.constexpr, BIAS_ONCE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      ROT_DIM: gl.constexpr, ROT_END: gl.constexpr):
     gl.static_assert(IN_DIM % CHUNK == 0, "input channels in whole chunks")
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     KC: gl.constexpr = IN_DIM // CHUNK
@@ -294,7 +294,7 @@ def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, bloc
     slices, lanes = grid(rows, out_dim, block_n, sm_count(x.device))
     meta = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias is not None, BLOCK_N=block_n,
                 STAGES=stages(in_dim, block_n), CHUNK=chunk(in_dim), PINGPONG=PINGPONG,
-                BIAS_ONCE=BIAS_ONCE and rotary is None, HEAD_DIM=64, ROT_DIM=64, ROT_END=0,
+                BIAS_ONCE=BIAS_ONCE and rotary is None, HEAD_DIM=64, ROT_DIM=64, ROT_END=0,  # ROT_END 0: no rotary
                 num_warps=4)  # with rotary no registers are left for the bias
     pos, log2_theta = weight, 0.0
     if rotary is not None:
