@@ -15,7 +15,7 @@ TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest hypothesis nbclient nbformat ipykernel matplotlib
 
 .PHONY: demo test bench info install clean gpu-tests gpu-tests-block gpu-tests-rest gpu-tests-forced gpu-check gpu-grid gpu-candidates \
-	gpu-candidates-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
+	gpu-candidates-bench gpu-candidates-bwd-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -75,26 +75,30 @@ gpu-check: gpu-tests gpu-tests-forced
 # Kernels and options off their defaults, on a CUDA machine: `make gpu-candidates` runs their GPU
 # tests (the e4m3 projection, the fp8 forward's options, the persistent flash forward, the Gluon
 # dK/dV pass of the flash backward in its forms) under a time limit, so that a hang would not hold the machine
-# (about 5 minutes); `make gpu-candidates-bench` times them: the projection by each kernel, the fp8
-# forward under each option, the flash forward and backwards beside ours on the full-attention
-# shapes, and the flash forward's loop and tile options (about 9 minutes).
+# (about 5 minutes); `make gpu-candidates-bench` times the projection by each kernel and option, the fp8
+# forward and sub-layers with their time per kernel (`bench.fp8 --kernels`), and the flash forward's
+# loop and tile options (about 7 minutes); `make gpu-candidates-bwd-bench` the flash backward's forms
+# beside ours on the full-attention shapes (about 4 minutes).
 CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	timeout 420 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_fp8_modules.py tests/test_fp8.py \
-		tests/test_triton_flash_interpret.py \
+	timeout 420 python3 -m pytest -q -m gpu -n $(GPU_WORKERS) -p no:cacheprovider tests/test_fp8_modules.py \
+		tests/test_fp8.py tests/test_triton_flash_interpret.py \
 		-k "warp_specialized_projection or candidate_options or persistent or gluon_backward" || true
 
 gpu-candidates-bench:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	mkdir -p $(GPU_OUT)
 	timeout 60 python3 -m blockattn_layers.bench.fp8 --projection --out $(GPU_OUT)/fp8_projection.csv || true
-	timeout 150 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
-	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
-		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
-	timeout 120 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
+	timeout 180 python3 -m blockattn_layers.bench.fp8 --kernels --out $(GPU_OUT)/fp8.csv || true
+	timeout 180 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
 		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_overlap],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong]" \
 		--out $(GPU_OUT)/flash_fwd || true
+
+gpu-candidates-bwd-bench:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	timeout 240 python3 -m blockattn_layers.bench --shapes seed3,seed3_causal,seed3_gqa,prod_full \
+		--backends "$(CANDIDATE_FLASH_ROWS),triton_flash[gluon_tiles]" --out $(GPU_OUT)/flash || true
 
 # The flash backward's forms beside each other in one process, on the full-attention shapes (D 128 and
 # D 64) and blocks of 256 / 512: the default (deterministic), the fast one, the deterministic one by the
