@@ -290,8 +290,9 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
                         ws.linear_ws(x, w, b, y, block_n)
                     return y
                 methods[name] = run
-            if total == prod()[0].total and (in_dim, out_dim) == (256, 768):
-                positions = sequence_positions(prod()[0].offsets.to(device), total).float()
+            shape = prod()[0]
+            if total == shape.total and (in_dim, out_dim) == (256, 768):
+                positions = sequence_positions(shape.offsets.to(device), total).float()
                 for dim in (128, 64):  # prod's D128 H2 and D64 H4: q and k rotated (unchecked: want is unrotated)
                     rotary = ws.PairRotary(positions, 10000.0, dim, dim, 512)
                     methods[f"gluon 256 columns, rotary D{dim}"] = (

@@ -6,7 +6,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_attention_args, check_bool, check_module_input, check_positions, check_rotary_args
+from .._validation import check_attention_args, check_bool, check_module_input, check_rotary_args
 from ..dispatch import Backend
 from ..fp8 import OUT_DTYPES as FP8_OUT_DTYPES
 from ..functional import block_attention
@@ -203,8 +203,6 @@ class RotaryBlockAttention(BlockSelfAttention):
     def _fp8_qkv(self, values: Tensor, offsets: Tensor, positions: Optional[Tensor], kwargs: dict) -> Tuple[tuple, dict]:
         """As :class:`BlockSelfAttention`'s, with q and k rotated in the e4m3 projection where its kernel
         can (``FP8QKVProjection.rotated``): attention then runs without rotary."""
-        if positions is not None:
-            check_positions(positions, values.shape[0], values.device, where="the input")
         rotated = self.fp8.rotated(values, offsets, positions, self.rope_theta, self.rotary_dim or self.head_dim,
                                    self.rotary_interleaved)
         if rotated is None:

@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._validation import check_positions
 from ..fp8 import FP8_DTYPE, FP8_MAX
 from ..kernels.fp8_linear import linear_e4m3, linear_e4m3_reasons, rotates_pairs
 from ..reference import sequence_positions
@@ -137,8 +138,11 @@ class FP8QKVProjection(nn.Module):
         channels; interleaved pairs as they are): the same order in both, so their scores are the rotary
         attention's, and attention takes them without rotary."""
         if not ROTARY_IN_PROJECTION or x.dim() != 2 or not rotates_pairs(x, self.weight, self.head_dim):
-            return None
+            return None  # attention checks the positions and rotates
         from ..kernels.sm90.linear import PairRotary
+
+        if positions is not None:
+            check_positions(positions, x.shape[0], x.device, where="the input")
 
         order = self._pair_order(rotary_dim, interleaved, x.device)
         weight = self.weight if order is None else self.weight.index_select(0, order)
