@@ -43,7 +43,7 @@ from .flash_fwd import (
     _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, OVERLAP_CONSUMER_REGS, OVERLAP_LOADER_REGS, STAGES, TILE_M, TILE_N,
     _online_softmax, _release, key_tiles, outputs_and_table,
 )
-from .persistent import bounded_row_map, drop_ring, init_ring
+from .persistent import await_turn, bounded_row_map, drop_ring, init_ring, pass_turn
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
 # causal, GQA, blocks of 512, ragged, zero-length and length-1 sequences, a NaN sequence on two programs).
@@ -163,29 +163,11 @@ def _release_buffer(q_empty, b):
 
 
 @gluon.jit
-def _await_turn(turn, c, g, CONSUMERS: gl.constexpr):
-    """Consumer ``c``'s product number ``g`` waits until the previous consumer (round robin) has
-    issued its product ``g`` (``c`` > 0) or ``g - 1`` (consumer 0)."""
-    if c == 0:
-        if g > 0:
-            mbarrier.wait(turn.index(0), (g - 1) & 1)
-    else:
-        mbarrier.wait(turn.index(c), g & 1)
-
-
-@gluon.jit
-def _pass_turn(turn, c, CONSUMERS: gl.constexpr):
-    """The whole warpgroup has issued its product: the next consumer's turn."""
-    gl.thread_barrier()
-    mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
-
-
-@gluon.jit
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads, items,
               total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
-    loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``_await_turn``),
+    loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
     ``P V`` issued together, tile ``j + 1``'s softmax while ``P V`` runs); the output through the
     dead half (TMA store inside the block, masked stores past it)."""
@@ -241,9 +223,9 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                     s = it % STAGES
                     mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
                     if PINGPONG:
-                        _await_turn(turn, half, g, CONSUMERS)
+                        await_turn(turn, half, g)
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, is_async=True)
-                        _pass_turn(turn, half, CONSUMERS)
+                        pass_turn(turn, half, CONSUMERS)
                         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
                         g += 1
                     else:
@@ -252,9 +234,9 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                                                          IS_CAUSAL)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
                     if PINGPONG:
-                        _await_turn(turn, half, g, CONSUMERS)
+                        await_turn(turn, half, g)
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
-                        _pass_turn(turn, half, CONSUMERS)
+                        pass_turn(turn, half, CONSUMERS)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                         g += 1
                     else:

@@ -44,7 +44,7 @@ from ..common.launch import Launcher
 from ..common.meta import sm_count
 from .block import _acc_layout, _smem_layout
 from .fp8_fwd import _e4m3_layout
-from .persistent import drop_ring, init_ring
+from .persistent import await_turn, drop_ring, init_ring, pass_turn
 from .rotary import pair_sin_cos
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_fp8_modules.py,
@@ -208,17 +208,14 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_the
         base = (j % STAGES) * KC
         phase = (j // STAGES) & 1
         if PINGPONG:
-            # Tile j's products wait for tile j - 1's (the other consumer's) to have been issued.
-            if j > 0:
-                mbarrier.wait(turn.index(c), ((j - 1) // CONSUMERS) & 1)
+            await_turn(turn, c, j // CONSUMERS)  # tile j - 1's products (the other consumer's) issued
         acc = zero
         for kc in gl.static_range(KC):
             mbarrier.wait(ready.index(base + kc), phase)
             acc = warpgroup_mma(x_s.index(base + kc), w_s.index(kc).permute((1, 0)), acc, use_acc=kc > 0,
                                 is_async=True)
             if PINGPONG and kc == KC - 1:
-                gl.thread_barrier()  # the whole warpgroup has issued the tile's products
-                mbarrier.arrive(turn.index(1 - c))
+                pass_turn(turn, c, CONSUMERS)
             if kc > 0:
                 acc = warpgroup_mma_wait(1, deps=[acc])  # the previous chunk's product is done
                 gl.thread_barrier()  # every warp's products have read its slot

@@ -52,3 +52,22 @@ def drop_ring(ready, empty, STAGES: gl.constexpr):
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
+def await_turn(turn, c, g):
+    """Ping-pong between ``CONSUMERS`` warpgroups that issue their products in turns, round robin,
+    on one ``turn`` barrier each: consumer ``c``'s product number ``g`` waits until the previous
+    consumer has issued its product ``g`` (``c`` > 0) or ``g - 1`` (consumer 0)."""
+    if c == 0:
+        if g > 0:
+            mbarrier.wait(turn.index(0), (g - 1) & 1)
+    else:
+        mbarrier.wait(turn.index(c), g & 1)
+
+
+@gluon.jit
+def pass_turn(turn, c, CONSUMERS: gl.constexpr):
+    """The whole warpgroup has issued its product: the next consumer's turn."""
+    gl.thread_barrier()
+    mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
