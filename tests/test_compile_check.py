@@ -127,10 +127,11 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     read); the ordered builds read each counter with acquire semantics and count with release
     semantics, the others have no counters. With them the
     candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
-    product, and dK / dV alone (no dQ term: neither adds nor counters)."""
+    product, and dK / dV alone (no dQ term: neither adds nor counters; at D 64 over 64 and 128 query
+    rows a step)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 25 and sum(name.endswith("_deterministic") for name in ptx) == 11
-    assert sum("_dkdv_only_" in name for name in ptx) == 2
+    assert len(ptx) == 27 and sum(name.endswith("_deterministic") for name in ptx) == 11
+    assert sum("_dkdv_only_" in name for name in ptx) == 4 and sum("_dkdv_only_m128_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
     for name, text in ptx.items():

@@ -43,10 +43,11 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     return q, k, v, do
 
 
-def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True):
+def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
+         block_m=flash_bwd.TILE_M):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
-    ``with_dq``: ``WITH_DQ``)."""
+    ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -64,7 +65,7 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
-        GROUPS=heads // kv_heads, BLOCK_M=flash_bwd.TILE_M, BLOCK_N=flash_bwd.TILE_N,
+        GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
     )
     return sums * scale, dk, dv, run, counters
@@ -144,16 +145,18 @@ def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer
         assert torch.isfinite(g[:130]).all() and torch.isfinite(g[200:]).all() and torch.isnan(g[130:200]).all()
 
 
+@pytest.mark.parametrize("block_m", [64, 128], ids=["m64", "m128"])
 @pytest.mark.parametrize("writer", [False, True], ids=["consumers", "writer"])
-@pytest.mark.parametrize("name", ["full-gqa-causal-d128", "blocks256-causal-d64"])
-def test_flash_ws_backward_without_dq_computes_dk_and_dv_only(name, writer):
+@pytest.mark.parametrize("name", ["full-gqa-causal-d128", "blocks256-causal-d64", "full-d64"])
+def test_flash_ws_backward_without_dq_computes_dk_and_dv_only(name, writer, block_m):
     """``WITH_DQ`` off (the deterministic backward's dK/dV pass beside the Triton dQ pass): dK and dV
     against float64, each stored once, nothing added to dQ's sums, no counter touched, and no writer
     partition waiting for terms that never come."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
     offsets = offsets_from_lengths(lengths)
-    _, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, False, writer, with_dq=False)
+    _, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, False, writer, with_dq=False,
+                                    block_m=block_m)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
                                         dim ** -0.5, causal)
     for got, ref in zip((dk, dv), want[1:]):

@@ -569,7 +569,11 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                             dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, p_beside_dp=True),
                             dict(heads=4, kv_heads=4, dim=64, block_size=None, p_beside_dp=True),
                             dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, dkdv_only=True),
-                            dict(heads=4, kv_heads=4, dim=64, block_size=384, dkdv_only=True)],
+                            dict(heads=4, kv_heads=4, dim=64, block_size=384, dkdv_only=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, dkdv_only=True),
+                            dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True),
+                            dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True,
+                                 narrow=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
@@ -578,13 +582,16 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
     computed while dP's product runs (``P_BESIDE_DP``); ``dkdv_only``: the deterministic backward with
     the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
-    ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it). The deterministic one
-    otherwise has the writer add dQ's terms in order by TMA reduce-adds."""
+    ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it), at D 64 over 128 query
+    rows a step (``DKDV_ONLY_WIDE_HEAD_DIMS``), ``narrow``: over 64. The deterministic one otherwise has the writer add
+    dQ's terms in order by TMA reduce-adds."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     case = dict(case)
     dkdv_only = case.pop("dkdv_only", False)
+    if case.pop("narrow", False):
+        monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", not case.pop("consumer_adds", False))
     if case.pop("p_beside_dp", False):
         monkeypatch.setattr(flash_bwd, "P_BESIDE_DP", True)
@@ -636,8 +643,8 @@ def _nan_sequence_inputs(dim: int):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("writer,fast,dkdv_only", [(False, False, False), (True, False, False), (True, True, False),
-                                                   (True, False, True)],
-                         ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only"])
+                                                   (True, False, True), (True, False, "narrow")],
+                         ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only", "dkdv-only-narrow"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
@@ -645,8 +652,12 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     gradients equal to the Triton deterministic backward's within bf16 rounding (``writer``: dQ's
     adds by the writer partition, in order by TMA reduce-adds over a tensor map of each block's
     rows; ``fast``: the fast backward, the writer's TMA reduce-adds in any order; ``dkdv_only``: the
-    deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass)."""
+    deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass, over 128
+    query rows a step at D 64; ``"narrow"``: over 64)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
+
+    if dkdv_only == "narrow":
+        monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
 
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", writer)
     monkeypatch.setattr(flash_bwd, "FAST_TAKEN", [False])

@@ -319,14 +319,16 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
 
 
 @contextlib.contextmanager
-def _gluon_dkdv_only_backward():
+def _gluon_dkdv_only_backward(narrow: bool = False):
     """The deterministic backward with its dK/dV pass by the Gluon kernel without dQ's terms
     (``sm90.flash_bwd.DKDV_ONLY_TAKEN``) beside the Triton dQ pass, at full attention with D 128 too
-    (``ORDERED_HEAD_DIMS`` emptied)."""
+    (``ORDERED_HEAD_DIMS`` emptied); ``narrow``: over 64 query rows a step at every head dim
+    (``DKDV_ONLY_WIDE_HEAD_DIMS`` emptied)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
+    wide_dims = frozenset() if narrow else flash_bwd.DKDV_ONLY_WIDE_HEAD_DIMS
     with blockattn_layers.fast_backward(False), _taken(flash_bwd, True, "DKDV_ONLY_TAKEN"), _unverified_kernels(), \
-            module_attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset()):
+            module_attrs(flash_bwd, ORDERED_HEAD_DIMS=frozenset(), DKDV_ONLY_WIDE_HEAD_DIMS=wide_dims):
         yield
 
 
@@ -335,6 +337,11 @@ GLUON_DKDV_ONLY_BACKWARD = Method(
     description="triton_flash with the deterministic backward, its dK/dV pass by the warp-specialized Gluon kernel "
                 "computing dK and dV only (the Triton dQ pass beside it), the Gluon forward on every call it admits",
     context=_gluon_dkdv_only_backward)
+GLUON_DKDV_ONLY_NARROW_BACKWARD = Method(
+    "triton_flash[gluon_dkdv_m64]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal, gpu_only=True,
+    description="triton_flash[gluon_dkdv_bwd] with the dK/dV-only pass stepping over 64 query rows at every head "
+                "dim (128 at D 64 by default)",
+    context=functools.partial(_gluon_dkdv_only_backward, True))
 
 
 GLUON_BACKWARDS = [
@@ -436,7 +443,8 @@ def our_methods() -> List[Method]:
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_OVERLAP, GLUON_FLASH_M128,
-                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD, TRITON_FORWARD,
+                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
+                            GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)
     if err is not None and all(m.name != "triton" for m in methods):

@@ -5,7 +5,8 @@ backward), by TMA reduce-adds in any order or (``DETERMINISTIC``) in a fixed one
 One program per 128-row key tile of a block and kv head (the flash tile table, a block's first
 tiles first: under causal masks those visit the most query tiles; see ``_turn`` for the ordered
 causal adds), looping over the group's query heads and, per head, the block's 64-row query tiles
-(causal: from the diagonal on). Three partitions (four with the dQ writer) share the program's shared memory:
+(128-row ones in the pass without dQ's terms at D 64, ``DKDV_ONLY_WIDE_HEAD_DIMS``; causal: from the
+diagonal on). Three partitions (four with the dQ writer) share the program's shared memory:
 
 - a one-warp loader: the key tile's k and v once, then each step's query tile q and dO into a
   ring of ``STAGES`` slots, all by TMA over tensor maps of the block's own rows (rows past the
@@ -44,7 +45,8 @@ the Triton fast backward's 5.07 and the deterministic one's 3.84); elsewhere the
 the deterministic one (``flash.bwd.fast_form_taken``). The deterministic backward takes it whole,
 its writer's ordered TMA adds, at full attention with D 128 (``ORDERED_HEAD_DIMS``; seed3: 3.24 ms
 against 3.75); at full attention with D 64 (``DKDV_ONLY_HEAD_DIMS``) it keeps the Triton dQ pass and
-takes this kernel as its dK/dV pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66);
+takes this kernel as its dK/dV pass without dQ's terms (``WITH_DQ`` off; 4.27 ms against 4.66, 4.02
+since its steps are 128 query rows);
 elsewhere the Triton passes.
 """
 from __future__ import annotations
@@ -95,6 +97,13 @@ ORDERED_HEAD_DIMS = frozenset({128})
 # ``DKDV_ONLY_TAKEN`` is set (the benchmark's ``triton_flash[gluon_dkdv_bwd]`` row).
 DKDV_ONLY_HEAD_DIMS = frozenset({64})
 DKDV_ONLY_TAKEN = [False]
+# Head dims at which the pass without dQ's terms steps over 128 query rows at a time (``BLOCK_M``; else
+# ``TILE_M``): each step's products twice as long against its waits and barriers, the scores 64 more
+# registers a thread (ptxas: no spill at D 64). Measured faster at D 64 (H100, bf16, 2026-12-06, backward
+# ms against 64-row steps: seed3_d64 4.015 / 4.172, its GQA 3.941 / 4.196, causal 2.423 / 2.457; the pass
+# alone 2.331 / 2.582 beside the Triton dQ pass's 1.52), so taken there. ``triton_flash[gluon_dkdv_m64]``
+# times the 64-row steps.
+DKDV_ONLY_WIDE_HEAD_DIMS = frozenset({64})
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(24)
@@ -502,6 +511,12 @@ def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
     return taken(deterministic, block_size, head_dim) or dkdv_only(deterministic, block_size, head_dim)
 
 
+def query_rows(head_dim: int, with_dq: bool) -> int:
+    """Query rows per step (``BLOCK_M``): 128 in the pass without dQ's terms at the head dims of
+    ``DKDV_ONLY_WIDE_HEAD_DIMS``, else ``TILE_M``."""
+    return 128 if not with_dq and head_dim in DKDV_ONLY_WIDE_HEAD_DIMS else TILE_M
+
+
 def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
     """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
     reasons = flash_ws_reasons(q, k, v, rope_theta)
@@ -531,9 +546,9 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     table = key_tile_table(sched, causal, ordered)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if ordered else table
     sums = dq_sums if with_dq else dk
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=TILE_M, BLOCK_N=TILE_N, DQ_COLS=dq_cols(dim),
-                IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER, P_BESIDE_DP=P_BESIDE_DP,
-                WITH_DQ=with_dq, num_warps=4)
+    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
+                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER,
+                P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, num_warps=4)
     args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total)
