@@ -67,11 +67,15 @@ THREE_CONSUMER_REGS = gl.constexpr(160)
 # tiles: 28 B spilled). D 128 on 192-row items is a candidate, not in ``THREE_CONSUMER_HEAD_DIMS`` until
 # timed (the benchmark's ``triton_flash[gluon_m192]`` row adds it).
 THREE_CONSUMER_KEY_ROWS = {64: TILE_N, 128: 64}
-# A candidate, off until timed (the benchmark's ``triton_flash[gluon_pingpong]`` row sets it): in the serial
-# loop the consumer warpgroups issue their products in turns, round robin (each ``Q K^T`` and each ``P V``
-# waits for the previous consumer's to have been issued, on the ``turn`` barriers), so one's softmax runs
-# under the others' products instead of the warpgroups drifting into their softmax at once (FlashAttention-3's
-# inter-warpgroup ping-pong; the e4m3 projection's consumers gained 1.09-1.15x from the same order).
+# In the serial loop the consumer warpgroups issue their products in turns, round robin (each ``Q K^T`` and
+# each ``P V`` waits for the previous consumer's to have been issued, on the ``turn`` barriers), so one's
+# softmax runs under the others' products instead of the warpgroups drifting into their softmax at once
+# (FlashAttention-3's inter-warpgroup ping-pong; the e4m3 projection's consumers gained 1.09-1.15x from the
+# same order). Measured slower, so off (the benchmark's ``triton_flash[gluon_pingpong]`` row sets it): H100,
+# bf16, 2026-12-06, forward ms without / with: seed3 1.093 / 1.090, seed3_d64 1.292 / 1.339, its causal
+# 0.842 / 0.880, its GQA 1.260 / 1.328, causal seed3 0.660 / 0.670, GQA seed3 1.040 / 1.066, prod_full
+# 12.5 / 12.6, blocks of 256 2.000 / 2.146 (D 128) and 2.169 / 2.264 (D 64), of 512 2.814 / 2.837 and
+# 3.505 / 3.632. GPU tests passed (``persistent_pingpong``).
 PINGPONG = False
 
 
