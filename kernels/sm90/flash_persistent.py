@@ -43,7 +43,7 @@ from .flash_fwd import (
     _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, OVERLAP_CONSUMER_REGS, OVERLAP_LOADER_REGS, STAGES, TILE_M, TILE_N,
     _online_softmax, _release, key_tiles, outputs_and_table,
 )
-from .persistent import await_turn, bounded_row_map, drop_ring, init_ring, pass_turn
+from .persistent import await_turn, bounded_row_map, drop_ring, drop_turns, init_ring, init_turns, pass_turn
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
 # causal, GQA, blocks of 512, ragged, zero-length and length-1 sequences, a NaN sequence on two programs).
@@ -289,8 +289,7 @@ def _flash_fwd_persistent_kernel(
     init_ring(kv_ready, kv_empty, STAGES, CONSUMERS)
     mbarrier.init(fix.index(0), count=1)
     if PINGPONG:
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.init(turn.index(c), count=1)
+        init_turns(turn, CONSUMERS)
     # One call per consumer count: the Gluon frontend takes the partition and register lists only as literals.
     if CONSUMERS == 3:
         gl.warp_specialize([
@@ -324,8 +323,7 @@ def _flash_fwd_persistent_kernel(
     drop_ring(kv_ready, kv_empty, STAGES)
     mbarrier.invalidate(fix.index(0))
     if PINGPONG:
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.invalidate(turn.index(c))
+        drop_turns(turn, CONSUMERS)
 
 
 launch = Launcher(_flash_fwd_persistent_kernel, scratch=True)

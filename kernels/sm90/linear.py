@@ -44,7 +44,7 @@ from ..common.launch import Launcher
 from ..common.meta import sm_count
 from .block import _acc_layout, _smem_layout
 from .fp8_fwd import _e4m3_layout
-from .persistent import await_turn, drop_ring, init_ring, pass_turn
+from .persistent import await_turn, drop_ring, drop_turns, init_ring, init_turns, pass_turn
 from .rotary import pair_sin_cos
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_fp8_modules.py,
@@ -260,8 +260,7 @@ def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, strid
     init_ring(ready, empty, STAGES * KC, 1)
     mbarrier.init(w_bar.index(0), count=1)
     if PINGPONG:
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        init_turns(turn, CONSUMERS)
     gl.warp_specialize([
         (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, Pos, log2_theta, rows, lanes,
                      stride_yt, IN_DIM, OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE, HEAD_DIM,
@@ -275,8 +274,7 @@ def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, strid
     drop_ring(ready, empty, STAGES * KC)
     mbarrier.invalidate(w_bar.index(0))
     if PINGPONG:
-        mbarrier.invalidate(turn.index(0))
-        mbarrier.invalidate(turn.index(1))
+        drop_turns(turn, CONSUMERS)
 
 
 launch = Launcher(_linear_ws_kernel, scratch=True)

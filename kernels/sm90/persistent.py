@@ -55,6 +55,20 @@ def drop_ring(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def init_turns(turn, CONSUMERS: gl.constexpr):
+    """The ping-pong's ``turn`` barriers (:func:`await_turn`), one arrival each."""
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+
+
+@gluon.jit
+def drop_turns(turn, CONSUMERS: gl.constexpr):
+    """Invalidate the ``turn`` barriers once every consumer is done with them."""
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(turn.index(c))
+
+
+@gluon.jit
 def await_turn(turn, c, g):
     """Ping-pong between ``CONSUMERS`` warpgroups that issue their products in turns, round robin,
     on one ``turn`` barrier each: consumer ``c``'s product number ``g`` waits until the previous
