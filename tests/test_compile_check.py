@@ -329,19 +329,23 @@ def test_fp8_kernels_compile(tmp_path):
     warp-specialized fp8 forward (``sm90.fp8_fwd``): e4m3 wgmma scores (16-bit ones of the rotated
     halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation; and
     the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out, and with
-    rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles)."""
+    rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles); the candidate
+    forward rotating q and k in float16 (``F16_ROTATION``) as well."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
         linear_ws = {name: text for name, text in ptx.items() if name.startswith("fp8_linear_gluon_")}
         assert len(ptx) - len(ws) - len(linear_ws) == 12, arch
-        assert (len(ws), len(linear_ws)) == ((8, 9) if arch == "sm_90" else (0, 0)), arch
+        assert (len(ws), len(linear_ws)) == ((12, 9) if arch == "sm_90" else (0, 0)), arch
         for name, text in ptx.items():
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
         for name, text in ws.items():
-            # Rotary: 16-bit products of the rotated halves only; else e4m3 scores.
-            scores = "m64n64k16.f32.bf16.bf16" if "_rope" in name else "m64n64k32.f32.e4m3.e4m3"
+            # Rotary: 16-bit products of the rotated halves only (float16 ones where rotated in float16,
+            # in packed float16 arithmetic); else e4m3 scores.
+            half = "f16" if "_rope_f16" in name else "bf16"
+            scores = f"m64n64k16.f32.{half}.{half}" if "_rope" in name else "m64n64k32.f32.e4m3.e4m3"
+            assert ("fma.rn.f16" in text) == ("_rope_f16" in name), name
             assert all(x in text for x in (scores, "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg")), name
             assert ("e4m3.e4m3" in text) != ("_rope" in name), name
             # 64-token blocks' outputs by TMA stores unless built with masked stores only.

@@ -346,6 +346,22 @@ def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tm
 
 @pytest.mark.gpu
 @HOPPER
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in WS_CASES if "rope_theta" in c],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_fp8_ws_kernel_rotating_in_float16_on_the_gpu(monkeypatch, case, out_dtype):
+    """The candidate ``F16_ROTATION`` (q and k rotated in float16 arithmetic into float16 halves): the
+    rotary cases against the float64 oracle, as tight as the float32 rotation."""
+    from blockattn_layers.kernels.sm90 import fp8_fwd as ws
+
+    monkeypatch.setattr(ws, "F16_ROTATION", True)
+    out, want = _ws_call(monkeypatch, out_dtype=out_dtype, **case)
+    assert out.dtype == out_dtype and torch.isfinite(out).all()
+    assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.gpu
+@HOPPER
 def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch):
     """Over 512 sequences (the block table, per-sequence factors searched over 2,000 offsets), a
     NaN sequence between ragged ones: its rows are NaN, every other row is finite and right (the

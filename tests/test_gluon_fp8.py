@@ -31,9 +31,10 @@ LENGTHS = [0, 1, 63, 64, 65, 130, 0, 5, 40]
 
 
 def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offsets=None, rope_theta=None,
-         positions=None, out_tma=False, out_dtype=torch.float16):
+         positions=None, out_tma=False, out_dtype=torch.float16, f16_rotation=False):
     """The kernel on ``programs`` persistent programs; ``descales`` (q, k, v): ``[H_kv]`` or ``[B, H_kv]``;
-    ``rope_theta``: rotary over every channel in split halves, at ``positions`` or implicit ones."""
+    ``rope_theta``: rotary over every channel in split halves, at ``positions`` or implicit ones, in
+    float16 arithmetic with ``f16_rotation`` (``F16_ROTATION``)."""
     total, heads, dim = q8.shape
     kv_heads = k8.shape[1]
     sched = Schedule(offsets, total, block_size, cpu_offsets)
@@ -51,7 +52,7 @@ def _run(q8, k8, v8, offsets, descales, block_size, causal, programs, cpu_offset
         search_steps=num_seqs.bit_length(), stride_qt=q8.stride(0), stride_kt=k8.stride(0), stride_vt=v8.stride(0),
         stride_ot=o.stride(0), stride_oh=o.stride(1), HEAD_DIM=dim, GROUPS=heads // kv_heads,
         STAGES=ws.stages(dim, rotary), ROTARY=rotary, HAS_POS=positions is not None, IS_CAUSAL=causal,
-        INLINE_SEQS=sched.inline_seqs, OUT_TMA=out_tma, CONSUMERS=ws.CONSUMERS,
+        INLINE_SEQS=sched.inline_seqs, OUT_TMA=out_tma, CONSUMERS=ws.CONSUMERS, F16_ROTATION=f16_rotation,
         QD_BATCH=qd.dim() == 2, KD_BATCH=kd.dim() == 2, VD_BATCH=vd.dim() == 2,
     )
     return o, run
@@ -99,13 +100,14 @@ ROTARY_CASES = {
 }
 
 
+@pytest.mark.parametrize("f16_rotation", [False, True], ids=["f32-rotation", "f16-rotation"])
 @pytest.mark.parametrize("out_tma", [False, True], ids=["stores", "tma-stores"])
 @pytest.mark.parametrize("name", list(ROTARY_CASES))
-def test_fp8_ws_rotary_forward_matches_the_oracle(name, out_tma):
+def test_fp8_ws_rotary_forward_matches_the_oracle(name, out_tma, f16_rotation):
     """Rotary over every channel in split halves: the stored q and k rotated in float32 into the
-    consumer's 16-bit halves (their factors on the scores, as without rotary), at implicit positions
-    (each block's rows from its first row in its sequence) or given int or float ones; 64-token
-    blocks' outputs by masked or TMA stores."""
+    consumer's 16-bit halves (their factors on the scores, as without rotary), or in float16 into
+    float16 halves (``F16_ROTATION``), at implicit positions (each block's rows from its first row in
+    its sequence) or given int or float ones; 64-token blocks' outputs by masked or TMA stores."""
     dim, heads, kv_heads, block_size, causal, kind = ROTARY_CASES[name]
     q, k, v, offsets = _inputs(LENGTHS, heads, kv_heads, dim, seed=3)
     total = q.shape[0]
@@ -115,7 +117,7 @@ def test_fp8_ws_rotary_forward_matches_the_oracle(name, out_tma):
     (q8, qd), (k8, kd), (v8, vd) = (bl.quantize_fp8(x, "sequence_head", offsets=offsets, kv_heads=kv_heads)
                                     for x in (q, k, v))
     o, run = _run(q8, k8, v8, offsets, (qd, kd, vd), block_size, causal, 3, rope_theta=1e4, positions=positions,
-                  out_tma=out_tma)
+                  out_tma=out_tma, f16_rotation=f16_rotation)
     deq = [fp8.dequantize(x, d, offsets, g, torch.float64)
            for x, d, g in ((q8, qd, heads // kv_heads), (k8, kd, 1), (v8, vd, 1))]
     want = oracle_attention(*deq, offsets, block_size, causal=causal, rope_theta=1e4,

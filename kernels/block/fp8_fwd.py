@@ -208,7 +208,7 @@ def _fp8_ws(q, k, v, o, sched: Schedule, offsets, positions, qd, kd, vd, batched
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, STAGES=ws.stages(dim, rot > 0), ROTARY=rot > 0,
                 HAS_POS=rot > 0 and positions is not None, IS_CAUSAL=causal, INLINE_SEQS=sched.inline_seqs,
                 QD_BATCH=batched[0], KD_BATCH=batched[1], VD_BATCH=batched[2], OUT_TMA=ws.OUT_TMA,
-                CONSUMERS=ws.CONSUMERS, num_warps=4)
+                CONSUMERS=ws.CONSUMERS, F16_ROTATION=ws.F16_ROTATION, num_warps=4)
     pos = positions if positions is not None else sched.table
     log2_theta = math.log2(rope_theta) if rot else 0.0
     args = (q, k, v, o, sched.table, offsets, pos, qd, kd, vd, sched.programs, num_seqs, block_size, total, heads,

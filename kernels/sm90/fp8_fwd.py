@@ -86,6 +86,14 @@ OUT_TMA = True
 # 3.07e-3 / 2.79e-3. The scores' e4m3 product issued before v's conversion and waited for after it
 # gained nothing there (1.115 / 1.118 ms) and was removed.
 
+# Rotary: q and k rotated in float16 arithmetic into float16 halves (``F16_ROTATION``: e4m3 converts to
+# float16 exactly, and the sines' and products' float16 roundings, about 5e-4 of a value, sit far under
+# e4m3's own 6 %), not in float32 into halves of the output dtype. The rotary forward is bound by its
+# instructions (H100, 2026-12-06: 1.16 ms alone, 1.25-1.35 in the sub-layer as the clock drops; the plain
+# forward 1.08 throughout); float16 math leaves out the conversions to and from float32. A candidate,
+# off until timed (``bench.fp8 --ws-options``).
+F16_ROTATION = False
+
 
 SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
 SHARED_BYTES = 220 * 1024  # the ring and the consumers' 16-bit tiles together
@@ -226,22 +234,26 @@ def _item_of_consumer(Offsets, QD, KD, VD, Sched, slots, num_seqs, block_size, h
 @gluon.jit
 def _rotate_rows(src, dst_a, dst_b, sin, cos, ROW0: gl.constexpr, HALF: gl.constexpr, LAYOUT: gl.constexpr):
     """Rows ``ROW0 .. ROW0 + 32`` of the stored e4m3 tile ``src`` (split halves of ``HALF`` channels)
-    rotated in float32 into the 16-bit half tiles ``dst_a``, ``dst_b``."""
+    rotated into the 16-bit half tiles ``dst_a``, ``dst_b``, in the arithmetic of ``sin`` and ``cos``
+    (float32, or float16: ``F16_ROTATION``)."""
     rows = src.slice(ROW0, 32, 0)
-    a = rows.slice(0, HALF, 1).load(LAYOUT).to(gl.float32)
-    b = rows.slice(HALF, HALF, 1).load(LAYOUT).to(gl.float32)
+    a = rows.slice(0, HALF, 1).load(LAYOUT).to(sin.dtype)
+    b = rows.slice(HALF, HALF, 1).load(LAYOUT).to(sin.dtype)
     dst_a.slice(ROW0, 32, 0).store((a * cos - b * sin).to(dst_a.dtype))
     dst_b.slice(ROW0, 32, 0).store((a * sin + b * cos).to(dst_b.dtype))
 
 
 @gluon.jit
 def _rotate_item(q, k, qa, qb, ka, kb, Pos, start, n, first_row, log2_theta, HALF: gl.constexpr,
-                 HAS_POS: gl.constexpr):
+                 HAS_POS: gl.constexpr, F16_ROTATION: gl.constexpr):
     """The item's stored q and k tiles rotated into the consumer's 16-bit halves ``qa, qb, ka, kb``,
-    32 rows at a time with those rows' angles (``rotary.sin_cos_rows``)."""
+    32 rows at a time with those rows' angles (``rotary.sin_cos_rows``): in float16 arithmetic with
+    ``F16_ROTATION`` (the halves float16 then), else in float32."""
     layout: gl.constexpr = _row_layout(HALF)
     for c in gl.static_range(2):
         sin, cos = sin_cos_rows(Pos, start, n, first_row, log2_theta, c * 32, 32, HALF, HALF, HAS_POS, layout)
+        if F16_ROTATION:
+            sin, cos = sin.to(gl.float16), cos.to(gl.float16)
         _rotate_rows(q, qa, qb, sin, cos, c * 32, HALF, layout)
         _rotate_rows(k, ka, kb, sin, cos, c * 32, HALF, layout)
 
@@ -252,7 +264,8 @@ def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, 
               stride_oh,
               HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr,
               HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr,
-              KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr):
+              KD_BATCH: gl.constexpr, VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr,
+              F16_ROTATION: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup) of ``CONSUMERS``: its items' scores, softmax, product
     and store (through its tile of ``o_s``; with ``ROTARY`` q and k rotated first into its halves of
     ``r_s``, the scores their 16-bit products); each next item's block and factors read while this
@@ -286,7 +299,7 @@ def _consumer(c, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, 
         if n > 0:
             if ROTARY:
                 _rotate_item(q_s.index(s), k_s.index(s), qa, qb, ka, kb, Pos, start, n, first_row, log2_theta, HALF,
-                             HAS_POS)
+                             HAS_POS, F16_ROTATION)
             else:
                 scores = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_s)
             v = gl.where(gl.expand_dims(offs_m < n, 1), v_s.index(s).load(vl).to(gl.float16), 0.0)
@@ -327,7 +340,7 @@ def _fp8_ws_fwd_kernel(
     stride_qt, stride_kt, stride_vt, stride_ot, stride_oh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr, ROTARY: gl.constexpr, HAS_POS: gl.constexpr,
     IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr, QD_BATCH: gl.constexpr, KD_BATCH: gl.constexpr,
-    VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr,
+    VD_BATCH: gl.constexpr, OUT_TMA: gl.constexpr, CONSUMERS: gl.constexpr, F16_ROTATION: gl.constexpr,
 ):
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -339,7 +352,8 @@ def _fp8_ws_fwd_kernel(
     v_s = gl.allocate_shared_memory(e4m3, [STAGES, 64, HEAD_DIM], tiles)
     o_s = gl.allocate_shared_memory(gl.float16, [CONSUMERS, 64, HEAD_DIM], _smem_layout(HEAD_DIM))
     if ROTARY:
-        r_s = gl.allocate_shared_memory(dtype, [4 * CONSUMERS, 64, HALF], _smem_layout(HALF))
+        r_dtype: gl.constexpr = gl.float16 if F16_ROTATION else dtype
+        r_s = gl.allocate_shared_memory(r_dtype, [4 * CONSUMERS, 64, HALF], _smem_layout(HALF))
     else:
         r_s = gl.allocate_shared_memory(dtype, [4 * CONSUMERS, 8, 16], _smem_layout(16))  # (unused)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -350,15 +364,15 @@ def _fp8_ws_fwd_kernel(
         (_consumer, (0, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
                    block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
                    stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS, F16_ROTATION)),
         (_consumer, (1, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
                    block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
                    stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS, F16_ROTATION)),
         (_consumer, (2, q_s, k_s, v_s, ready, empty, o_s, r_s, O, Offsets, QD, KD, VD, Sched, Pos, slots, num_seqs,
                    block_size, total, heads, kv_heads, items, qk_scale, log2_theta, search_top, search_steps,
                    stride_ot, stride_oh, HEAD_DIM, GROUPS, STAGES, ROTARY, HAS_POS, IS_CAUSAL, INLINE_SEQS,
-                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS)),
+                   QD_BATCH, KD_BATCH, VD_BATCH, OUT_TMA, CONSUMERS, F16_ROTATION)),
         (_loader, (q_s, k_s, v_s, ready, empty, Q, K, V, Sched, slots, num_seqs, block_size, total, heads,
                    kv_heads, items, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, STAGES, INLINE_SEQS)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
