@@ -73,7 +73,7 @@ gpu-check: gpu-tests gpu-tests-forced
 	python3 -m blockattn_layers.bench --shapes all --plot --out $(GPU_OUT)
 
 # Kernels and options off their defaults, on a CUDA machine: `make gpu-candidates` runs their GPU
-# tests (the e4m3 projection, the fp8 forward's options and float16 rotation, the persistent flash forward, the Gluon
+# tests (the e4m3 projection, the fp8 forward's options and float32 rotation, the persistent flash forward, the Gluon
 # dK/dV pass of the flash backward in its forms) under a time limit, so that a hang would not hold the machine
 # (about 5 minutes); `make gpu-candidates-bench` times the projection by each kernel and option, the fp8
 # forward and sub-layers with their time per kernel (`bench.fp8 --kernels`), and the flash forward's
@@ -84,7 +84,7 @@ gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n $(GPU_WORKERS) -p no:cacheprovider tests/test_fp8_modules.py \
 		tests/test_fp8.py tests/test_triton_flash_interpret.py \
-		-k "warp_specialized_projection or candidate_options or persistent or gluon_backward or rotating_in_float16" || true
+		-k "warp_specialized_projection or candidate_options or persistent or gluon_backward or rotating_in_float32" || true
 
 gpu-candidates-bench:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .

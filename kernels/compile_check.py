@@ -591,13 +591,13 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, STAGES=stages(dim, rotary), ROTARY=rotary,
                           HAS_POS=batched and rotary, IS_CAUSAL=batched, INLINE_SEQS=0, QD_BATCH=batched,
                           KD_BATCH=batched, VD_BATCH=batched, OUT_TMA=not batched, CONSUMERS=CONSUMERS,
-                          F16_ROTATION=False)
+                          F16_ROTATION=True)
         name = (f"fp8_gluon_fwd_d{dim}{'_rope' if rotary else ''}{'_gqa_causal_per_sequence' if batched else ''}"
                 f"{'_masked_out' if batched else ''}")
         yield Build(name, _fp8_ws_fwd_kernel, "fp8", constexprs, dict(num_warps=4))
-        if rotary:  # the candidate: q and k rotated in float16 (F16_ROTATION)
-            yield Build(name.replace("_rope", "_rope_f16"), _fp8_ws_fwd_kernel, "fp8",
-                        dict(constexprs, F16_ROTATION=True), dict(num_warps=4))
+        if rotary:  # off the default: q and k rotated in float32 (F16_ROTATION off)
+            yield Build(name.replace("_rope", "_rope_f32"), _fp8_ws_fwd_kernel, "fp8",
+                        dict(constexprs, F16_ROTATION=False), dict(num_warps=4))
 
 
 def _pass_builds(capability: int) -> Iterator[Build]:

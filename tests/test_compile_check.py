@@ -330,7 +330,7 @@ def test_fp8_kernels_compile(tmp_path):
     halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation; and
     the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out, and with
     rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles); the candidate
-    forward rotating q and k in float16 (``F16_ROTATION``) as well."""
+    forward rotating q and k in float32 (``F16_ROTATION`` off) as well."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
@@ -343,9 +343,9 @@ def test_fp8_kernels_compile(tmp_path):
         for name, text in ws.items():
             # Rotary: 16-bit products of the rotated halves only (float16 ones where rotated in float16,
             # in packed float16 arithmetic); else e4m3 scores.
-            half = "f16" if "_rope_f16" in name else "bf16"
+            half = "bf16" if "_rope_f32" in name else "f16"
             scores = f"m64n64k16.f32.{half}.{half}" if "_rope" in name else "m64n64k32.f32.e4m3.e4m3"
-            assert ("fma.rn.f16" in text) == ("_rope_f16" in name), name
+            assert ("fma.rn.f16" in text) == ("_rope" in name and "_rope_f32" not in name), name
             assert all(x in text for x in (scores, "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg")), name
             assert ("e4m3.e4m3" in text) != ("_rope" in name), name
             # 64-token blocks' outputs by TMA stores unless built with masked stores only.

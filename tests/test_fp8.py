@@ -349,12 +349,12 @@ def test_fp8_ws_kernel_on_the_gpu(monkeypatch, case, out_dtype, programs, out_tm
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [c for c in WS_CASES if "rope_theta" in c],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_fp8_ws_kernel_rotating_in_float16_on_the_gpu(monkeypatch, case, out_dtype):
-    """The candidate ``F16_ROTATION`` (q and k rotated in float16 arithmetic into float16 halves): the
-    rotary cases against the float64 oracle, as tight as the float32 rotation."""
+def test_fp8_ws_kernel_rotating_in_float32_on_the_gpu(monkeypatch, case, out_dtype):
+    """``F16_ROTATION`` off (q and k rotated in float32 into halves of the output dtype, as the bench's
+    row "float32 rotation" times it): the rotary cases against the float64 oracle."""
     from blockattn_layers.kernels.sm90 import fp8_fwd as ws
 
-    monkeypatch.setattr(ws, "F16_ROTATION", True)
+    monkeypatch.setattr(ws, "F16_ROTATION", False)
     out, want = _ws_call(monkeypatch, out_dtype=out_dtype, **case)
     assert out.dtype == out_dtype and torch.isfinite(out).all()
     assert rel_err(out, want) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
@@ -380,15 +380,18 @@ def test_fp8_ws_kernel_on_many_sequences_and_nan_stays_in_its_block(monkeypatch)
 
 @pytest.mark.gpu
 @HOPPER
-@pytest.mark.parametrize("dim, gluon", [(128, True), (64, False)], ids=["d128-gluon", "d64-triton"])
-def test_fp8_rotary_calls_run_the_kernel_measured_faster(monkeypatch, dim, gluon):
+@pytest.mark.parametrize("dim, slower_at, gluon", [(128, None, True), (64, None, True), (64, (64,), False)],
+                         ids=["d128-gluon", "d64-gluon", "d64-triton-where-slower"])
+def test_fp8_rotary_calls_run_the_kernel_measured_faster(monkeypatch, dim, slower_at, gluon):
     """With the defaults (verified kernels only), split-half rotary over every channel runs the
-    warp-specialized kernel at D128 and the Triton fp8 forward at D64 (``ROTARY_SLOWER_AT``: the
-    Gluon kernel was slower there), each matching the float64 oracle."""
+    warp-specialized kernel at D128 and D64, and the Triton fp8 forward at a head dim named in
+    ``ROTARY_SLOWER_AT``, each matching the float64 oracle."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import fp8_fwd as ws
 
     monkeypatch.setattr(variants, "_UNVERIFIED", [False])
+    if slower_at is not None:
+        monkeypatch.setattr(ws, "ROTARY_SLOWER_AT", slower_at)
     launches = []
     launch = ws.launch
     monkeypatch.setattr(ws, "launch", lambda *a, **k: launches.append(1) or launch(*a, **k))

@@ -187,12 +187,13 @@ def _sublayer_rows(commit: str, kernels: bool = False) -> List[dict]:
 # The warp-specialized forward's candidate options (``kernels.sm90.fp8_fwd``: module constants set for the
 # row), each timed beside the defaults: more of the ring in flight (at D 128 the default 96 KB is three
 # items, one per consumer, so an item's copies start only once its consumer has released the last), and
-# rotary's q and k rotated in float16 arithmetic (``F16_ROTATION``; rotary rows only differ).
+# rotary's q and k rotated in float32 into halves of the output dtype, as before ``F16_ROTATION`` (rotary
+# rows only differ).
 WS_OPTIONS = {
     "defaults": {},
     "ring 144 KB": {"SLOT_BYTES": 144 * 1024},
     "ring 196 KB": {"SLOT_BYTES": 196 * 1024},
-    "float16 rotation": {"F16_ROTATION": True},
+    "float32 rotation": {"F16_ROTATION": False},
 }
 
 

@@ -62,9 +62,11 @@ VERIFIED_ON = frozenset({9})  # the H200, 2026-12-04 (tests/test_fp8.py, with tw
 # on two).
 ROTARY_VERIFIED_ON = frozenset({9})
 # Head dims whose rotary calls the Triton fp8 forward takes although this kernel admits them, as it
-# is slower there. H200, prod lengths, rope_theta 1e4, one process, ms, this kernel / the Triton one
-# (two rounds): D 64 H4 1.581-1.593 / 1.248-1.257; D 128 H2 1.238-1.246 / 1.257-1.258 (taken).
-ROTARY_SLOWER_AT = (64,)
+# is slower there: none since q and k rotate in float16 (``F16_ROTATION``). H100, 2026-12-06, prod
+# lengths, rope_theta 1e4, one process, ms, this kernel / the Triton one: D 64 H4 1.126 / 1.336; D 128
+# H2 1.135 / 1.386. (Before, rotating in float32, H200: D 64 1.581-1.593 / 1.248-1.257, so D 64 went
+# to the Triton kernel.)
+ROTARY_SLOWER_AT = ()
 BLOCK_M = 64  # rows per item: one consumer warpgroup's wgmma tile
 HEAD_DIMS = (64, 128)
 BLOCKS = (33, 64)
@@ -90,9 +92,12 @@ OUT_TMA = True
 # float16 exactly, and the sines' and products' float16 roundings, about 5e-4 of a value, sit far under
 # e4m3's own 6 %), not in float32 into halves of the output dtype. The rotary forward is bound by its
 # instructions (H100, 2026-12-06: 1.16 ms alone, 1.25-1.35 in the sub-layer as the clock drops; the plain
-# forward 1.08 throughout); float16 math leaves out the conversions to and from float32. A candidate,
-# off until timed (``bench.fp8 --ws-options``).
-F16_ROTATION = False
+# forward 1.08 throughout); float16 math leaves out the conversions to and from float32. H100,
+# 2026-12-06, prod lengths, one process, ms, error against the float32 reference of the descaled
+# inputs, float32 rotation into bfloat16 halves / float16 rotation (``bench.fp8 --ws-options``):
+# D 128 H2 1.159 / 1.135, 2.79e-3 / 1.71e-3; D 64 H4 1.495 / 1.126, 2.82e-3 / 1.72e-3 (float16
+# halves carry three more mantissa bits than bfloat16 ones).
+F16_ROTATION = True
 
 
 SLOT_BYTES = 96 * 1024  # the ring's shared memory (q, k and v of STAGES items, one byte each)
