@@ -432,14 +432,12 @@ def required_products(build: Build, arch: str) -> Tuple[str, ...]:
     return EXPECTED[arch]
 
 
-def _flash_forward_loop_builds(kernel, prefix: str, loops: Dict[str, Tuple[bool, bool]]) -> Iterator[Build]:
+def _flash_forward_loop_builds(kernel, prefix: str, loops: Dict[str, dict]) -> Iterator[Build]:
     """One Gluon flash forward on 128-row tiles: bf16 / fp16, D 64 / 128, causal GQA or neither, each
-    consumer loop of ``loops`` (name suffix -> ``(OVERLAP, PINGPONG)``)."""
+    consumer loop of ``loops`` (name suffix -> its constexprs: ``OVERLAP``, ``PINGPONG``, ...)."""
     for dtype, dim, (causal, groups), loop in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), loops):
-        overlap, pingpong = loops[loop]
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
-                          PINGPONG=pingpong)
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=128, BLOCK_N=128, IS_CAUSAL=causal, **loops[loop])
         yield Build(f"{prefix}_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{loop}", kernel, dtype, constexprs,
                     dict(num_warps=4))
 
@@ -453,23 +451,27 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     from .sm90.flash_fwd import _flash_fwd_ws_kernel
     from .sm90.flash_persistent import _flash_fwd_persistent_kernel
 
-    # Consumer loops: (OVERLAP, PINGPONG). The per-tile form's ping-pong overlaps too; the persistent
-    # form's takes turns in the serial loop.
-    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (True, True)}
+    # Consumer loops. The per-tile form's ping-pong overlaps too; the persistent form's takes turns in the
+    # serial loop, and its k and v may sit on barriers of their own (SPLIT_KV).
+    loops = {"": dict(OVERLAP=False, PINGPONG=False), "_overlap": dict(OVERLAP=True, PINGPONG=False),
+             "_pingpong": dict(OVERLAP=True, PINGPONG=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_ws_kernel, "flash_gluon_fwd", loops)
-    loops = {"": (False, False), "_overlap": (True, False), "_pingpong": (False, True)}
+    loops = {"": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False),
+             "_overlap": dict(OVERLAP=True, PINGPONG=False, SPLIT_KV=False),
+             "_pingpong": dict(OVERLAP=False, PINGPONG=True, SPLIT_KV=False),
+             "_split_kv": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=True),
+             "_overlap_split_kv": dict(OVERLAP=True, PINGPONG=False, SPLIT_KV=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_persistent_kernel, "flash_gluon_fwd_persistent", loops)
-    # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64; at D 128
+    # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64 (each loop but
+    # the overlapped one on split barriers: ptxas spills 360-408 B at three consumers' 160 registers); at D 128
     # (a candidate) on 64-row key tiles (THREE_CONSUMER_KEY_ROWS).
-    for (causal, groups), loop in itertools.product(((False, 1), (True, 4)), loops):
-        overlap, pingpong = loops[loop]
-        constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, OVERLAP=overlap,
-                          PINGPONG=pingpong)
+    for (causal, groups), loop in itertools.product(((False, 1), (True, 4)), list(loops)[:4]):
+        constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=192, BLOCK_N=128, IS_CAUSAL=causal, **loops[loop])
         name = f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, OVERLAP=False,
-                          PINGPONG=False)
+                          PINGPONG=False, SPLIT_KV=False)
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols

@@ -312,7 +312,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     (inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial"
     after), ``triton_flash[gluon_m128]`` with 128-row items everywhere (192 at full attention, D 64,
     after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too,
-    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns."""
+    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns, ``triton_flash[gluon_split_kv]``
+    and ``[gluon_overlap_split_kv]`` with k and v on barriers of their own (serial or overlapped loop)."""
     from blockattn_layers.bench import ours
     from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
 
@@ -333,3 +334,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_PINGPONG.context():
         assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
     assert not flash_persistent.PINGPONG
+    with ours.GLUON_FLASH_SPLIT_KV.context():
+        assert flash_persistent.SPLIT_KV and not flash_fwd.overlap_taken() and flash_persistent.taken(cpu)
+    with ours.GLUON_FLASH_OVERLAP_SPLIT_KV.context():
+        assert flash_persistent.SPLIT_KV and flash_fwd.overlap_taken() and flash_persistent.taken(cpu)
+    assert not flash_persistent.SPLIT_KV and not flash_fwd.overlap_taken()

@@ -503,15 +503,17 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
                                                          (True, True, False), (False, False, True),
                                                          (True, False, True), (False, False, "m192"),
-                                                         (False, False, "pingpong")],
+                                                         (False, False, "pingpong"), (False, False, "split_kv"),
+                                                         (True, False, "split_kv")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
-                              "persistent_m192", "persistent_pingpong"])
+                              "persistent_m192", "persistent_pingpong", "persistent_split_kv",
+                              "persistent_overlap_split_kv"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
     warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
-    serial loop's products in turns, on the default items): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
+    serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
     Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
     forward's."""
     from blockattn_layers import reference
@@ -523,6 +525,7 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
                         frozenset({64, 128} if persistent == "m192" else {64} if persistent == "pingpong" else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
+    monkeypatch.setattr(flash_persistent, "SPLIT_KV", persistent == "split_kv")
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -714,16 +717,18 @@ def test_gpu_default_backward_repeats_bitwise_on_long_sequences(dim, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("split_kv", [False, True], ids=["joint-kv", "split-kv"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, dim):
+def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, dim, split_kv):
     """The persistent Gluon forward's tensor maps span all rows: a block's ragged last key tile holds
     the next sequence's rows, whose v rows the loader zeroes. A NaN sequence between ragged ones is
     NaN and every other row finite and equal to the Triton forward's within bf16 rounding; on two
-    programs, so each takes many items."""
+    programs, so each takes many items; k and v on one barrier pair or their own (``SPLIT_KV``)."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [True])
+    monkeypatch.setattr(flash_persistent, "SPLIT_KV", split_kv)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     monkeypatch.setattr(flash_persistent, "sm_count", lambda device: 2)
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)

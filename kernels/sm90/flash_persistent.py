@@ -77,6 +77,13 @@ THREE_CONSUMER_KEY_ROWS = {64: TILE_N, 128: 64}
 # 12.5 / 12.6, blocks of 256 2.000 / 2.146 (D 128) and 2.169 / 2.264 (D 64), of 512 2.814 / 2.837 and
 # 3.505 / 3.632. GPU tests passed (``persistent_pingpong``).
 PINGPONG = False
+# k and v of a key tile on barriers of their own (``SPLIT_KV``): a slot's k is released once the item's
+# ``Q K^T`` products are done with it and its v once the ``P V`` products are, so the next k enters while
+# the softmax and ``P V`` still run (FlashAttention-3's separate k and v pipelines). With one barrier
+# pair per slot, two slots and the overlapped loop holding tile j's v and tile j + 1's k at once, tile
+# j + 2's copies can start only when both consumers have finished tile j's ``P V``. A candidate, off
+# until timed (the benchmark's ``triton_flash[gluon_split_kv]`` and ``[gluon_overlap_split_kv]`` rows).
+SPLIT_KV = False
 
 
 @gluon.jit
@@ -114,12 +121,24 @@ def _copy_kv(k_map, v_map, coord, bar, k_tile, v_tile, BLOCK_N: gl.constexpr, NB
 
 
 @gluon.jit
-def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, Table, slots, heads, kv_heads, items,
-            total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _fix_ragged_v(v_tile, fix, fixes, rem, ready, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A block's ragged last key tile, copied on ``fix``: wait for it, zero its v rows past the block
+    (the next block's), and make the slot ready; returns the count of ``fix``'s completed phases."""
+    mbarrier.wait(fix, fixes & 1)
+    _zero_rows_from(v_tile, rem, BLOCK_N, HEAD_DIM)
+    fence_async_shared()
+    mbarrier.arrive(ready)
+    return fixes + 1
+
+
+@gluon.jit
+def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix, Q, K, V, Table, slots, heads,
+            kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_KV: gl.constexpr):
     """Loader partition (one warp): per item its query parts into the next query buffer, then its
-    key tiles' k and v into the ring (a block's ragged last tile through ``fix``, its v rows past the
-    block zeroed)."""
+    key tiles' k and v into the ring (a block's ragged last tile's v through ``fix``, its rows past
+    the block zeroed); with ``SPLIT_KV`` k on ``kv_ready`` / ``kv_empty`` and v on ``v_ready`` /
+    ``v_empty``."""
     q_map = bounded_row_map(Q, total, heads, stride_qt, HALF_M, HEAD_DIM, HEAD_DIM)
     k_map = bounded_row_map(K, total, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     v_map = bounded_row_map(V, total, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM)
@@ -140,19 +159,26 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix, Q, K, V, T
             col = (h // GROUPS) * HEAD_DIM
             for j in range(tiles):
                 s = it % STAGES
-                mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                phase = ((it // STAGES) & 1) ^ 1
+                coord = [start + j * BLOCK_N, col]
                 rem = n - j * BLOCK_N
-                if rem < BLOCK_N:
-                    _copy_kv(k_map, v_map, [start + j * BLOCK_N, col], fix, k_s.index(s), v_s.index(s), BLOCK_N,
-                             nbytes)
-                    mbarrier.wait(fix, fixes & 1)
-                    fixes += 1
-                    _zero_rows_from(v_s.index(s), rem, BLOCK_N, HEAD_DIM)
-                    fence_async_shared()
-                    mbarrier.arrive(kv_ready.index(s))
+                mbarrier.wait(kv_empty.index(s), phase)
+                if SPLIT_KV:
+                    mbarrier.expect(kv_ready.index(s), BLOCK_N * nbytes)
+                    tma.async_copy_global_to_shared(k_map, coord, kv_ready.index(s), k_s.index(s))
+                    mbarrier.wait(v_empty.index(s), phase)
+                    if rem < BLOCK_N:
+                        mbarrier.expect(fix, BLOCK_N * nbytes)
+                        tma.async_copy_global_to_shared(v_map, coord, fix, v_s.index(s))
+                        fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, v_ready.index(s), BLOCK_N, HEAD_DIM)
+                    else:
+                        mbarrier.expect(v_ready.index(s), BLOCK_N * nbytes)
+                        tma.async_copy_global_to_shared(v_map, coord, v_ready.index(s), v_s.index(s))
+                elif rem < BLOCK_N:
+                    _copy_kv(k_map, v_map, coord, fix, k_s.index(s), v_s.index(s), BLOCK_N, nbytes)
+                    fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, kv_ready.index(s), BLOCK_N, HEAD_DIM)
                 else:
-                    _copy_kv(k_map, v_map, [start + j * BLOCK_N, col], kv_ready.index(s), k_s.index(s), v_s.index(s),
-                             BLOCK_N, nbytes)
+                    _copy_kv(k_map, v_map, coord, kv_ready.index(s), k_s.index(s), v_s.index(s), BLOCK_N, nbytes)
                 it += 1
             qi += 1
 
@@ -167,14 +193,16 @@ def _release_buffer(q_empty, b):
 
 
 @gluon.jit
-def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads, items,
-              total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse, Table, slots,
+              heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+              SPLIT_KV: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
     ``P V`` issued together, tile ``j + 1``'s softmax while ``P V`` runs); the output through the
-    dead half (TMA store inside the block, masked stores past it)."""
+    dead half (TMA store inside the block, masked stores past it). With ``SPLIT_KV`` a slot's k is
+    released after its ``Q K^T`` and its v (on ``v_ready`` / ``v_empty``) after its ``P V``."""
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
@@ -201,6 +229,8 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                 s = it % STAGES
                 mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
                 scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, use_acc=False)
+                if SPLIT_KV:
+                    _release(kv_empty, s)
                 p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                      IS_CAUSAL)
                 if qi > 0:
@@ -210,17 +240,23 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                     t = (it + 1) % STAGES
                     mbarrier.wait(kv_ready.index(t), ((it + 1) // STAGES) & 1)
                     scores = warpgroup_mma(q, k_s.index(t).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    if SPLIT_KV:
+                        mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
                     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
                     scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+                    if SPLIT_KV:
+                        _release(kv_empty, t)
                     p, alpha, m_i, l_i = _online_softmax(scores, j + 1, unmasked, rows, n, m_i, l_i, qk_scale,
                                                          BLOCK_N, IS_CAUSAL)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _release(kv_empty, s)
+                    _release(v_empty if SPLIT_KV else kv_empty, s)
                     it += 1
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
                 s = it % STAGES
+                if SPLIT_KV:
+                    mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-                _release(kv_empty, s)
+                _release(v_empty if SPLIT_KV else kv_empty, s)
                 it += 1
             else:
                 for j in range(tiles):
@@ -234,9 +270,13 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                         g += 1
                     else:
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
+                    if SPLIT_KV:
+                        _release(kv_empty, s)
                     p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                          IS_CAUSAL)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
+                    if SPLIT_KV:
+                        mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
                     if PINGPONG:
                         await_turn(turn, half, g)
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
@@ -245,7 +285,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O
                         g += 1
                     else:
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-                    _release(kv_empty, s)
+                    _release(v_empty if SPLIT_KV else kv_empty, s)
                     it += 1
                     if j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
@@ -270,6 +310,7 @@ def _flash_fwd_persistent_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+    SPLIT_KV: gl.constexpr,
 ):
     gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
     gl.static_assert(not (OVERLAP and PINGPONG), "turns in the serial loop only")
@@ -283,44 +324,50 @@ def _flash_fwd_persistent_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # SPLIT_KV's
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # PINGPONG's, one per consumer
     init_ring(q_ready, q_empty, 2, CONSUMERS)  # a query buffer is free once every consumer is done with it
     init_ring(kv_ready, kv_empty, STAGES, CONSUMERS)
+    if SPLIT_KV:
+        init_ring(v_ready, v_empty, STAGES, CONSUMERS)
     mbarrier.init(fix.index(0), count=1)
     if PINGPONG:
         init_turns(turn, CONSUMERS)
     # One call per consumer count: the Gluon frontend takes the partition and register lists only as literals.
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads,
-                         items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads,
-                         items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads,
-                         items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
-                       kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
-                       IS_CAUSAL)),
+            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
+                         Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
+                         Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+            (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
+                         Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
+                       Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV)),
         ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, OVERLAP_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads,
-                         items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, turn, O, Lse, Table, slots, heads,
-                         items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, fix.index(0), Q, K, V, Table, slots, heads,
-                       kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS, BLOCK_M, BLOCK_N,
-                       IS_CAUSAL)),
+            (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
+                         Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+            (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
+                         Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+            (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
+                       Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV)),
         ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
                     OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
     drop_ring(q_ready, q_empty, 2)
     drop_ring(kv_ready, kv_empty, STAGES)
+    if SPLIT_KV:
+        drop_ring(v_ready, v_empty, STAGES)
     mbarrier.invalidate(fix.index(0))
     if PINGPONG:
         drop_turns(turn, CONSUMERS)
@@ -357,7 +404,7 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     items = sched.programs * heads
     overlap = flash_fwd.overlap_taken()
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
-                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, num_warps=4)
+                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=SPLIT_KV, num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)
