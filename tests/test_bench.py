@@ -312,8 +312,9 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     (inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial"
     after), ``triton_flash[gluon_m128]`` with 128-row items everywhere (192 at full attention, D 64,
     after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too,
-    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns, ``triton_flash[gluon_split_kv]``
-    and ``[gluon_overlap_split_kv]`` with k and v on barriers of their own (serial or overlapped loop)."""
+    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns, and the ``[gluon_serial_joint]``,
+    ``[gluon_split_kv]``, ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
+    (``flash_persistent.LOOPS``) everywhere."""
     from blockattn_layers.bench import ours
     from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
 
@@ -334,8 +335,16 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_PINGPONG.context():
         assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
     assert not flash_persistent.PINGPONG
-    with ours.GLUON_FLASH_SPLIT_KV.context():
-        assert flash_persistent.SPLIT_KV and not flash_fwd.overlap_taken() and flash_persistent.taken(cpu)
-    with ours.GLUON_FLASH_OVERLAP_SPLIT_KV.context():
-        assert flash_persistent.SPLIT_KV and flash_fwd.overlap_taken() and flash_persistent.taken(cpu)
-    assert not flash_persistent.SPLIT_KV and not flash_fwd.overlap_taken()
+    # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
+    defaults = dict(flash_persistent.LOOPS)
+    assert flash_persistent.consumer_loop(128, 0) == (True, True) and flash_persistent.consumer_loop(128, 256) == (
+        False, False) and flash_persistent.consumer_loop(64, 0) == flash_persistent.consumer_loop(64, 512) == (False, True)
+    loops = {row.name: row for row in ours.GLUON_FLASH_LOOPS}
+    want = {"serial_joint": (False, False), "split_kv": (False, True), "overlap_joint": (True, False),
+            "overlap_split_kv": (True, True)}
+    assert set(loops) == {f"triton_flash[gluon_{name}]" for name in want}
+    for name, pair in want.items():
+        with loops[f"triton_flash[gluon_{name}]"].context():
+            assert set(flash_persistent.LOOPS) == set(defaults) and set(flash_persistent.LOOPS.values()) == {pair}
+            assert flash_persistent.taken(cpu) and flash_persistent.consumer_loop(64, 0) == pair
+        assert flash_persistent.LOOPS == defaults

@@ -504,18 +504,19 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                                                          (True, True, False), (False, False, True),
                                                          (True, False, True), (False, False, "m192"),
                                                          (False, False, "pingpong"), (False, False, "split_kv"),
-                                                         (True, False, "split_kv")],
+                                                         (True, False, "split_kv"), (False, False, "default")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
                               "persistent_m192", "persistent_pingpong", "persistent_split_kv",
-                              "persistent_overlap_split_kv"])
+                              "persistent_overlap_split_kv", "persistent_default"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
     warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
-    serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own): output within 2x the naive same-dtype error of the float64 oracle, logsumexp as the
-    Triton forward's, and the backward on its output and logsumexp as accurate as on the Triton
-    forward's."""
+    serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own;
+    "default": the items and consumer loops taken by default, the others one loop everywhere): output
+    within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and
+    the backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_fwd as ws
@@ -523,9 +524,12 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
-                        frozenset({64, 128} if persistent == "m192" else {64} if persistent == "pingpong" else ()))
+                        frozenset({64, 128} if persistent == "m192" else {64} if persistent in ("pingpong", "default")
+                                  else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
-    monkeypatch.setattr(flash_persistent, "SPLIT_KV", persistent == "split_kv")
+    if persistent != "default":  # one consumer loop everywhere (split_kv: k and v on barriers of their own)
+        monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, persistent == "split_kv")
+                                                        for key in flash_persistent.LOOPS})
     launches = []
     launch = flash_persistent.launch
     monkeypatch.setattr(flash_persistent, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -728,7 +732,7 @@ def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, d
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [True])
-    monkeypatch.setattr(flash_persistent, "SPLIT_KV", split_kv)
+    monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, split_kv) for key in flash_persistent.LOOPS})
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     monkeypatch.setattr(flash_persistent, "sm_count", lambda device: 2)
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)

@@ -232,25 +232,22 @@ GLUON_FLASH_PINGPONG = _gluon_forward_option(
     PINGPONG=True)
 
 
-GLUON_FLASH_SPLIT_KV = _gluon_forward_option(
-    "triton_flash[gluon_split_kv]", "flash_persistent",
-    "triton_flash with the persistent Gluon forward's k and v on barriers of their own (a slot's k released after "
-    "Q K^T, its v after P V; FlashAttention-3's separate pipelines), on every call it admits",
-    SPLIT_KV=True)
+def _uniform_loops(overlap: bool, split_kv: bool) -> dict:
+    """``flash_persistent.LOOPS`` (keys: head dim, full attention) with one consumer loop everywhere."""
+    return {(dim, full): (overlap, split_kv) for dim in (64, 128) for full in (True, False)}
 
 
-@contextlib.contextmanager
-def _overlap_split_kv():
-    persistent = importlib.import_module("blockattn_layers.kernels.sm90.flash_persistent")
-    with GLUON_FLASH_OVERLAP.context(), module_attrs(persistent, SPLIT_KV=True):
-        yield
-
-
-GLUON_FLASH_OVERLAP_SPLIT_KV = Method(
-    "triton_flash[gluon_overlap_split_kv]", "ours", _setup("triton_flash"), _attention, skip=_gluon_refusal,
-    gpu_only=True, context=_overlap_split_kv,
-    description="triton_flash with the persistent Gluon forward's overlapped consumer loop on split k and v "
-                "barriers (gluon_overlap and gluon_split_kv together), on every call it admits")
+GLUON_FLASH_LOOPS = [
+    _gluon_forward_option(
+        f"triton_flash[gluon_{name}]", "flash_persistent",
+        f"triton_flash with the persistent Gluon forward's {what} everywhere (flash_persistent.LOOPS), on every "
+        "call it admits", LOOPS=_uniform_loops(overlap, split_kv))
+    for name, what, overlap, split_kv in (
+        ("serial_joint", "serial consumer loop on one barrier pair per key tile (the loop before 2026-12-06)",
+         False, False),
+        ("split_kv", "serial consumer loop with k and v on barriers of their own", False, True),
+        ("overlap_joint", "overlapped consumer loop on one barrier pair per key tile", True, False),
+        ("overlap_split_kv", "overlapped consumer loop with k and v on barriers of their own", True, True))]
 
 
 def _triton_forward_skip(case: Case, cfg: RunConfig) -> Optional[str]:
@@ -464,8 +461,8 @@ def our_methods() -> List[Method]:
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_OVERLAP, GLUON_FLASH_M128,
-                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, GLUON_FLASH_SPLIT_KV,
-                            GLUON_FLASH_OVERLAP_SPLIT_KV, *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
+                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_FLASH_LOOPS,
+                            *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
                             GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])
     err = getattr(_backends, "TRITON_IMPORT_ERROR", None)

@@ -11,14 +11,15 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
 - a one-warp loader copies each item's query tile (two 64-row halves) into one of two query
   buffers (the next item's copies in flight during this one's loop; a buffer is refilled once
   both consumers have released it) and its key tiles' k and v into a ring of ``STAGES`` slots,
-  the ring's phases running on across items. A block's last key tile, where the block ends
+  the ring's phases running on across items, k and v on one barrier pair per slot or, with
+  ``SPLIT_KV``, each on its own (k freed after the ``Q K^T`` products, v after the ``P V`` ones). A block's last key tile, where the block ends
   inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
   v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
   infinity in the next block must not reach this one through ``0 * x``);
 - two consumer warpgroups (three on 192-row items at full attention with the head dims of
   ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s
-  serial loop per item (its overlapped loop where ``flash_fwd.CONSUMER_LOOP`` is "overlap":
-  ``OVERLAP``); the output leaves through the dead query part by a TMA store where the part lies
+  serial or overlapped loop per item (``OVERLAP``; which loop and barriers, by head dim and full
+  attention or blocks: ``LOOPS``); the output leaves through the dead query part by a TMA store where the part lies
   inside the block, else by masked stores; a consumer releases an item's query buffer once its store has
   had the next item's first key tile to land.
 
@@ -77,13 +78,29 @@ THREE_CONSUMER_KEY_ROWS = {64: TILE_N, 128: 64}
 # 12.5 / 12.6, blocks of 256 2.000 / 2.146 (D 128) and 2.169 / 2.264 (D 64), of 512 2.814 / 2.837 and
 # 3.505 / 3.632. GPU tests passed (``persistent_pingpong``).
 PINGPONG = False
-# k and v of a key tile on barriers of their own (``SPLIT_KV``): a slot's k is released once the item's
-# ``Q K^T`` products are done with it and its v once the ``P V`` products are, so the next k enters while
-# the softmax and ``P V`` still run (FlashAttention-3's separate k and v pipelines). With one barrier
-# pair per slot, two slots and the overlapped loop holding tile j's v and tile j + 1's k at once, tile
-# j + 2's copies can start only when both consumers have finished tile j's ``P V``. A candidate, off
-# until timed (the benchmark's ``triton_flash[gluon_split_kv]`` and ``[gluon_overlap_split_kv]`` rows).
-SPLIT_KV = False
+# The consumer loop per (head dim, full attention): ``(OVERLAP, SPLIT_KV)``. ``OVERLAP``: the overlapped loop
+# (key tile j + 1's ``Q K^T`` issued with tile j's ``P V``, its softmax while ``P V`` runs), else the
+# serial one. ``SPLIT_KV``: a key tile's k and v on barriers of their own, the slot's k released once the
+# ``Q K^T`` products are done with it and its v once the ``P V`` products are (FlashAttention-3's separate
+# k and v pipelines), else one barrier pair for both. With one pair, two slots and the overlapped loop
+# holding tile j's v and tile j + 1's k at once, tile j + 2's copies could start only after both
+# consumers' tile-j ``P V``: the overlapped loop starved (it measured slower than the serial one in
+# sessions 17 and 44). H100, bf16, 2026-12-06, one process, forward ms, serial / serial split / overlap /
+# overlap split: seed3 D128 1.076 / 1.016 / 1.206 / 0.998; its causal 0.657 / 0.655 / 0.760 / 0.605; its
+# GQA 8 / 2 1.034 / 1.026 / 1.121 / 0.970; prod_full 12.1 / 12.2 / 13.3 / 11.6; blocks of 256, D128 H2
+# 2.142 / 2.283 / 1.977 / 2.313; D64 (192-row items at full attention): seed3_d64 1.233 / 1.208 / 1.298 /
+# 1.390, its causal 0.824 / 0.805 / 0.922 / 0.955, 16 / 4 kv heads 1.213 / 1.202 / 1.260 / 1.303; blocks
+# of 256, D64 H4 2.153 / 2.078 / 2.329 / 2.326. (At blocks of D128 the loop stays serial on one pair: the
+# overlapped loop's gain there is untimed at blocks of 512.) The benchmark's ``triton_flash[gluon_*]`` rows
+# set it per row.
+LOOPS = {(128, True): (True, True), (64, True): (False, True), (128, False): (False, False), (64, False): (False, True)}
+
+
+def consumer_loop(head_dim: int, block_size: int) -> tuple:
+    """``(OVERLAP, SPLIT_KV)`` of a call (``LOOPS``; blocks ``0``: full attention); ``flash_fwd.CONSUMER_LOOP``
+    set to "overlap" overlaps everywhere."""
+    overlap, split_kv = LOOPS[(head_dim, block_size == 0)]
+    return overlap or flash_fwd.overlap_taken(), split_kv
 
 
 @gluon.jit
@@ -402,9 +419,10 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     if table is None:
         return o, lse
     items = sched.programs * heads
-    overlap = flash_fwd.overlap_taken()
+    overlap, split_kv = consumer_loop(dim, block_size)
+    overlap = overlap and tile_m == TILE_M  # three consumers' registers do not hold the overlapped loop's tiles
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
-                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=SPLIT_KV, num_warps=4)
+                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv, num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)
