@@ -101,11 +101,15 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     register, spill and shared-memory budgets (``compile_check`` fails a build over them); the
     overlapped and ping-pong builds commit two wgmma groups (the next ``Q K^T``, then ``P V``)
     before a wait, the serial ones never. The persistent builds (``sm90.flash_persistent``, serial,
-    overlapped, and serial in turns (``PINGPONG``, each product waited for alone); two consumer warpgroups,
-    or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
+    overlapped, and serial in turns (``PINGPONG``, each product waited for alone); k and v on one barrier
+    pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too); two
+    consumer warpgroups, or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
     ptx = _compile_check("sm_90", "flash_gluon_fwd", tmp_path / "sm_90")
-    assert len(ptx) == 56 and sum("_persistent_" in name for name in ptx) == 32
-    assert sum("_m192_" in name for name in ptx) == 8
+    assert len(ptx) == 74 and sum("_persistent_" in name for name in ptx) == 50
+    assert sum("_m192_" in name for name in ptx) == 10 and sum("_split_kv" in name for name in ptx) == 18
+    for name in (n for n in ptx if n.endswith("_split_kv")):
+        inits = [ptx[n].count("mbarrier.init") for n in (name.removesuffix("_split_kv"), name)]
+        assert inits[1] == inits[0] + 4, (name, inits)  # v's ready and empty barriers of two slots
     for name, text in ptx.items():
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "tensormap.replace", "setmaxnreg.inc",
@@ -113,7 +117,8 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
             assert instruction in text, (name, instruction)
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
-        overlapped = name.endswith("_overlap") or (name.endswith("_pingpong") and "_persistent_" not in name)
+        overlapped = name.removesuffix("_split_kv").endswith("_overlap") or (
+            name.endswith("_pingpong") and "_persistent_" not in name)
         assert ("CC" in order) == overlapped, (name, order)
 
 
