@@ -337,8 +337,9 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     assert not flash_persistent.PINGPONG
     # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
     defaults = dict(flash_persistent.LOOPS)
-    assert flash_persistent.consumer_loop(128, 0) == (True, True) and flash_persistent.consumer_loop(128, 256) == (
-        False, False) and flash_persistent.consumer_loop(64, 0) == flash_persistent.consumer_loop(64, 512) == (False, True)
+    loop = flash_persistent.consumer_loop
+    assert loop(128, 0) == (True, True) and loop(128, 256) == (False, False)
+    assert loop(64, 0) == loop(64, 512) == (False, True)
     loops = {row.name: row for row in ours.GLUON_FLASH_LOOPS}
     want = {"serial_joint": (False, False), "split_kv": (False, True), "overlap_joint": (True, False),
             "overlap_split_kv": (True, True)}

@@ -12,16 +12,17 @@ longest sequences first, heads fastest) ``p, p + P, ...``:
   buffers (the next item's copies in flight during this one's loop; a buffer is refilled once
   both consumers have released it) and its key tiles' k and v into a ring of ``STAGES`` slots,
   the ring's phases running on across items, k and v on one barrier pair per slot or, with
-  ``SPLIT_KV``, each on its own (k freed after the ``Q K^T`` products, v after the ``P V`` ones). A block's last key tile, where the block ends
-  inside it, holds the next block's rows: the loader waits for that tile itself and zeroes its
-  v rows past the block before handing it over (the scores of those keys are masked, and a NaN or
-  infinity in the next block must not reach this one through ``0 * x``);
+  ``SPLIT_KV``, each on its own (k freed after the ``Q K^T`` products, v after the ``P V`` ones).
+  A block's last key tile, where the block ends inside it, holds the next block's rows: the loader
+  waits for that tile's v itself and zeroes its rows past the block before handing it over (the
+  scores of those keys are masked, and a NaN or infinity in the next block must not reach this one
+  through ``0 * x``);
 - two consumer warpgroups (three on 192-row items at full attention with the head dims of
   ``THREE_CONSUMER_HEAD_DIMS``: D 64), one per 64-row part of the query tile, run ``flash_fwd``'s
   serial or overlapped loop per item (``OVERLAP``; which loop and barriers, by head dim and full
-  attention or blocks: ``LOOPS``); the output leaves through the dead query part by a TMA store where the part lies
-  inside the block, else by masked stores; a consumer releases an item's query buffer once its store has
-  had the next item's first key tile to land.
+  attention or blocks: ``LOOPS``); the output leaves through the dead query part by a TMA store
+  where the part lies inside the block, else by masked stores; a consumer releases an item's query
+  buffer once its store has had the next item's first key tile to land.
 
 Admitted calls as ``flash_fwd``'s (``flash_ws_reasons``). Taken where ``VERIFIED_ON`` says (or with
 unverified kernels allowed) while ``TAKEN`` is set, as it is by default; the benchmark's
@@ -90,10 +91,11 @@ PINGPONG = False
 # GQA 8 / 2 1.034 / 1.026 / 1.121 / 0.970; prod_full 12.1 / 12.2 / 13.3 / 11.6; blocks of 256, D128 H2
 # 2.142 / 2.283 / 1.977 / 2.313; D64 (192-row items at full attention): seed3_d64 1.233 / 1.208 / 1.298 /
 # 1.390, its causal 0.824 / 0.805 / 0.922 / 0.955, 16 / 4 kv heads 1.213 / 1.202 / 1.260 / 1.303; blocks
-# of 256, D64 H4 2.153 / 2.078 / 2.329 / 2.326. (At blocks of D128 the loop stays serial on one pair: the
-# overlapped loop's gain there is untimed at blocks of 512.) The benchmark's ``triton_flash[gluon_*]`` rows
-# set it per row.
-LOOPS = {(128, True): (True, True), (64, True): (False, True), (128, False): (False, False), (64, False): (False, True)}
+# of 256, D64 H4 2.153 / 2.078 / 2.329 / 2.326. At blocks with D128 the loop stays serial on one pair: the
+# overlapped one on one pair was faster at 256 (1.977-1.988 against 2.059-2.142 over three runs) but slower at
+# 512 (2.924 against 2.784). The benchmark's ``triton_flash[gluon_*]`` rows set it per row.
+LOOPS = {(128, True): (True, True), (64, True): (False, True),
+         (128, False): (False, False), (64, False): (False, True)}
 
 
 def consumer_loop(head_dim: int, block_size: int) -> tuple:
