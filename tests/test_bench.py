@@ -308,32 +308,32 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
 
 
 def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
-    """``triton_flash[gluon_overlap]`` times the persistent Gluon forward with its overlapped consumer loop
-    (inside the row's context the loop is "overlap" and the persistent kernel still taken; "serial"
-    after), ``triton_flash[gluon_m128]`` with 128-row items everywhere (192 at full attention, D 64,
-    after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128 too,
-    ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns, and the ``[gluon_serial_joint]``,
-    ``[gluon_split_kv]``, ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
-    (``flash_persistent.LOOPS``) everywhere."""
+    """``triton_flash[gluon_m128]`` times the persistent Gluon forward with 128-row items everywhere (192 at
+    full attention, D 64, after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128
+    too, ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns (each of the three on the
+    serial loop with one barrier pair, as measured), and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
+    ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
+    (``flash_persistent.LOOPS``) everywhere; every switch back at its default afterwards."""
     from blockattn_layers.bench import ours
     from blockattn_layers.kernels.sm90 import flash_fwd, flash_persistent
 
     cpu = torch.device("cpu")
+    serial_joint = {(128, 0): (False, False), (64, 0): (False, False), (128, 256): (False, False)}
     assert flash_fwd.CONSUMER_LOOP == "serial" and not flash_fwd.overlap_taken()
-    with ours.GLUON_FLASH_OVERLAP.context():
-        assert flash_fwd.overlap_taken() and not flash_fwd.pingpong_taken() and flash_persistent.taken(cpu)
-    assert flash_fwd.CONSUMER_LOOP == "serial"
     assert flash_persistent.item_tile(64, 0) == (192, 128) and flash_persistent.item_tile(64, 256) == (128, 128)
     assert flash_persistent.item_tile(128, 0) == (128, 128)
     with ours.GLUON_FLASH_M128.context():
         assert flash_persistent.item_tile(64, 0) == (128, 128) and flash_persistent.item_tile(128, 0) == (128, 128)
+        assert {key: flash_persistent.consumer_loop(*key) for key in serial_joint} == serial_joint
     with ours.GLUON_FLASH_M192.context():
         assert flash_persistent.item_tile(64, 0) == (192, 128) and flash_persistent.item_tile(128, 0) == (192, 64)
         assert flash_persistent.item_tile(128, 512) == (128, 128)
+        assert {key: flash_persistent.consumer_loop(*key) for key in serial_joint} == serial_joint
     assert flash_persistent.THREE_CONSUMER_HEAD_DIMS == frozenset({64})
     assert not flash_persistent.PINGPONG
     with ours.GLUON_FLASH_PINGPONG.context():
         assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
+        assert {key: flash_persistent.consumer_loop(*key) for key in serial_joint} == serial_joint
     assert not flash_persistent.PINGPONG
     # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
     defaults = dict(flash_persistent.LOOPS)

@@ -210,31 +210,27 @@ def _gluon_forward_option(name: str, module: str, description: str, **values) ->
                   description=description, context=context)
 
 
-GLUON_FLASH_OVERLAP = _gluon_forward_option(
-    "triton_flash[gluon_overlap]", "flash_fwd",
-    "triton_flash with the persistent Gluon forward's consumers overlapping a key tile's Q K^T with the previous "
-    "tile's softmax and P V (FlashAttention-3's intra-warpgroup order), on every call it admits",
-    CONSUMER_LOOP="overlap")
-GLUON_FLASH_M128 = _gluon_forward_option(
-    "triton_flash[gluon_m128]", "flash_persistent",
-    "triton_flash with the persistent Gluon forward on 128-row query tiles (two consumer warpgroups) everywhere, "
-    "where it takes 192-row tiles at full attention with D 64, on every call it admits",
-    THREE_CONSUMER_HEAD_DIMS=frozenset())
-GLUON_FLASH_M192 = _gluon_forward_option(
-    "triton_flash[gluon_m192]", "flash_persistent",
-    "triton_flash with the persistent Gluon forward on 192-row query tiles (three consumer warpgroups) at full "
-    "attention with D 128 as at D 64 (64-row key tiles at D 128), on every call it admits",
-    THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128}))
-GLUON_FLASH_PINGPONG = _gluon_forward_option(
-    "triton_flash[gluon_pingpong]", "flash_persistent",
-    "triton_flash with the persistent Gluon forward's consumers issuing their products in turns in the serial loop "
-    "(FlashAttention-3's inter-warpgroup ping-pong), on every call it admits",
-    PINGPONG=True)
-
-
 def _uniform_loops(overlap: bool, split_kv: bool) -> dict:
     """``flash_persistent.LOOPS`` (keys: head dim, full attention) with one consumer loop everywhere."""
     return {(dim, full): (overlap, split_kv) for dim in (64, 128) for full in (True, False)}
+
+
+# The item and ping-pong rows run the serial loop on one barrier pair, as they were measured.
+GLUON_FLASH_M128 = _gluon_forward_option(
+    "triton_flash[gluon_m128]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward on 128-row query tiles (two consumer warpgroups) everywhere, "
+    "where it takes 192-row tiles at full attention with D 64, serial loop on one barrier pair, on every call it "
+    "admits", THREE_CONSUMER_HEAD_DIMS=frozenset(), LOOPS=_uniform_loops(False, False))
+GLUON_FLASH_M192 = _gluon_forward_option(
+    "triton_flash[gluon_m192]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward on 192-row query tiles (three consumer warpgroups) at full "
+    "attention with D 128 as at D 64 (64-row key tiles at D 128), serial loop on one barrier pair, on every call "
+    "it admits", THREE_CONSUMER_HEAD_DIMS=frozenset({64, 128}), LOOPS=_uniform_loops(False, False))
+GLUON_FLASH_PINGPONG = _gluon_forward_option(
+    "triton_flash[gluon_pingpong]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward's consumers issuing their products in turns in the serial loop "
+    "(FlashAttention-3's inter-warpgroup ping-pong) on one barrier pair, on every call it admits",
+    PINGPONG=True, LOOPS=_uniform_loops(False, False))
 
 
 GLUON_FLASH_LOOPS = [
@@ -460,7 +456,7 @@ def our_methods() -> List[Method]:
         methods.extend(_variant_methods(spec))
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
-                            GLUON_FLASH_OVERLAP, GLUON_FLASH_M128,
+                            GLUON_FLASH_M128,
                             GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_FLASH_LOOPS,
                             *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
                             GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,
