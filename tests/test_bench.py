@@ -311,7 +311,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     """``triton_flash[gluon_m128]`` times the persistent Gluon forward with 128-row items everywhere (192 at
     full attention, D 64, after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128
     too, ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns (each of the three on the
-    serial loop with one barrier pair, as measured), and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
+    serial loop with one barrier pair, as measured), ``triton_flash[gluon_shift_last]`` with a block's ragged
+    last key tile its last keys, and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
     ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
     (``flash_persistent.LOOPS``) everywhere; every switch back at its default afterwards."""
     from blockattn_layers.bench import ours
@@ -334,7 +335,10 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_PINGPONG.context():
         assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
         assert {key: flash_persistent.consumer_loop(*key) for key in serial_joint} == serial_joint
-    assert not flash_persistent.PINGPONG
+    assert not flash_persistent.PINGPONG and not flash_persistent.SHIFT_LAST
+    with ours.GLUON_FLASH_SHIFT_LAST.context():
+        assert flash_persistent.SHIFT_LAST and flash_persistent.taken(cpu)
+    assert not flash_persistent.SHIFT_LAST
     # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
     defaults = dict(flash_persistent.LOOPS)
     loop = flash_persistent.consumer_loop

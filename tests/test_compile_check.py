@@ -102,11 +102,14 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     overlapped and ping-pong builds commit two wgmma groups (the next ``Q K^T``, then ``P V``)
     before a wait, the serial ones never. The persistent builds (``sm90.flash_persistent``, serial,
     overlapped, and serial in turns (``PINGPONG``, each product waited for alone); k and v on one barrier
-    pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too); two
+    pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too), a
+    block's last key tile its last keys (``SHIFT_LAST``); two
     consumer warpgroups, or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
     ptx = _compile_check("sm_90", "flash_gluon_fwd", tmp_path / "sm_90")
-    assert len(ptx) == 74 and sum("_persistent_" in name for name in ptx) == 50
-    assert sum("_m192_" in name for name in ptx) == 10 and sum("_split_kv" in name for name in ptx) == 18
+    assert len(ptx) == 90 and sum("_persistent_" in name for name in ptx) == 66
+    assert sum("_m192_" in name for name in ptx) == 10 and sum(name.endswith("_split_kv") for name in ptx) == 18
+    assert sum(name.endswith("_shift_last") for name in ptx) == 16
+    assert not any("_overlap_split_kv_shift" in name for name in ptx)
     for name in (n for n in ptx if n.endswith("_split_kv")):
         inits = [ptx[n].count("mbarrier.init") for n in (name.removesuffix("_split_kv"), name)]
         assert inits[1] == inits[0] + 4, (name, inits)  # v's ready and empty barriers of two slots
@@ -117,7 +120,7 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
             assert instruction in text, (name, instruction)
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
-        overlapped = name.removesuffix("_split_kv").endswith("_overlap") or (
+        overlapped = name.removesuffix("_shift_last").removesuffix("_split_kv").endswith("_overlap") or (
             name.endswith("_pingpong") and "_persistent_" not in name)
         assert ("CC" in order) == overlapped, (name, order)
 

@@ -504,17 +504,19 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                                                          (True, True, False), (False, False, True),
                                                          (True, False, True), (False, False, "m192"),
                                                          (False, False, "pingpong"), (False, False, "split_kv"),
-                                                         (True, False, "split_kv"), (False, False, "default")],
+                                                         (True, False, "split_kv"), (False, False, "default"),
+                                                         (False, False, "shift_last")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
                               "persistent_m192", "persistent_pingpong", "persistent_split_kv",
-                              "persistent_overlap_split_kv", "persistent_default"])
+                              "persistent_overlap_split_kv", "persistent_default", "persistent_shift_last"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
     warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
     serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own;
-    "default": the items and consumer loops taken by default, the others one loop everywhere): output
+    "default": the items and consumer loops taken by default, the others one loop everywhere; "shift_last":
+    the defaults with a block's ragged last key tile its last keys in the serial loops): output
     within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and
     the backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference
@@ -524,10 +526,11 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
-                        frozenset({64, 128} if persistent == "m192" else {64} if persistent in ("pingpong", "default")
-                                  else ()))
+                        frozenset({64, 128} if persistent == "m192"
+                                  else {64} if persistent in ("pingpong", "default", "shift_last") else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
-    if persistent != "default":  # one consumer loop everywhere (split_kv: k and v on barriers of their own)
+    monkeypatch.setattr(flash_persistent, "SHIFT_LAST", persistent == "shift_last")
+    if persistent not in ("default", "shift_last"):  # one loop everywhere (split_kv: k, v on barriers of their own)
         monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, persistent == "split_kv")
                                                         for key in flash_persistent.LOOPS})
     launches = []
@@ -721,18 +724,21 @@ def test_gpu_default_backward_repeats_bitwise_on_long_sequences(dim, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("split_kv", [False, True], ids=["joint-kv", "split-kv"])
+@pytest.mark.parametrize("split_kv, shift_last", [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["joint-kv", "split-kv", "split-kv-shift-last", "joint-kv-shift-last"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, dim, split_kv):
+def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, dim, split_kv, shift_last):
     """The persistent Gluon forward's tensor maps span all rows: a block's ragged last key tile holds
     the next sequence's rows, whose v rows the loader zeroes. A NaN sequence between ragged ones is
     NaN and every other row finite and equal to the Triton forward's within bf16 rounding; on two
-    programs, so each takes many items; k and v on one barrier pair or their own (``SPLIT_KV``)."""
+    programs, so each takes many items; k and v on one barrier pair or their own (``SPLIT_KV``), the last
+    key tile of a block of at least 128 rows its last keys (``SHIFT_LAST``)."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [True])
     monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, split_kv) for key in flash_persistent.LOOPS})
+    monkeypatch.setattr(flash_persistent, "SHIFT_LAST", shift_last)
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     monkeypatch.setattr(flash_persistent, "sm_count", lambda device: 2)
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)

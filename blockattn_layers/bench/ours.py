@@ -233,6 +233,10 @@ GLUON_FLASH_PINGPONG = _gluon_forward_option(
     PINGPONG=True, LOOPS=_uniform_loops(False, False))
 
 
+GLUON_FLASH_SHIFT_LAST = _gluon_forward_option(
+    "triton_flash[gluon_shift_last]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward's ragged last key tile of a block taken from the block's last "
+    "keys (no wait in the loader; serial loops only), on every call it admits", SHIFT_LAST=True)
 GLUON_FLASH_LOOPS = [
     _gluon_forward_option(
         f"triton_flash[gluon_{name}]", "flash_persistent",
@@ -457,7 +461,7 @@ def our_methods() -> List[Method]:
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_M128,
-                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, *GLUON_FLASH_LOOPS,
+                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, GLUON_FLASH_SHIFT_LAST, *GLUON_FLASH_LOOPS,
                             *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
                             GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])

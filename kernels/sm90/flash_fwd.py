@@ -107,15 +107,29 @@ def _loader(q_s, k_s, v_s, q_bar, kv_ready, kv_empty, Q, K, V, start, n, tile_ro
 
 
 @gluon.jit
-def _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def last_tile_row(j, n, BLOCK_N: gl.constexpr):
+    """The first key of key tile ``j`` of an ``n``-key block when a tile reaching past the block is
+    shifted back to end at its last key (blocks of at least ``BLOCK_N`` keys; a shorter block's one
+    tile stays at 0)."""
+    return gl.minimum(j * BLOCK_N, gl.maximum(n - BLOCK_N, 0))
+
+
+@gluon.jit
+def _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    SHIFT_LAST: gl.constexpr = False):
     """Key tile ``j``'s raw scores -> ``(p, alpha, m_new, l_new)``: its probabilities against the
     running row maxima ``m_new`` (log2 units), the factor ``alpha`` that rescales what came before,
-    and the running sums."""
+    and the running sums. ``SHIFT_LAST``: a tile reaching past the block holds its last ``BLOCK_N``
+    keys instead (``last_tile_row``), its columns before key ``j * BLOCK_N`` masked."""
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
     if j >= unmasked:
         # Columns past the block (zero-filled keys) and, causal, right of each row's diagonal.
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
-        valid = gl.expand_dims(cols < n, 0)
+        if SHIFT_LAST:
+            cols = last_tile_row(j, n, BLOCK_N) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
+            valid = gl.expand_dims((cols < n) & (cols >= j * BLOCK_N), 0)
+        else:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_s))
+            valid = gl.expand_dims(cols < n, 0)
         if IS_CAUSAL:
             valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
         scores = gl.where(valid, scores, float("-inf"))

@@ -43,7 +43,7 @@ from . import flash_fwd
 from .block import _acc_layout, _row_layout, _smem_layout, _store_via
 from .flash_fwd import (
     _LN2, CONSUMER_REGS, HALF_M, LOADER_REGS, OVERLAP_CONSUMER_REGS, OVERLAP_LOADER_REGS, STAGES, TILE_M, TILE_N,
-    _online_softmax, _release, key_tiles, outputs_and_table,
+    _online_softmax, _release, key_tiles, last_tile_row, outputs_and_table,
 )
 from .persistent import await_turn, bounded_row_map, drop_ring, drop_turns, init_ring, init_turns, pass_turn
 
@@ -96,6 +96,16 @@ PINGPONG = False
 # 512 (2.924 against 2.784). The benchmark's ``triton_flash[gluon_*]`` rows set it per row.
 LOOPS = {(128, True): (True, True), (64, True): (False, True),
          (128, False): (False, False), (64, False): (False, True)}
+
+
+# A block's last key tile, where the block ends inside it, copied from the block's last ``BLOCK_N`` keys
+# (the columns already seen masked) instead of from past the block's end, where the next block's rows
+# are: the loader no longer waits for that tile's v to land to zero those rows (one copy's latency per
+# item, during which it issues nothing); only a block shorter than a tile still goes that way. A
+# candidate, off until timed (the benchmark's ``triton_flash[gluon_shift_last]`` row); blocks of 256
+# (two key tiles an item) should gain most. Serial loop only: in the overlapped one at D 128 ptxas spills
+# 324-332 B with it (8 B without).
+SHIFT_LAST = False
 
 
 def consumer_loop(head_dim: int, block_size: int) -> tuple:
@@ -153,11 +163,13 @@ def _fix_ragged_v(v_tile, fix, fixes, rem, ready, BLOCK_N: gl.constexpr, HEAD_DI
 @gluon.jit
 def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix, Q, K, V, Table, slots, heads,
             kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_KV: gl.constexpr):
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_KV: gl.constexpr,
+            SHIFT_LAST: gl.constexpr):
     """Loader partition (one warp): per item its query parts into the next query buffer, then its
     key tiles' k and v into the ring (a block's ragged last tile's v through ``fix``, its rows past
     the block zeroed); with ``SPLIT_KV`` k on ``kv_ready`` / ``kv_empty`` and v on ``v_ready`` /
-    ``v_empty``."""
+    ``v_empty``; with ``SHIFT_LAST`` a tile past a block of at least ``BLOCK_N`` keys is copied from its
+    last ``BLOCK_N`` keys instead, no wait, nothing zeroed (``flash_fwd.last_tile_row``)."""
     q_map = bounded_row_map(Q, total, heads, stride_qt, HALF_M, HEAD_DIM, HEAD_DIM)
     k_map = bounded_row_map(K, total, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     v_map = bounded_row_map(V, total, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM)
@@ -179,21 +191,26 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empt
             for j in range(tiles):
                 s = it % STAGES
                 phase = ((it // STAGES) & 1) ^ 1
-                coord = [start + j * BLOCK_N, col]
                 rem = n - j * BLOCK_N
+                if SHIFT_LAST:  # a tile past the block's end holds its last keys; only a short block's is fixed
+                    coord = [start + last_tile_row(j, n, BLOCK_N), col]
+                    ragged = n < BLOCK_N
+                else:
+                    coord = [start + j * BLOCK_N, col]
+                    ragged = rem < BLOCK_N
                 mbarrier.wait(kv_empty.index(s), phase)
                 if SPLIT_KV:
                     mbarrier.expect(kv_ready.index(s), BLOCK_N * nbytes)
                     tma.async_copy_global_to_shared(k_map, coord, kv_ready.index(s), k_s.index(s))
                     mbarrier.wait(v_empty.index(s), phase)
-                    if rem < BLOCK_N:
+                    if ragged:
                         mbarrier.expect(fix, BLOCK_N * nbytes)
                         tma.async_copy_global_to_shared(v_map, coord, fix, v_s.index(s))
                         fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, v_ready.index(s), BLOCK_N, HEAD_DIM)
                     else:
                         mbarrier.expect(v_ready.index(s), BLOCK_N * nbytes)
                         tma.async_copy_global_to_shared(v_map, coord, v_ready.index(s), v_s.index(s))
-                elif rem < BLOCK_N:
+                elif ragged:
                     _copy_kv(k_map, v_map, coord, fix, k_s.index(s), v_s.index(s), BLOCK_N, nbytes)
                     fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, kv_ready.index(s), BLOCK_N, HEAD_DIM)
                 else:
@@ -215,7 +232,7 @@ def _release_buffer(q_empty, b):
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse, Table, slots,
               heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT_KV: gl.constexpr):
+              SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
@@ -251,7 +268,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                 if SPLIT_KV:
                     _release(kv_empty, s)
                 p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
-                                                     IS_CAUSAL)
+                                                     IS_CAUSAL, SHIFT_LAST)
                 if qi > 0:
                     _release_buffer(q_empty, 1 - b)
                 for j in range(tiles - 1):
@@ -266,7 +283,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                     if SPLIT_KV:
                         _release(kv_empty, t)
                     p, alpha, m_i, l_i = _online_softmax(scores, j + 1, unmasked, rows, n, m_i, l_i, qk_scale,
-                                                         BLOCK_N, IS_CAUSAL)
+                                                         BLOCK_N, IS_CAUSAL, SHIFT_LAST)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     _release(v_empty if SPLIT_KV else kv_empty, s)
                     it += 1
@@ -292,7 +309,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                     if SPLIT_KV:
                         _release(kv_empty, s)
                     p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
-                                                         IS_CAUSAL)
+                                                         IS_CAUSAL, SHIFT_LAST)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
                     if SPLIT_KV:
                         mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
@@ -329,7 +346,7 @@ def _flash_fwd_persistent_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-    SPLIT_KV: gl.constexpr,
+    SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr,
 ):
     gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
     gl.static_assert(not (OVERLAP and PINGPONG), "turns in the serial loop only")
@@ -359,28 +376,28 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
             (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
-                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV)),
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
         ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, OVERLAP_LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
-                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV)),
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
         ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
                     OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
     drop_ring(q_ready, q_empty, 2)
@@ -424,7 +441,8 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     overlap, split_kv = consumer_loop(dim, block_size)
     overlap = overlap and tile_m == TILE_M  # three consumers' registers do not hold the overlapped loop's tiles
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
-                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv, num_warps=4)
+                OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv,
+                SHIFT_LAST=SHIFT_LAST and not overlap, num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)
