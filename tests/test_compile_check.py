@@ -95,7 +95,7 @@ def test_hopper_ws_kernels_compile(tmp_path):
 
 
 def test_warp_specialized_flash_forward_compiles(tmp_path):
-    """The Gluon flash forward for sm_90 (fp16 / bf16, D 64 / 128, causal GQA or
+    """The Gluon flash forward for sm_90 (bf16, D 64 / 128, causal GQA or
     neither, consumers serial, overlapped or in ping-pong): wgmma, TMA loads and the output's TMA store, tensor
     maps made in the kernel, mbarrier waits and the partitions' register reallocation, within the
     register, spill and shared-memory budgets (``compile_check`` fails a build over them); the
@@ -105,10 +105,13 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too), a
     block's last key tile its last keys (``SHIFT_LAST``); two
     consumer warpgroups, or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
-    ptx = _compile_check("sm_90", "flash_gluon_fwd", tmp_path / "sm_90")
-    assert len(ptx) == 90 and sum("_persistent_" in name for name in ptx) == 66
-    assert sum("_m192_" in name for name in ptx) == 10 and sum(name.endswith("_split_kv") for name in ptx) == 18
-    assert sum(name.endswith("_shift_last") for name in ptx) == 16
+    # bf16 builds (the CLI builds fp16 too: the same code at another element type, 40 more builds and 2 more
+    # minutes of the CPU run).
+    only = "flash_gluon_fwd_bf16,flash_gluon_fwd_persistent_bf16,flash_gluon_fwd_persistent_m192"
+    ptx = _compile_check("sm_90", only, tmp_path / "sm_90")
+    assert len(ptx) == 50 and sum("_persistent_" in name for name in ptx) == 38
+    assert sum("_m192_" in name for name in ptx) == 10 and sum(name.endswith("_split_kv") for name in ptx) == 10
+    assert sum(name.endswith("_shift_last") for name in ptx) == 8
     assert not any("_overlap_split_kv_shift" in name for name in ptx)
     for name in (n for n in ptx if n.endswith("_split_kv")):
         inits = [ptx[n].count("mbarrier.init") for n in (name.removesuffix("_split_kv"), name)]
