@@ -95,6 +95,11 @@ def test_unit_bounds_and_inputs():
 
 def test_shape_names():
     assert "tiny" not in shapes.resolve("all") and shapes.resolve("default") == list(shapes.DEFAULT_SHAPES)
+    # Blocks of 192-512 tokens, both production head layouts, each case named for its shape.
+    for block in (192, 256, 384, 512):
+        cases = shapes.SHAPES[f"block{block}"]()
+        assert [(c.name, c.shape, c.block_size) for c in cases] == [
+            (f"block{block}/d{d}h{h}", f"block{block}", block) for h, d in shapes.PROD_HEADS]
     with pytest.raises(ValueError, match="unknown shape"):
         shapes.resolve("prod,nope")
 

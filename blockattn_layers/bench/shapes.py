@@ -104,6 +104,18 @@ def block512() -> List[Case]:
     return _heads("block512", prod_lengths(), 512)
 
 
+def block192() -> List[Case]:
+    """Blocks of 192 tokens (two 128-key tiles, the second half full) on prod lengths, both production head
+    layouts: beside ``block256`` and ``block384`` for the flash forward's consumer loop choice
+    (``sm90.flash_persistent.LOOPS``)."""
+    return _heads("block192", prod_lengths(), 192)
+
+
+def block384() -> List[Case]:
+    """Blocks of 384 tokens (three 128-key tiles) on prod lengths, both production head layouts."""
+    return _heads("block384", prod_lengths(), 384)
+
+
 def layer() -> List[Case]:
     cfg = LayerConfig(d_model=256, nhead=2, dim_feedforward=1024)
     return [Case("layer/d256h2", "layer", prod_lengths(), 2, 128, BLOCK, layer=cfg)]
@@ -132,7 +144,9 @@ SHAPES: Dict[str, Callable[[], List[Case]]] = {
     "seed3_d256": seed3_d256,
     "seed3_d64": seed3_d64,
     "prod_full": prod_full,
+    "block192": block192,
     "block256": block256,
+    "block384": block384,
     "block512": block512,
     "layer": layer,
     "tiny": tiny,
