@@ -24,7 +24,8 @@ busy (1.18x the floor at prod D128). Here the copies run on their own:
   shorter one's in 16-byte row chunks, rows past the block masked.
 
 With rotary (split halves over every channel, ``ROTARY``) each consumer first rotates the item's
-stored q and k in float32 into its own 16-bit half tiles, 32 rows at a time with those rows' angles
+stored q and k in float16 arithmetic into its own float16 half tiles (``F16_ROTATION``; off: in float32
+into halves of the output dtype), 32 rows at a time with those rows' angles
 (implicit positions from the block's first row in its sequence, or given ones), releases the slot,
 and takes the scores as the sum of two 16-bit products of the halves; the factors stay on the
 scores (the rotation is linear and they are per kv head or per sequence).
