@@ -95,7 +95,7 @@ gpu-candidates-bench:
 	timeout 180 python3 -m blockattn_layers.bench.fp8 --kernels --out $(GPU_OUT)/fp8.csv || true
 	timeout 120 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
 	timeout 180 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
-		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_serial_joint],triton_flash[gluon_overlap_joint],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong],triton_flash[gluon_shift_last]" \
+		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_serial_joint],triton_flash[gluon_overlap_joint],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong],triton_flash[gluon_shift_last],triton_flash[gluon_early_release]" \
 		--out $(GPU_OUT)/flash_fwd || true
 
 gpu-candidates-bwd-bench:

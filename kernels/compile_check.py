@@ -453,17 +453,17 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
 
     # Consumer loops. The per-tile form's ping-pong overlaps too; the persistent form's takes turns in the
     # serial loop, its k and v may sit on barriers of their own (SPLIT_KV), and in the serial loop a block's
-    # last key tile may be its last keys (SHIFT_LAST; the overlapped loop spills 324-332 B with it at D 128).
+    # last key tile may be its last keys (SHIFT_LAST; the overlapped loop spills 324-332 B with it at D 128), and
+    # the previous item's query buffer may go back after the first Q K^T (EARLY_RELEASE).
     loops = {"": dict(OVERLAP=False, PINGPONG=False), "_overlap": dict(OVERLAP=True, PINGPONG=False),
              "_pingpong": dict(OVERLAP=True, PINGPONG=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_ws_kernel, "flash_gluon_fwd", loops)
-    loops = {"": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False),
-             "_overlap": dict(OVERLAP=True, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False),
-             "_pingpong": dict(OVERLAP=False, PINGPONG=True, SPLIT_KV=False, SHIFT_LAST=False),
-             "_split_kv": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=True, SHIFT_LAST=False),
-             "_overlap_split_kv": dict(OVERLAP=True, PINGPONG=False, SPLIT_KV=True, SHIFT_LAST=False),
-             "_shift_last": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=True),
-             "_split_kv_shift_last": dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=True, SHIFT_LAST=True)}
+    plain = dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False, EARLY_RELEASE=False)
+    loops = {"": plain, "_overlap": dict(plain, OVERLAP=True), "_pingpong": dict(plain, PINGPONG=True),
+             "_split_kv": dict(plain, SPLIT_KV=True), "_overlap_split_kv": dict(plain, OVERLAP=True, SPLIT_KV=True),
+             "_shift_last": dict(plain, SHIFT_LAST=True),
+             "_split_kv_shift_last": dict(plain, SPLIT_KV=True, SHIFT_LAST=True),
+             "_early_release": dict(plain, EARLY_RELEASE=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_persistent_kernel, "flash_gluon_fwd_persistent", loops)
     # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64 (each loop but
     # the overlapped one on split barriers: ptxas spills 360-408 B at three consumers' 160 registers); at D 128
@@ -473,8 +473,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         name = f"flash_gluon_fwd_persistent_m192_bf16_d64{'_causal_gqa' if causal else ''}{loop}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, OVERLAP=False,
-                          PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False)
+        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, **plain)
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols

@@ -317,7 +317,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     full attention, D 64, after), ``triton_flash[gluon_m192]`` with 192-row items at full attention with D 128
     too, ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns (each of the three on the
     serial loop with one barrier pair, as measured), ``triton_flash[gluon_shift_last]`` with a block's ragged
-    last key tile its last keys, and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
+    last key tile its last keys, ``triton_flash[gluon_early_release]`` with the previous item's query buffer
+    released after the first ``Q K^T``, and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
     ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
     (``flash_persistent.LOOPS``) everywhere; every switch back at its default afterwards."""
     from blockattn_layers.bench import ours
@@ -343,7 +344,10 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     assert not flash_persistent.PINGPONG and not flash_persistent.SHIFT_LAST
     with ours.GLUON_FLASH_SHIFT_LAST.context():
         assert flash_persistent.SHIFT_LAST and flash_persistent.taken(cpu)
-    assert not flash_persistent.SHIFT_LAST
+    assert not flash_persistent.SHIFT_LAST and not flash_persistent.EARLY_RELEASE
+    with ours.GLUON_FLASH_EARLY_RELEASE.context():
+        assert flash_persistent.EARLY_RELEASE and flash_persistent.taken(cpu)
+    assert not flash_persistent.EARLY_RELEASE
     # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
     defaults = dict(flash_persistent.LOOPS)
     loop = flash_persistent.consumer_loop

@@ -37,7 +37,7 @@ CASES = {
 
 
 def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=flash_fwd.TILE_M,
-         tile_n=flash_fwd.TILE_N, pingpong=False, split_kv=False, shift_last=False):
+         tile_n=flash_fwd.TILE_N, pingpong=False, split_kv=False, shift_last=False, early_release=False):
     total, heads, dim = q.shape
     sched = FlashSchedule(offsets, total, block_size, tile_m, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
@@ -49,6 +49,7 @@ def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=f
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
         HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n,
         IS_CAUSAL=causal, OVERLAP=overlap, PINGPONG=pingpong, SPLIT_KV=split_kv, SHIFT_LAST=shift_last,
+        EARLY_RELEASE=early_release,
     )
     return o, lse, run
 
@@ -65,21 +66,22 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
     (True, 192, 128, False, False), (False, 192, 64, False, False), (False, 128, 128, True, False),
     (False, 192, 128, True, False), (False, 128, 128, False, True), (True, 128, 128, False, True),
     (False, 192, 128, False, True), (False, 128, 128, False, "shift"), (False, 128, 128, False, "shift-joint"),
-    (False, 192, 128, False, "shift")],
+    (False, 192, 128, False, "shift"), (False, 128, 128, False, "early"), (True, 128, 128, False, "early")],
     ids=["serial", "overlap", "m192-serial", "m192-overlap", "m192-n64", "pingpong", "m192-pingpong", "split-kv",
          "overlap-split-kv", "m192-split-kv", "split-kv-shift-last", "shift-last",
-         "m192-split-kv-shift-last"])
+         "m192-split-kv-shift-last", "early-release", "overlap-split-kv-early-release"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_persistent_forward_matches_the_reference(name, overlap, tile_m, tile_n, pingpong, split_kv):
     """Output and logsumexp against the float64 reference, each output element stored once: two consumer
     warpgroups per 128-row item or three per 192-row item (``THREE_CONSUMER_HEAD_DIMS``; 64-row key tiles
     as at D 128), serial or overlapped loops, the serial one's products in turns (``PINGPONG``), k and v
     on barriers of their own (``SPLIT_KV``; "shift": and a block's last key tile its last keys, ``SHIFT_LAST``,
-    "shift-joint": the same on one barrier pair)."""
+    "shift-joint": the same on one barrier pair; "early": and the previous item's query buffer released after the
+    first ``Q K^T``, ``EARLY_RELEASE``)."""
     lengths, heads, kv_heads, dim, block_size, causal, programs = CASES[name]
     q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=len(lengths) + dim)
     o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap, tile_m, tile_n, pingpong,
-                       split_kv in (True, "shift"), split_kv in ("shift", "shift-joint"))
+                       split_kv in (True, "shift", "early"), split_kv in ("shift", "shift-joint"), split_kv == "early")
     d = [x.double() for x in (q, k, v)]
     want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
     assert rel_err(o, want) < 3e-3

@@ -505,10 +505,12 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                                                          (True, False, True), (False, False, "m192"),
                                                          (False, False, "pingpong"), (False, False, "split_kv"),
                                                          (True, False, "split_kv"), (False, False, "default"),
-                                                         (False, False, "shift_last")],
+                                                         (False, False, "shift_last"),
+                                                         (False, False, "early_release")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
                               "persistent_m192", "persistent_pingpong", "persistent_split_kv",
-                              "persistent_overlap_split_kv", "persistent_default", "persistent_shift_last"])
+                              "persistent_overlap_split_kv", "persistent_default", "persistent_shift_last",
+                              "persistent_early_release"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
@@ -516,7 +518,8 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
     serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own;
     "default": the items and consumer loops taken by default, the others one loop everywhere; "shift_last":
-    the defaults with a block's ragged last key tile its last keys in the serial loops): output
+    the defaults with a block's ragged last key tile its last keys in the serial loops; "early_release": the
+    defaults with the previous item's query buffer released after the first ``Q K^T``): output
     within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and
     the backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference
@@ -527,10 +530,12 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
                         frozenset({64, 128} if persistent == "m192"
-                                  else {64} if persistent in ("pingpong", "default", "shift_last") else ()))
+                                  else {64} if persistent in ("pingpong", "default", "shift_last", "early_release")
+                                  else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
     monkeypatch.setattr(flash_persistent, "SHIFT_LAST", persistent == "shift_last")
-    if persistent not in ("default", "shift_last"):  # one loop everywhere (split_kv: k, v on barriers of their own)
+    monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", persistent == "early_release")
+    if persistent not in ("default", "shift_last", "early_release"):  # one loop everywhere (split_kv: k, v on barriers of their own)
         monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, persistent == "split_kv")
                                                         for key in flash_persistent.LOOPS})
     launches = []

@@ -237,6 +237,10 @@ GLUON_FLASH_SHIFT_LAST = _gluon_forward_option(
     "triton_flash[gluon_shift_last]", "flash_persistent",
     "triton_flash with the persistent Gluon forward's ragged last key tile of a block taken from the block's last "
     "keys (no wait in the loader; serial loops only), on every call it admits", SHIFT_LAST=True)
+GLUON_FLASH_EARLY_RELEASE = _gluon_forward_option(
+    "triton_flash[gluon_early_release]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward's consumers giving the previous item's query buffer back after "
+    "the first Q K^T (not the first P V), on every call it admits", EARLY_RELEASE=True)
 GLUON_FLASH_LOOPS = [
     _gluon_forward_option(
         f"triton_flash[gluon_{name}]", "flash_persistent",
@@ -461,7 +465,8 @@ def our_methods() -> List[Method]:
         if spec.name == "triton_flash":
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_M128,
-                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, GLUON_FLASH_SHIFT_LAST, *GLUON_FLASH_LOOPS,
+                            GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, GLUON_FLASH_SHIFT_LAST, GLUON_FLASH_EARLY_RELEASE,
+                            *GLUON_FLASH_LOOPS,
                             *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
                             GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,
                             *FLASH_KERNELS])

@@ -106,6 +106,12 @@ LOOPS = {(128, True): (True, True), (64, True): (False, True),
 # (two key tiles an item) should gain most. Serial loop only: in the overlapped one at D 128 ptxas spills
 # 324-332 B with it (8 B without).
 SHIFT_LAST = False
+# A consumer gives the previous item's query buffer (where that item's output was staged for its TMA store) back
+# to the loader once this item's first ``Q K^T`` is done, instead of after the first key tile's ``P V``. On an
+# item of one key tile (blocks of up to 128 tokens) the later release left the loader to start the next item's
+# query copies only as this item's products ended, so their latency showed between items. A candidate, off
+# until timed (the benchmark's ``triton_flash[gluon_early_release]`` row).
+EARLY_RELEASE = False
 
 
 def consumer_loop(head_dim: int, block_size: int) -> tuple:
@@ -147,6 +153,13 @@ def _copy_kv(k_map, v_map, coord, bar, k_tile, v_tile, BLOCK_N: gl.constexpr, NB
     mbarrier.expect(bar, 2 * BLOCK_N * NBYTES)
     tma.async_copy_global_to_shared(k_map, coord, bar, k_tile)
     tma.async_copy_global_to_shared(v_map, coord, bar, v_tile)
+
+
+@gluon.jit
+def _copy_tile(desc, coord, bar, tile, BLOCK_N: gl.constexpr, NBYTES: gl.constexpr):
+    """One ``[BLOCK_N, D]`` tile (k or v) into ``tile`` by TMA, its bytes announced on ``bar``."""
+    mbarrier.expect(bar, BLOCK_N * NBYTES)
+    tma.async_copy_global_to_shared(desc, coord, bar, tile)
 
 
 @gluon.jit
@@ -200,16 +213,13 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empt
                     ragged = rem < BLOCK_N
                 mbarrier.wait(kv_empty.index(s), phase)
                 if SPLIT_KV:
-                    mbarrier.expect(kv_ready.index(s), BLOCK_N * nbytes)
-                    tma.async_copy_global_to_shared(k_map, coord, kv_ready.index(s), k_s.index(s))
+                    _copy_tile(k_map, coord, kv_ready.index(s), k_s.index(s), BLOCK_N, nbytes)
                     mbarrier.wait(v_empty.index(s), phase)
                     if ragged:
-                        mbarrier.expect(fix, BLOCK_N * nbytes)
-                        tma.async_copy_global_to_shared(v_map, coord, fix, v_s.index(s))
+                        _copy_tile(v_map, coord, fix, v_s.index(s), BLOCK_N, nbytes)
                         fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, v_ready.index(s), BLOCK_N, HEAD_DIM)
                     else:
-                        mbarrier.expect(v_ready.index(s), BLOCK_N * nbytes)
-                        tma.async_copy_global_to_shared(v_map, coord, v_ready.index(s), v_s.index(s))
+                        _copy_tile(v_map, coord, v_ready.index(s), v_s.index(s), BLOCK_N, nbytes)
                 elif ragged:
                     _copy_kv(k_map, v_map, coord, fix, k_s.index(s), v_s.index(s), BLOCK_N, nbytes)
                     fixes = _fix_ragged_v(v_s.index(s), fix, fixes, rem, kv_ready.index(s), BLOCK_N, HEAD_DIM)
@@ -232,13 +242,15 @@ def _release_buffer(q_empty, b):
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse, Table, slots,
               heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr):
+              SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
     ``P V`` issued together, tile ``j + 1``'s softmax while ``P V`` runs); the output through the
     dead half (TMA store inside the block, masked stores past it). With ``SPLIT_KV`` a slot's k is
-    released after its ``Q K^T`` and its v (on ``v_ready`` / ``v_empty``) after its ``P V``."""
+    released after its ``Q K^T`` and its v (on ``v_ready`` / ``v_empty``) after its ``P V``. The previous item's
+    query buffer goes back to the loader after the first key tile's ``P V`` (the overlapped loop: its softmax),
+    or with ``EARLY_RELEASE`` its ``Q K^T``."""
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
@@ -267,9 +279,11 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                 scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, use_acc=False)
                 if SPLIT_KV:
                     _release(kv_empty, s)
+                if EARLY_RELEASE and qi > 0:
+                    _release_buffer(q_empty, 1 - b)
                 p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                      IS_CAUSAL, SHIFT_LAST)
-                if qi > 0:
+                if not EARLY_RELEASE and qi > 0:
                     _release_buffer(q_empty, 1 - b)
                 for j in range(tiles - 1):
                     s = it % STAGES
@@ -308,6 +322,8 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
                     if SPLIT_KV:
                         _release(kv_empty, s)
+                    if EARLY_RELEASE and j == 0 and qi > 0:
+                        _release_buffer(q_empty, 1 - b)
                     p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                          IS_CAUSAL, SHIFT_LAST)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
@@ -323,7 +339,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
                     _release(v_empty if SPLIT_KV else kv_empty, s)
                     it += 1
-                    if j == 0 and qi > 0:
+                    if not EARLY_RELEASE and j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
             o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
             if first + HALF_M <= n:
@@ -346,7 +362,7 @@ def _flash_fwd_persistent_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-    SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr,
+    SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):
     gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
     gl.static_assert(not (OVERLAP and PINGPONG), "turns in the serial loop only")
@@ -376,13 +392,13 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
             (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
                        BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
@@ -391,10 +407,10 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
                        BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
@@ -442,7 +458,7 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     overlap = overlap and tile_m == TILE_M  # three consumers' registers do not hold the overlapped loop's tiles
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
                 OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv,
-                SHIFT_LAST=SHIFT_LAST and not overlap, num_warps=4)
+                SHIFT_LAST=SHIFT_LAST and not overlap, EARLY_RELEASE=EARLY_RELEASE, num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)
