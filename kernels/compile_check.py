@@ -454,16 +454,18 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     # Consumer loops. The per-tile form's ping-pong overlaps too; the persistent form's takes turns in the
     # serial loop, its k and v may sit on barriers of their own (SPLIT_KV), and in the serial loop a block's
     # last key tile may be its last keys (SHIFT_LAST; the overlapped loop spills 324-332 B with it at D 128), and
-    # the previous item's query buffer may go back after the first Q K^T (EARLY_RELEASE).
+    # the previous item's query buffer may go back after the first Q K^T (EARLY_RELEASE), and items of one key
+    # tile may reuse the previous item's (SHARE_KV, with both of the last two).
     loops = {"": dict(OVERLAP=False, PINGPONG=False), "_overlap": dict(OVERLAP=True, PINGPONG=False),
              "_pingpong": dict(OVERLAP=True, PINGPONG=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_ws_kernel, "flash_gluon_fwd", loops)
-    plain = dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False, EARLY_RELEASE=False)
+    plain = dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False, EARLY_RELEASE=False, SHARE_KV=False)
     loops = {"": plain, "_overlap": dict(plain, OVERLAP=True), "_pingpong": dict(plain, PINGPONG=True),
              "_split_kv": dict(plain, SPLIT_KV=True), "_overlap_split_kv": dict(plain, OVERLAP=True, SPLIT_KV=True),
              "_shift_last": dict(plain, SHIFT_LAST=True),
              "_split_kv_shift_last": dict(plain, SPLIT_KV=True, SHIFT_LAST=True),
-             "_early_release": dict(plain, EARLY_RELEASE=True)}
+             "_early_release": dict(plain, EARLY_RELEASE=True),
+             "_share_kv": dict(plain, SPLIT_KV=True, EARLY_RELEASE=True, SHARE_KV=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_persistent_kernel, "flash_gluon_fwd_persistent", loops)
     # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64 (each loop but
     # the overlapped one on split barriers: ptxas spills 360-408 B at three consumers' 160 registers); at D 128

@@ -104,16 +104,17 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     overlapped, and serial in turns (``PINGPONG``, each product waited for alone); k and v on one barrier
     pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too), a
     block's last key tile its last keys (``SHIFT_LAST``), the previous item's query buffer released after the
-    first ``Q K^T`` (``EARLY_RELEASE``); two
+    first ``Q K^T`` (``EARLY_RELEASE``), items of one key tile reusing the previous one's (``SHARE_KV``); two
     consumer warpgroups, or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
     # bf16 builds (the CLI builds fp16 too: the same code at another element type, 40 more builds and 2 more
     # minutes of the CPU run).
     only = "flash_gluon_fwd_bf16,flash_gluon_fwd_persistent_bf16,flash_gluon_fwd_persistent_m192"
     ptx = _compile_check("sm_90", only, tmp_path / "sm_90")
-    assert len(ptx) == 54 and sum("_persistent_" in name for name in ptx) == 42
+    assert len(ptx) == 58 and sum("_persistent_" in name for name in ptx) == 46
     assert sum("_m192_" in name for name in ptx) == 10 and sum(name.endswith("_split_kv") for name in ptx) == 10
     assert sum(name.endswith("_shift_last") for name in ptx) == 8
     assert sum(name.endswith("_early_release") for name in ptx) == 4
+    assert sum(name.endswith("_share_kv") for name in ptx) == 4
     assert not any("_overlap_split_kv_shift" in name for name in ptx)
     for name in (n for n in ptx if n.endswith("_split_kv")):
         inits = [ptx[n].count("mbarrier.init") for n in (name.removesuffix("_split_kv"), name)]
@@ -125,8 +126,8 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
             assert instruction in text, (name, instruction)
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
-        overlapped = name.removesuffix("_early_release").removesuffix("_shift_last").removesuffix(
-            "_split_kv").endswith("_overlap") or (
+        stem = name.removesuffix("_share_kv").removesuffix("_early_release").removesuffix("_shift_last")
+        overlapped = stem.removesuffix("_split_kv").endswith("_overlap") or (
             name.endswith("_pingpong") and "_persistent_" not in name)
         assert ("CC" in order) == overlapped, (name, order)
 

@@ -37,7 +37,8 @@ CASES = {
 
 
 def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=flash_fwd.TILE_M,
-         tile_n=flash_fwd.TILE_N, pingpong=False, split_kv=False, shift_last=False, early_release=False):
+         tile_n=flash_fwd.TILE_N, pingpong=False, split_kv=False, shift_last=False, early_release=False,
+         share_kv=False):
     total, heads, dim = q.shape
     sched = FlashSchedule(offsets, total, block_size, tile_m, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
@@ -49,7 +50,7 @@ def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=f
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
         HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n,
         IS_CAUSAL=causal, OVERLAP=overlap, PINGPONG=pingpong, SPLIT_KV=split_kv, SHIFT_LAST=shift_last,
-        EARLY_RELEASE=early_release,
+        EARLY_RELEASE=early_release, SHARE_KV=share_kv,
     )
     return o, lse, run
 
@@ -98,6 +99,32 @@ def test_persistent_forward_matches_the_reference(name, overlap, tile_m, tile_n,
     if causal:
         s = s.masked_fill(torch.ones(u1 - lo, u1 - lo, dtype=torch.bool).triu(1), float("-inf"))
     assert torch.allclose(lse[:, lo:u1].double(), torch.logsumexp(s, -1), atol=2e-3)
+
+
+# Blocks of one key tile with grouped query heads (lengths, heads, kv_heads, dim, block_size, causal, programs):
+# ragged blocks, a block of one row, zero-length sequences; program ranges that split a block's query heads.
+SHARED_KV_CASES = {
+    "blocks128-gqa-d64": ([300, 5, 129, 0, 128, 1, 64, 250], 4, 1, 64, 128, False, 3),
+    "blocks64-gqa-causal-d128": ([70, 3, 128, 65, 0, 200], 8, 2, 128, 64, True, 5),
+}
+
+
+@pytest.mark.parametrize("split_kv,early_release", [(False, False), (True, False), (True, True)],
+                         ids=["joint", "split-kv", "split-kv-early-release"])
+@pytest.mark.parametrize("name", list(SHARED_KV_CASES))
+def test_items_sharing_their_key_tile_match_the_reference(name, split_kv, early_release):
+    """``SHARE_KV``: each program's contiguous range of items, a block's query heads of one kv head reading the
+    key tile the first of them copied (a ragged tile's v rows zeroed once): output and logsumexp against the
+    float64 reference, each element stored once, with k and v on one barrier pair or their own."""
+    lengths, heads, kv_heads, dim, block_size, causal, programs = SHARED_KV_CASES[name]
+    q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=dim + heads)
+    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, split_kv=split_kv,
+                       early_release=early_release, share_kv=True)
+    d = [x.double() for x in (q, k, v)]
+    want = reference.attention_forward(*d, offsets, block_size, dim ** -0.5, causal, None, None, 0, False)
+    assert rel_err(o, want) < 3e-3
+    assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
+    assert torch.equal(run.writes("Lse"), torch.ones_like(lse, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("overlap,tile_m,split_kv", [(False, 128, False), (True, 128, False), (False, 192, False),

@@ -753,6 +753,50 @@ def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, d
     assert rel_err(out[keep], want[keep]) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("options", ["default", "early_release", "share_kv", "share_kv_split"])
+@pytest.mark.parametrize("case", [dict(heads=8, kv_heads=2, dim=128, block_size=128),
+                                  dict(heads=4, kv_heads=1, dim=64, block_size=128, causal=True),
+                                  dict(heads=8, kv_heads=2, dim=64, block_size=64),
+                                  dict(heads=2, kv_heads=2, dim=128, block_size=100, causal=True)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_gpu_persistent_forward_at_one_tile_blocks(monkeypatch, case, options):
+    """The persistent Gluon forward called directly on blocks of one key tile (the op layer gives it blocks over
+    128 tokens only): output within 2x the naive bf16 error of the float64 oracle, and a NaN sequence kept to its
+    own rows; with the previous item's query buffer released after the first ``Q K^T`` (``EARLY_RELEASE``), and
+    a block's grouped query heads reusing one copy of its key tile (``SHARE_KV``, on one barrier pair or
+    ``SPLIT_KV``), on all SMs and on two programs (ranges that split a block's heads)."""
+    from blockattn_layers import reference
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", options != "default")
+    monkeypatch.setattr(flash_persistent, "SHARE_KV", options.startswith("share_kv"))
+    if options == "share_kv_split":
+        monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, True) for key in flash_persistent.LOOPS})
+    case, dim, q, k, v, offsets = _gpu_inputs(case, torch.bfloat16, 3)
+    block, causal = case["block_size"], case.get("causal", False)
+    args = (block, dim ** -0.5, causal, None, None, 0, False)
+    oracle = reference.attention_forward(*(x.double() for x in (q, k, v)), offsets, *args)
+    naive = reference.attention_forward(q, k, v, offsets, *args, dtype=torch.bfloat16)
+    for programs in (None, 2):
+        if programs:
+            monkeypatch.setattr(flash_persistent, "sm_count", lambda device: programs)
+        out, _ = flash_persistent.flash_attention_fwd_persistent(q, k, v, offsets, block, dim ** -0.5, causal)
+        assert torch.isfinite(out).all() and rel_err(out, oracle) <= max(2 * rel_err(naive, oracle), 1.5e-2)
+    first, last = int(offsets[2]), int(offsets[3])
+    for x in (q, k, v):
+        x[first:last] = float("nan")
+    out, _ = flash_persistent.flash_attention_fwd_persistent(q, k, v, offsets, block, dim ** -0.5, causal)
+    keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+    keep[first:last] = False
+    assert torch.isnan(out[~keep]).all() and torch.isfinite(out[keep]).all()
+    assert rel_err(out[keep], oracle[keep]) <= max(2 * rel_err(naive, oracle), 1.5e-2)
+    del oracle, naive
+    torch.cuda.empty_cache()
+
+
 @interpret_only
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("block_size", [None, 200], ids=["full", "block200"])

@@ -112,6 +112,12 @@ SHIFT_LAST = False
 # query copies only as this item's products ended, so their latency showed between items. A candidate, off
 # until timed (the benchmark's ``triton_flash[gluon_early_release]`` row).
 EARLY_RELEASE = False
+# On items of one key tile (blocks of up to ``TILE_N`` tokens) with grouped query heads, each program takes a
+# contiguous range of items instead of every P-th, so a block's query heads of one kv head come one after the
+# other, and an item whose key tile is the previous item's reuses that ring slot: the loader copies k and v
+# once per (block, kv head), not once per query head from L2, and the consumers neither wait for nor release
+# the slot in between. Serial loops only. A candidate, off until timed (``triton_flash[gluon_share_kv]``).
+SHARE_KV = False
 
 
 def consumer_loop(head_dim: int, block_size: int) -> tuple:
@@ -122,11 +128,56 @@ def consumer_loop(head_dim: int, block_size: int) -> tuple:
 
 
 @gluon.jit
-def _item(Table, slots, heads, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """``(start, n, tile_row, h, tiles, unmasked)`` of this program's item ``i``: its block's first
-    token and length, the query tile's first row in the block, the query head, and its key tiles
-    (``flash_fwd.key_tiles``)."""
-    item = gl.program_id(0) + i * gl.num_programs(0)
+def _program_items(items, SHARE_KV: gl.constexpr):
+    """``(first, step, count)``: this program's items are ``first, first + step, ...``, ``count`` of them;
+    program ``p`` of ``P`` takes ``p, p + P, ...``, or with ``SHARE_KV`` the contiguous range ``[p * items // P,
+    (p + 1) * items // P)``."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    first = pid
+    step = programs
+    count = (items - pid + programs - 1) // programs
+    if SHARE_KV:
+        first = (pid.to(gl.int64) * items // programs).to(gl.int32)
+        step = pid * 0 + 1
+        count = ((pid + 1).to(gl.int64) * items // programs).to(gl.int32) - first
+    return first, step, count
+
+
+@gluon.jit
+def _shares_kv(i, h, tiles, GROUPS: gl.constexpr, SHARE_KV: gl.constexpr):
+    """1 where this program's item ``i`` (query head ``h``, ``tiles`` key tiles) takes the key tile of its item
+    ``i - 1`` (``SHARE_KV``: one key tile, the same block and kv head), else 0."""
+    if SHARE_KV:
+        return ((i > 0) & (h % GROUPS != 0) & (tiles == 1)).to(gl.int32)
+    else:
+        return i * 0
+
+
+@gluon.jit
+def _wait_unless(bar, phase, shared, SHARE_KV: gl.constexpr):
+    """Wait for ``bar``'s ``phase`` unless the item reuses the previous item's key tile (``shared``)."""
+    if SHARE_KV:
+        if shared == 0:
+            mbarrier.wait(bar, phase)
+    else:
+        mbarrier.wait(bar, phase)
+
+
+@gluon.jit
+def _release_unless(empty, s, keep, SHARE_KV: gl.constexpr):
+    """Release slot ``s`` on ``empty`` unless the next item reuses its key tile (``keep``)."""
+    if SHARE_KV:
+        if keep == 0:
+            _release(empty, s)
+    else:
+        _release(empty, s)
+
+
+@gluon.jit
+def _item(Table, slots, heads, item, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(start, n, tile_row, h, tiles, unmasked)`` of ``item``: its block's first token and length, the
+    query tile's first row in the block, the query head, and its key tiles (``flash_fwd.key_tiles``)."""
     slot = item // heads
     start = gl.load(Table + slot)
     n = gl.load(Table + slots + slot)
@@ -177,22 +228,24 @@ def _fix_ragged_v(v_tile, fix, fixes, rem, ready, BLOCK_N: gl.constexpr, HEAD_DI
 def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix, Q, K, V, Table, slots, heads,
             kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_KV: gl.constexpr,
-            SHIFT_LAST: gl.constexpr):
+            SHIFT_LAST: gl.constexpr, SHARE_KV: gl.constexpr):
     """Loader partition (one warp): per item its query parts into the next query buffer, then its
     key tiles' k and v into the ring (a block's ragged last tile's v through ``fix``, its rows past
     the block zeroed); with ``SPLIT_KV`` k on ``kv_ready`` / ``kv_empty`` and v on ``v_ready`` /
     ``v_empty``; with ``SHIFT_LAST`` a tile past a block of at least ``BLOCK_N`` keys is copied from its
-    last ``BLOCK_N`` keys instead, no wait, nothing zeroed (``flash_fwd.last_tile_row``)."""
+    last ``BLOCK_N`` keys instead, no wait, nothing zeroed (``flash_fwd.last_tile_row``); with ``SHARE_KV``
+    no key tile for an item that reuses the previous one's (``_shares_kv``)."""
     q_map = bounded_row_map(Q, total, heads, stride_qt, HALF_M, HEAD_DIM, HEAD_DIM)
     k_map = bounded_row_map(K, total, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     v_map = bounded_row_map(V, total, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     nbytes: gl.constexpr = HEAD_DIM * q_s.dtype.primitive_bitwidth // 8
-    count = (items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    first_item, step, count = _program_items(items, SHARE_KV)
     qi = 0
     it = 0
     fixes = 0
     for i in range(count):
-        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, i, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, first_item + i * step, BLOCK_M, BLOCK_N,
+                                                       IS_CAUSAL)
         if n > 0:
             b = qi % 2
             mbarrier.wait(q_empty.index(b), ((qi // 2) & 1) ^ 1)
@@ -201,7 +254,7 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empt
                 tma.async_copy_global_to_shared(q_map, [start + tile_row + c * HALF_M, h * HEAD_DIM],
                                                 q_ready.index(b), q_s.index(BLOCK_M // HALF_M * b + c))
             col = (h // GROUPS) * HEAD_DIM
-            for j in range(tiles):
+            for j in range(tiles * (1 - _shares_kv(i, h, tiles, GROUPS, SHARE_KV))):
                 s = it % STAGES
                 phase = ((it // STAGES) & 1) ^ 1
                 rem = n - j * BLOCK_N
@@ -242,7 +295,8 @@ def _release_buffer(q_empty, b):
 def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse, Table, slots,
               heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr):
+              SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr, GROUPS: gl.constexpr,
+              SHARE_KV: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
@@ -250,7 +304,9 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
     dead half (TMA store inside the block, masked stores past it). With ``SPLIT_KV`` a slot's k is
     released after its ``Q K^T`` and its v (on ``v_ready`` / ``v_empty``) after its ``P V``. The previous item's
     query buffer goes back to the loader after the first key tile's ``P V`` (the overlapped loop: its softmax),
-    or with ``EARLY_RELEASE`` its ``Q K^T``."""
+    or with ``EARLY_RELEASE`` its ``Q K^T``. With ``SHARE_KV`` (serial loop) an item that reuses the previous
+    item's key tile neither waits for it nor advances the ring, and an item whose key tile the next one reuses
+    keeps it."""
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     dtype: gl.constexpr = q_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_N)
@@ -258,12 +314,15 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     o_map = bounded_row_map(O, total, heads, stride_ot, HALF_M, HEAD_DIM, HEAD_DIM)
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_s)
-    count = (items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+    first_item, step, count = _program_items(items, SHARE_KV)
     qi = 0
     it = 0
     g = 0  # products issued (PINGPONG's turns)
     for i in range(count):
-        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, i, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, first_item + i * step, BLOCK_M, BLOCK_N,
+                                                       IS_CAUSAL)
+        shared = _shares_kv(i, h, tiles, GROUPS, SHARE_KV)
+        keep = _shares_kv(i + 1, h + 1, tiles, GROUPS, SHARE_KV) * (i + 1 < count).to(gl.int32)
         if n > 0:
             b = qi % 2
             q = q_s.index(BLOCK_M // HALF_M * b + half)
@@ -310,8 +369,8 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                 it += 1
             else:
                 for j in range(tiles):
-                    s = it % STAGES
-                    mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
+                    s = (it - shared) % STAGES
+                    _wait_unless(kv_ready.index(s), (it // STAGES) & 1, shared, SHARE_KV)
                     if PINGPONG:
                         await_turn(turn, half, g)
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, is_async=True)
@@ -321,14 +380,14 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                     else:
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
                     if SPLIT_KV:
-                        _release(kv_empty, s)
+                        _release_unless(kv_empty, s, keep, SHARE_KV)
                     if EARLY_RELEASE and j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
                     p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
                                                          IS_CAUSAL, SHIFT_LAST)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
                     if SPLIT_KV:
-                        mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
+                        _wait_unless(v_ready.index(s), (it // STAGES) & 1, shared, SHARE_KV)
                     if PINGPONG:
                         await_turn(turn, half, g)
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
@@ -337,8 +396,8 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                         g += 1
                     else:
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-                    _release(v_empty if SPLIT_KV else kv_empty, s)
-                    it += 1
+                    _release_unless(v_empty if SPLIT_KV else kv_empty, s, keep, SHARE_KV)
+                    it += 1 - shared
                     if not EARLY_RELEASE and j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
             o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc_d)), 1)
@@ -362,10 +421,11 @@ def _flash_fwd_persistent_kernel(
     Q, K, V, O, Lse, Table, slots, heads, kv_heads, items, total, qk_scale, stride_qt, stride_kt, stride_vt,
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-    SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+    SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr, SHARE_KV: gl.constexpr,
 ):
     gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
     gl.static_assert(not (OVERLAP and PINGPONG), "turns in the serial loop only")
+    gl.static_assert(not (OVERLAP and SHARE_KV), "key tiles shared by items in the serial loop only")
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     dtype: gl.constexpr = Q.dtype.element_ty
     layout: gl.constexpr = _smem_layout(HEAD_DIM)
@@ -392,28 +452,28 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
             (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
-                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST, SHARE_KV)),
         ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, OVERLAP_LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
-                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST)),
+                       BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST, SHARE_KV)),
         ], [4, 1], [OVERLAP_CONSUMER_REGS if OVERLAP else CONSUMER_REGS,
                     OVERLAP_LOADER_REGS if OVERLAP else LOADER_REGS])
     drop_ring(q_ready, q_empty, 2)
@@ -458,7 +518,9 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     overlap = overlap and tile_m == TILE_M  # three consumers' registers do not hold the overlapped loop's tiles
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
                 OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv,
-                SHIFT_LAST=SHIFT_LAST and not overlap, EARLY_RELEASE=EARLY_RELEASE, num_warps=4)
+                SHIFT_LAST=SHIFT_LAST and not overlap, EARLY_RELEASE=EARLY_RELEASE,
+                SHARE_KV=SHARE_KV and not overlap and q.shape[1] > k.shape[1] and 0 < block_size <= tile_n,
+                num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)
