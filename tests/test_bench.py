@@ -242,6 +242,25 @@ def test_flash_kernels_rows_match_the_oracle_at_a_single_tile_block(recompute):
         assert rel_err(g, r) < 2e-5
 
 
+def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
+    """The opt-in ``flash_kernels[gluon*]`` rows (the persistent Gluon forward called directly at blocks of up to
+    128 tokens): GPU rows, named only by ``--backends``, left to ``triton_flash`` at blocks over 128, each with
+    its ``flash_persistent`` options set for its calls and restored after."""
+    from blockattn_layers.kernels.sm90 import flash_persistent
+
+    rows = {m.name: m for m in our_methods() if m.name.startswith("flash_kernels[gluon")}
+    want = {"flash_kernels[gluon]": (False, False), "flash_kernels[gluon_early_release]": (True, False),
+            "flash_kernels[gluon_share_kv]": (True, True)}
+    assert set(rows) == set(want)
+    case = Case("t", "t", torch.tensor([0, 1, 130, 17]), 4, 128, 128, num_kv_heads=1)
+    for name, method in rows.items():
+        assert method.opt_in and method.gpu_only and name not in [m.name for m in cli.select_methods("ours")]
+        assert method.skip(dataclasses.replace(case, block_size=256), None) is not None
+        with method.context():
+            assert (flash_persistent.EARLY_RELEASE, flash_persistent.SHARE_KV) == want[name]
+        assert not flash_persistent.EARLY_RELEASE and not flash_persistent.SHARE_KV
+
+
 def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(monkeypatch):
     """``bench.fp8 --ws-options`` and ``--projection`` (their GPU rows run here on CPU tensors, the
     timer stubbed): a checked row per shape and setting, the warp-specialized forward's options

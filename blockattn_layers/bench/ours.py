@@ -392,14 +392,19 @@ class _FlashKernels(torch.autograd.Function):
     128 tokens to the single-tile kernels): the forward saves its output and logsumexp, or, with
     ``recompute``, the backward computes them again first, as the ``triton`` backend did where no
     block kernel's backward fits (``one_tile_backward_fits``) until session 23 (it now saves them
-    from the simple forward)."""
+    from the simple forward). With ``gluon`` the forward is the warp-specialized Gluon one
+    (``sm90.flash_fwd.flash_attention_fwd_ws``, its persistent form where taken)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, block_size, params, recompute):
+    def forward(ctx, q, k, v, offsets, block_size, params, recompute, gluon=False):
         from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
+        from blockattn_layers.kernels.sm90.flash_fwd import flash_attention_fwd_ws
 
-        out, lse = flash_attention_fwd(q, k, v, offsets, block_size, params.scale, params.causal, params.rope_theta,
-                                       None, params.rotary_dim, params.rotary_interleaved, None)
+        if gluon:
+            out, lse = flash_attention_fwd_ws(q, k, v, offsets, block_size, params.scale, params.causal)
+        else:
+            out, lse = flash_attention_fwd(q, k, v, offsets, block_size, params.scale, params.causal,
+                                           params.rope_theta, None, params.rotary_dim, params.rotary_interleaved, None)
         ctx.block_size, ctx.params, ctx.recompute = block_size, params, recompute
         ctx.save_for_backward(q, k, v, offsets, *(() if recompute else (out, lse)))
         return out
@@ -417,10 +422,10 @@ class _FlashKernels(torch.autograd.Function):
         out, lse = saved
         grads = flash_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, offsets, block_size, p.scale, p.causal,
                                     p.rope_theta, None, p.rotary_dim, p.rotary_interleaved, None)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
-def _flash_kernels_setup(recompute: bool):
+def _flash_kernels_setup(recompute: bool, gluon: bool = False):
     def setup(case: Case, inp: Inputs, cfg: RunConfig) -> Prepared:
         params = validate_attention_args(
             inp.q, inp.k, inp.v, inp.offsets, case.block_size, scale=None, causal=case.causal,
@@ -428,7 +433,7 @@ def _flash_kernels_setup(recompute: bool):
             rotary_interleaved=case.rotary_interleaved, cpu_offsets=None, max_seqlen=None, validate=False)
 
         def forward():
-            return _FlashKernels.apply(inp.q, inp.k, inp.v, inp.offsets, case.block_size, params, recompute)
+            return _FlashKernels.apply(inp.q, inp.k, inp.v, inp.offsets, case.block_size, params, recompute, gluon)
 
         return Prepared(forward, (inp.q, inp.k, inp.v), inp.grad_out)
 
@@ -441,6 +446,23 @@ def _flash_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
     return None
 
 
+def _gluon_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
+    return _flash_kernels_skip(case, cfg) or _gluon_refusal(case, cfg)
+
+
+def _gluon_kernels_options(**values):
+    """The context of a ``flash_kernels[gluon*]`` row: unverified kernels allowed, ``sm90.flash_persistent``'s
+    constants set to ``values``."""
+    @contextlib.contextmanager
+    def context():
+        from blockattn_layers.kernels.sm90 import flash_persistent
+
+        with module_attrs(flash_persistent, **values), _unverified_kernels():
+            yield
+
+    return context
+
+
 FLASH_KERNELS = [
     Method(name, "ours", _flash_kernels_setup(recompute), _attention, skip=_flash_kernels_skip, gpu_only=True,
            opt_in="a measurement of the kernels outside the op: run when --backends names it",
@@ -450,6 +472,18 @@ FLASH_KERNELS = [
          "which gives those to the single-tile kernels), output and logsumexp saved"),
         ("flash_kernels[recompute]", True, "flash_kernels with the backward recomputing output and logsumexp, as "
          "the triton backend did where no block kernel's backward fits (it now saves them)"),
+    )
+] + [
+    Method(name, "ours", _flash_kernels_setup(False, gluon=True), _attention, skip=_gluon_kernels_skip, gpu_only=True,
+           opt_in="a measurement of the kernels outside the op: run when --backends names it",
+           description=description, context=_gluon_kernels_options(**values))
+    for name, description, values in (
+        ("flash_kernels[gluon]", "flash_kernels with the persistent Gluon forward (sm_90) at blocks of up to 128 "
+         "tokens, as it is launched for blocks over 128", {}),
+        ("flash_kernels[gluon_early_release]", "flash_kernels[gluon] with the previous item's query buffer released "
+         "after the first Q K^T (flash_persistent.EARLY_RELEASE)", dict(EARLY_RELEASE=True)),
+        ("flash_kernels[gluon_share_kv]", "flash_kernels[gluon_early_release] with a block's grouped query heads "
+         "reusing one copy of its key tile (flash_persistent.SHARE_KV)", dict(EARLY_RELEASE=True, SHARE_KV=True)),
     )
 ]
 
