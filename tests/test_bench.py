@@ -360,10 +360,13 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_PINGPONG.context():
         assert flash_persistent.PINGPONG and flash_persistent.taken(cpu)
         assert {key: flash_persistent.consumer_loop(*key) for key in serial_joint} == serial_joint
-    assert not flash_persistent.PINGPONG and not flash_persistent.SHIFT_LAST
+    shift_last = [flash_persistent.shift_last_taken(block) for block in (0, 64, 192, 256, 257, 512)]
+    assert not flash_persistent.PINGPONG and shift_last == [False, True, True, True, False, False]
     with ours.GLUON_FLASH_SHIFT_LAST.context():
-        assert flash_persistent.SHIFT_LAST and flash_persistent.taken(cpu)
-    assert not flash_persistent.SHIFT_LAST and not flash_persistent.EARLY_RELEASE
+        assert all(flash_persistent.shift_last_taken(block) for block in (0, 64, 256, 512, 1 << 20))
+        assert flash_persistent.taken(cpu)
+    assert [flash_persistent.shift_last_taken(block) for block in (0, 64, 192, 256, 257, 512)] == shift_last
+    assert not flash_persistent.EARLY_RELEASE
     with ours.GLUON_FLASH_EARLY_RELEASE.context():
         assert flash_persistent.EARLY_RELEASE and flash_persistent.taken(cpu)
     assert not flash_persistent.EARLY_RELEASE

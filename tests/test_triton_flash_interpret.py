@@ -517,8 +517,9 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     persistent form (``sm90.flash_persistent``, 128-row items; "m192": 192-row items, three consumer
     warpgroups, at full attention with D 64, as taken by default, and D 128, a candidate; "pingpong": the
     serial loop's products in turns, on the default items; "split_kv": k and v on barriers of their own;
-    "default": the items and consumer loops taken by default, the others one loop everywhere; "shift_last":
-    the defaults with a block's ragged last key tile its last keys in the serial loops; "early_release": the
+    "default": the items and consumer loops taken by default (a block's ragged last key tile its last keys at
+    blocks of up to 256 tokens), the others one loop everywhere; "shift_last": the defaults with that last key
+    tile in every serial loop, full attention too; "early_release": the
     defaults with the previous item's query buffer released after the first ``Q K^T``): output
     within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and
     the backward on its output and logsumexp as accurate as on the Triton forward's."""
@@ -533,7 +534,8 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                                   else {64} if persistent in ("pingpong", "default", "shift_last", "early_release")
                                   else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
-    monkeypatch.setattr(flash_persistent, "SHIFT_LAST", persistent == "shift_last")
+    if persistent == "shift_last":
+        monkeypatch.setattr(flash_persistent, "SHIFT_LAST_BLOCKS", (0, 1 << 62))
     monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", persistent == "early_release")
     if persistent not in ("default", "shift_last", "early_release"):  # one loop everywhere (split_kv: k, v on barriers of their own)
         monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, persistent == "split_kv")
@@ -737,13 +739,14 @@ def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, d
     the next sequence's rows, whose v rows the loader zeroes. A NaN sequence between ragged ones is
     NaN and every other row finite and equal to the Triton forward's within bf16 rounding; on two
     programs, so each takes many items; k and v on one barrier pair or their own (``SPLIT_KV``), the last
-    key tile of a block of at least 128 rows its last keys (``SHIFT_LAST``)."""
+    key tile of a sequence of at least 128 rows its last keys (``SHIFT_LAST_BLOCKS`` taking full attention) or
+    not."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90 import flash_persistent
 
     monkeypatch.setattr(flash_persistent, "TAKEN", [True])
     monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, split_kv) for key in flash_persistent.LOOPS})
-    monkeypatch.setattr(flash_persistent, "SHIFT_LAST", shift_last)
+    monkeypatch.setattr(flash_persistent, "SHIFT_LAST_BLOCKS", (0, 1 << 62) if shift_last else (1, 0))
     monkeypatch.setattr(variants, "_UNVERIFIED", [True])
     monkeypatch.setattr(flash_persistent, "sm_count", lambda device: 2)
     offsets, q, k, v, keep = _nan_sequence_inputs(dim)

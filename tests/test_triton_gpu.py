@@ -184,6 +184,16 @@ def test_grid_regions_match_the_oracle(case):
     check_against_oracle(q, k, v, offsets, **case)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,block", [(4, 1, 64), (8, 2, 40)])
+def test_capped_grouped_query_forward_matches_the_oracle(heads, kv_heads, block, dtype):
+    """The region whose hopper forward runs capped at 80 registers (``plan.HOPPER_GROUP_FWD_MAXNREG``: grouped
+    query heads, D32, causal, 64-row tiles) against the float64 oracle, on jagged lengths around the block."""
+    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block)
+    check_against_oracle(q, k, v, offsets, block_size=block, causal=True)
+
+
 # The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs
 # there on sm_90 (forward, backward): hopper_heads (session 32; the rotation pass in session 31, keys
 # in session 28) for rotary grouped-query backwards at blocks over 64 and D 65-128, the rotation pass

@@ -236,7 +236,8 @@ GLUON_FLASH_PINGPONG = _gluon_forward_option(
 GLUON_FLASH_SHIFT_LAST = _gluon_forward_option(
     "triton_flash[gluon_shift_last]", "flash_persistent",
     "triton_flash with the persistent Gluon forward's ragged last key tile of a block taken from the block's last "
-    "keys (no wait in the loader; serial loops only), on every call it admits", SHIFT_LAST=True)
+    "keys (no wait in the loader; serial loops only) on every call it admits, full attention included (by "
+    "default blocks of up to 256 tokens)", SHIFT_LAST_BLOCKS=(0, 1 << 62))
 GLUON_FLASH_EARLY_RELEASE = _gluon_forward_option(
     "triton_flash[gluon_early_release]", "flash_persistent",
     "triton_flash with the persistent Gluon forward's consumers giving the previous item's query buffer back after "
@@ -447,7 +448,11 @@ def _flash_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
 
 
 def _gluon_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
-    return _flash_kernels_skip(case, cfg) or _gluon_refusal(case, cfg)
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
+
+    refused = _flash_kernels_skip(case, cfg) or variants.gluon_import_error()
+    return refused or "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
 
 
 def _gluon_kernels_options(**values):

@@ -101,11 +101,16 @@ LOOPS = {(128, True): (True, True), (64, True): (False, True),
 # A block's last key tile, where the block ends inside it, copied from the block's last ``BLOCK_N`` keys
 # (the columns already seen masked) instead of from past the block's end, where the next block's rows
 # are: the loader no longer waits for that tile's v to land to zero those rows (one copy's latency per
-# item, during which it issues nothing); only a block shorter than a tile still goes that way. A
-# candidate, off until timed (the benchmark's ``triton_flash[gluon_shift_last]`` row); blocks of 256
-# (two key tiles an item) should gain most. Serial loop only: in the overlapped one at D 128 ptxas spills
-# 324-332 B with it (8 B without).
-SHIFT_LAST = False
+# item, during which it issues nothing); only a block shorter than a tile still goes that way. Taken for
+# blocks of ``SHIFT_LAST_BLOCKS[0]``-``[1]`` tokens (full attention is block size 0), serial loops only (in
+# the overlapped one at D 128 ptxas spills 324-332 B with it, 8 B without). H100, bf16, prod lengths,
+# 2026-12-06, two runs in one process each, forward ms without / with: blocks of 192 D128 H2 2.385, 2.355
+# / 2.199, 2.283; D64 H4 2.979, 2.988 / 2.772, 2.775; blocks of 256 D128 2.037, 2.081 / 1.805, 1.789; D64
+# 2.185, 2.188 / 2.149, 2.156; blocks of 384 D128 2.270, 2.261 / 2.355, 2.318; D64 2.852, 2.842 / 2.851,
+# 2.849; blocks of 512 D128 2.883, 2.845 / 2.859, 2.924; D64 3.562, 3.502 / 3.532, 3.536; full attention,
+# seed3_d64 (192-row items) 1.252 / 1.326, its causal 0.786 / 0.832, its 4 kv heads 1.219 / 1.310. The
+# benchmark's ``triton_flash[gluon_shift_last]`` row takes it on every call.
+SHIFT_LAST_BLOCKS = (1, 256)
 # A consumer gives the previous item's query buffer (where that item's output was staged for its TMA store) back
 # to the loader once this item's first ``Q K^T`` is done, instead of after the first key tile's ``P V``. On an
 # item of one key tile (blocks of up to 128 tokens) the later release left the loader to start the next item's
@@ -125,6 +130,13 @@ def consumer_loop(head_dim: int, block_size: int) -> tuple:
     set to "overlap" overlaps everywhere."""
     overlap, split_kv = LOOPS[(head_dim, block_size == 0)]
     return overlap or flash_fwd.overlap_taken(), split_kv
+
+
+def shift_last_taken(block_size: int) -> bool:
+    """Whether a call's blocks of ``block_size`` tokens (0: full attention) take ``SHIFT_LAST`` (``SHIFT_LAST_BLOCKS``;
+    serial loops only)."""
+    lo, hi = SHIFT_LAST_BLOCKS
+    return lo <= block_size <= hi
 
 
 @gluon.jit
@@ -518,7 +530,7 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
     overlap = overlap and tile_m == TILE_M  # three consumers' registers do not hold the overlapped loop's tiles
     meta = dict(HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n, IS_CAUSAL=causal,
                 OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv,
-                SHIFT_LAST=SHIFT_LAST and not overlap, EARLY_RELEASE=EARLY_RELEASE,
+                SHIFT_LAST=shift_last_taken(block_size) and not overlap, EARLY_RELEASE=EARLY_RELEASE,
                 SHARE_KV=SHARE_KV and not overlap and q.shape[1] > k.shape[1] and 0 < block_size <= tile_n,
                 num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
