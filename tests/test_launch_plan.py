@@ -245,3 +245,20 @@ def test_hopper_forward_of_grouped_heads_capped_where_measured_faster(dim, causa
     meta = _options_per_call(q, k, 64, dim if rotary else 0, False, False, causal, backward, 0, False,
                              variants.HOPPER)
     assert meta.get("maxnreg") == want
+
+
+@pytest.mark.parametrize("dim,block,causal,heads,rotary,want", [
+    (32, 16, False, (4, 1), False, 80), (32, 9, True, (8, 2), False, 80), (32, 32, False, (8, 2), False, 80),
+    (32, 20, True, (4, 1), False, 80), (64, 16, True, (4, 1), False, 96), (64, 16, False, (4, 1), False, None),
+    (64, 32, True, (4, 1), False, None), (128, 16, True, (4, 1), False, None), (32, 16, True, (2, 2), False, None),
+    (32, 16, True, (4, 1), True, None),
+])
+def test_packed_forward_of_grouped_heads_capped_where_measured_faster(dim, block, causal, heads, rotary, want):
+    """hopper_packed's forward of grouped query heads runs capped where measured faster (H100): 80 registers
+    at D32 (blocks of up to 16 and of 17-32, causal or not), 96 at D64 causal on blocks of up to 16; elsewhere,
+    with one query head per kv head, or with rotary, ptxas's own choice."""
+    q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
+    k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
+    rot = dim if rotary else 0
+    meta, _, _ = _plan(q, k, block, rot, False, False, causal, False, 0, False, variant=variants.HOPPER_PACKED)
+    assert meta.get("maxnreg") == want

@@ -185,13 +185,17 @@ def test_grid_regions_match_the_oracle(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,block", [(4, 1, 64), (8, 2, 40)])
-def test_capped_grouped_query_forward_matches_the_oracle(heads, kv_heads, block, dtype):
-    """The region whose hopper forward runs capped at 80 registers (``plan.HOPPER_GROUP_FWD_MAXNREG``: grouped
-    query heads, D32, causal, 64-row tiles) against the float64 oracle, on jagged lengths around the block."""
+@pytest.mark.parametrize("heads,kv_heads,block,dim,causal", [
+    (4, 1, 64, 32, True), (8, 2, 40, 32, True), (4, 1, 16, 32, False), (8, 2, 13, 32, True), (4, 1, 32, 32, True),
+    (8, 2, 24, 32, False), (4, 1, 16, 64, True), (8, 2, 11, 64, True)])
+def test_capped_grouped_query_forward_matches_the_oracle(heads, kv_heads, block, dim, causal, dtype):
+    """The regions whose forward of grouped query heads runs under a register cap (``plan.HOPPER_GROUP_FWD_MAXNREG``:
+    hopper at D32 with causal on 64-row tiles; ``plan.PACKED_HOPPER_GROUP_FWD_MAXNREG``: hopper_packed at D32 on
+    blocks of up to 32 tokens and D64 with causal on blocks of up to 16) against the float64 oracle, on jagged
+    lengths around the block."""
     lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
-    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block)
-    check_against_oracle(q, k, v, offsets, block_size=block, causal=True)
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, dim, dtype, seed=block + dim)
+    check_against_oracle(q, k, v, offsets, block_size=block, causal=causal)
 
 
 # The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs

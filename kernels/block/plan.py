@@ -68,6 +68,17 @@ HOPPER_GROUP_FWD_MAXNREG = {(32, True): 80}
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
 PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
+# hopper_packed's forward of grouped query heads without rotary, keyed (BLOCK_D, causal, SLOT). ptxas sm_90,
+# bf16, 4 query heads per kv head, registers uncapped -> capped (no spills), programs of 4 warps per SM: D32 88
+# / 96 causal (5) -> 72 / 80 at 80 (7 / 6); D64 105 / 117 (4) -> 96 / 95 at 96 (5); D128 causal 174 (2) -> 161
+# at 168 (3). H100, bf16, grid lengths, one process per setting, forward ms uncapped (two processes) / capped
+# (2026-12-06): D32 blocks of 16 4x1 0.290, 0.290 / 0.276, causal 0.322, 0.324 / 0.280, 8x2 0.575, 0.576 /
+# 0.541, causal 0.638, 0.631 / 0.555; blocks of 32 4x1 0.267, 0.268 / 0.254, causal 0.295, 0.295 / 0.263, 8x2
+# 0.528, 0.529 / 0.505, causal 0.586, 0.583 / 0.518; D64 causal blocks of 16 4x1 0.500, 0.502 / 0.474, 8x2
+# 1.000, 1.004 / 0.971. Not taken: D64 without causal (0.4735 / 0.4744 at blocks of 16) and at blocks of 32
+# (0.470-0.471 / 0.474-0.475 4x1), D128 causal at 168 (0.917 / 0.923 4x1 at blocks of 32, 1.833 / 1.854 8x2).
+PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16): 80, (32, True, 16): 80, (32, False, 32): 80,
+                                   (32, True, 32): 80, (64, True, 16): 96}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -87,7 +98,11 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     if variant.maxnreg is not None:
         return variant.maxnreg
     if variant.name == "hopper_packed":
-        return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"])) if meta["GROUPS"] == 1 else None
+        if meta["GROUPS"] == 1:
+            return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"]))
+        if not backward and meta["ROT_DIM"] == 0:
+            return PACKED_HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"]))
+        return None
     if variant.name == "hopper":
         rotary_fwd = not backward and meta["ROT_DIM"] > 0
         if rotary_fwd and meta["GROUPS"] > 1 and meta["BLOCK_D"] == 128:
