@@ -117,11 +117,14 @@ SHIFT_LAST_BLOCKS = (1, 256)
 # query copies only as this item's products ended, so their latency showed between items. A candidate, off
 # until timed (the benchmark's ``triton_flash[gluon_early_release]`` row).
 EARLY_RELEASE = False
-# On items of one key tile (blocks of up to ``TILE_N`` tokens) with grouped query heads, each program takes a
-# contiguous range of items instead of every P-th, so a block's query heads of one kv head come one after the
-# other, and an item whose key tile is the previous item's reuses that ring slot: the loader copies k and v
-# once per (block, kv head), not once per query head from L2, and the consumers neither wait for nor release
-# the slot in between. Serial loops only. A candidate, off until timed (``triton_flash[gluon_share_kv]``).
+# On items of one key tile (blocks of up to ``TILE_N`` tokens) with grouped query heads, a program takes a block's
+# query heads of one kv head one after the other (runs of ``GROUPS`` items, the runs dealt out as single items
+# are), and an item whose key tile is the previous item's reuses that ring slot: the loader copies k and v once
+# per (block, kv head), not once per query head from L2, and the consumers neither wait for nor release the slot
+# in between. Serial loops only. A candidate, off until timed (the benchmark's ``flash_kernels[gluon_share_kv]``
+# row). Its first form gave each program a contiguous range of items (every program in another region of
+# memory at once) and was slower everywhere: H100, bf16, grid lengths, blocks of 128, with ``EARLY_RELEASE``,
+# forward ms without / with: D128 4x1 1.087 / 1.456, 8x2 2.098 / 2.918; D64 4x1 0.680 / 1.068, 8x2 1.345 / 2.115.
 SHARE_KV = False
 
 
@@ -140,20 +143,24 @@ def shift_last_taken(block_size: int) -> bool:
 
 
 @gluon.jit
-def _program_items(items, SHARE_KV: gl.constexpr):
-    """``(first, step, count)``: this program's items are ``first, first + step, ...``, ``count`` of them;
-    program ``p`` of ``P`` takes ``p, p + P, ...``, or with ``SHARE_KV`` the contiguous range ``[p * items // P,
-    (p + 1) * items // P)``."""
+def _item_count(items, GROUPS: gl.constexpr, SHARE_KV: gl.constexpr):
+    """How many items this program takes (``_program_item``)."""
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    first = pid
-    step = programs
-    count = (items - pid + programs - 1) // programs
     if SHARE_KV:
-        first = (pid.to(gl.int64) * items // programs).to(gl.int32)
-        step = pid * 0 + 1
-        count = ((pid + 1).to(gl.int64) * items // programs).to(gl.int32) - first
-    return first, step, count
+        return (items // GROUPS - pid + programs - 1) // programs * GROUPS
+    else:
+        return (items - pid + programs - 1) // programs
+
+
+@gluon.jit
+def _program_item(i, GROUPS: gl.constexpr, SHARE_KV: gl.constexpr):
+    """This program's item ``i``: program ``p`` of ``P`` takes items ``p, p + P, ...``, or with ``SHARE_KV`` the
+    runs of ``GROUPS`` items (a block's query heads of one kv head) ``p, p + P, ...``, one run after the other."""
+    if SHARE_KV:
+        return (gl.program_id(0) + i // GROUPS * gl.num_programs(0)) * GROUPS + i % GROUPS
+    else:
+        return gl.program_id(0) + i * gl.num_programs(0)
 
 
 @gluon.jit
@@ -251,13 +258,13 @@ def _loader(q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empt
     k_map = bounded_row_map(K, total, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     v_map = bounded_row_map(V, total, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM)
     nbytes: gl.constexpr = HEAD_DIM * q_s.dtype.primitive_bitwidth // 8
-    first_item, step, count = _program_items(items, SHARE_KV)
+    count = _item_count(items, GROUPS, SHARE_KV)
     qi = 0
     it = 0
     fixes = 0
     for i in range(count):
-        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, first_item + i * step, BLOCK_M, BLOCK_N,
-                                                       IS_CAUSAL)
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, _program_item(i, GROUPS, SHARE_KV),
+                                                       BLOCK_M, BLOCK_N, IS_CAUSAL)
         if n > 0:
             b = qi % 2
             mbarrier.wait(q_empty.index(b), ((qi // 2) & 1) ^ 1)
@@ -326,13 +333,13 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
     a_d: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
     o_map = bounded_row_map(O, total, heads, stride_ot, HALF_M, HEAD_DIM, HEAD_DIM)
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_s)
-    first_item, step, count = _program_items(items, SHARE_KV)
+    count = _item_count(items, GROUPS, SHARE_KV)
     qi = 0
     it = 0
     g = 0  # products issued (PINGPONG's turns)
     for i in range(count):
-        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, first_item + i * step, BLOCK_M, BLOCK_N,
-                                                       IS_CAUSAL)
+        start, n, tile_row, h, tiles, unmasked = _item(Table, slots, heads, _program_item(i, GROUPS, SHARE_KV),
+                                                       BLOCK_M, BLOCK_N, IS_CAUSAL)
         shared = _shares_kv(i, h, tiles, GROUPS, SHARE_KV)
         keep = _shares_kv(i + 1, h + 1, tiles, GROUPS, SHARE_KV) * (i + 1 < count).to(gl.int32)
         if n > 0:
