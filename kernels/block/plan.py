@@ -56,19 +56,20 @@ HOPPER_ROTARY_GROUP_FWD_MAXNREG = {64: 168, 128: 128}
 # H200, bf16, grid lengths, 2x2 heads, ms uncapped -> capped (session 25): D32 0.389 -> 0.285, D64
 # 0.500 -> 0.412, D128 0.967 -> 0.700; D64 causal 0.525 -> 0.580 (slower: not capped).
 HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
-# The hopper forward of grouped query heads on 64-row tiles without rotary (the group's loop in one
-# program), keyed (BLOCK_D, causal). ptxas sm_90, bf16: D32 80 registers (6 programs of 4 warps per SM),
-# causal 96 (5); D64 94 (5), causal 102 (4). Causal D32 capped at 80: 73 registers, no spills, 6 programs.
+# The hopper forward of grouped query heads on 64-row tiles (the group's loop in one program), keyed
+# (BLOCK_D, causal, rotary; with rotary at D128 ``HOPPER_ROTARY_GROUP_FWD_MAXNREG`` applies). ptxas sm_90,
+# bf16, without rotary: D32 80 registers (6 programs of 4 warps per SM), causal 96 (5); D64 94 (5), causal 102
+# (4). Causal D32 capped at 80: 73 registers, no spills, 6 programs.
 # H100, bf16, grid lengths, block 64, one process per setting, forward ms uncapped / capped (2026-12-06):
 # D32 causal 4x1 0.2732, 0.2723 / 0.2445; 8x2 0.5419, 0.5420 / 0.5003 (1.21x -> 1.09x floor); not taken:
 # causal D64 at 96 (93 registers, 5 programs) 0.4712 / 0.4747 (4x1) and 0.9662 / 0.9716 (8x2); D64 without
 # causal at 80 (36 B spilled, 6 programs) 0.4742 / 0.4948 and 0.9713 / 1.0061.
-HOPPER_GROUP_FWD_MAXNREG = {(32, True): 80}
+HOPPER_GROUP_FWD_MAXNREG = {(32, True, False): 80}
 # hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
 PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
-# hopper_packed's forward of grouped query heads without rotary, keyed (BLOCK_D, causal, SLOT). ptxas sm_90,
+# hopper_packed's forward of grouped query heads, keyed (BLOCK_D, causal, SLOT, rotary). ptxas sm_90,
 # bf16, 4 query heads per kv head, registers uncapped -> capped (no spills), programs of 4 warps per SM: D32 88
 # / 96 causal (5) -> 72 / 80 at 80 (7 / 6); D64 105 / 117 (4) -> 96 / 95 at 96 (5); D128 causal 174 (2) -> 161
 # at 168 (3). H100, bf16, grid lengths, one process per setting, forward ms uncapped (two processes) / capped
@@ -77,8 +78,8 @@ PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
 # 0.528, 0.529 / 0.505, causal 0.586, 0.583 / 0.518; D64 causal blocks of 16 4x1 0.500, 0.502 / 0.474, 8x2
 # 1.000, 1.004 / 0.971. Not taken: D64 without causal (0.4735 / 0.4744 at blocks of 16) and at blocks of 32
 # (0.470-0.471 / 0.474-0.475 4x1), D128 causal at 168 (0.917 / 0.923 4x1 at blocks of 32, 1.833 / 1.854 8x2).
-PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16): 80, (32, True, 16): 80, (32, False, 32): 80,
-                                   (32, True, 32): 80, (64, True, 16): 96}
+PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16, False): 80, (32, True, 16, False): 80, (32, False, 32, False): 80,
+                                   (32, True, 32, False): 80, (64, True, 16, False): 96}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -100,8 +101,9 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
     if variant.name == "hopper_packed":
         if meta["GROUPS"] == 1:
             return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"]))
-        if not backward and meta["ROT_DIM"] == 0:
-            return PACKED_HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"]))
+        if not backward:
+            key = (meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"], meta["ROT_DIM"] > 0)
+            return PACKED_HOPPER_GROUP_FWD_MAXNREG.get(key)
         return None
     if variant.name == "hopper":
         rotary_fwd = not backward and meta["ROT_DIM"] > 0
@@ -119,8 +121,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
             return HOPPER_GROUP_LOOP_MAXNREG if meta["GROUPS"] > 1 else None
         if not backward and head_loop(meta, variant.name):
             return HEAD_LOOP_MAXNREG
-        if not backward and meta["GROUPS"] > 1 and meta["ROT_DIM"] == 0:
-            return HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"])))
+        if not backward and meta["GROUPS"] > 1:
+            return HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["ROT_DIM"] > 0))
         return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
     if not backward and head_loop(meta, variant.name):
         # (At 128-row tiles the scores alone take 128 registers: capped, the loop spilled and ran
