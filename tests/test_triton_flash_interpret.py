@@ -498,7 +498,8 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c["dim"] in (64, 128) and "rope_theta" not in c]
                          + [dict(heads=8, kv_heads=2, dim=128, block_size=512),
                             dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True),
-                            dict(heads=8, kv_heads=2, dim=64, block_size=256)],
+                            dict(heads=8, kv_heads=2, dim=64, block_size=256),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=200, causal=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("overlap,pingpong,persistent", [(False, False, False), (True, False, False),
                                                          (True, True, False), (False, False, True),
