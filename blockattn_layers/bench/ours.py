@@ -138,13 +138,18 @@ def _unverified_kernels():
     return unverified_kernels()
 
 
-def _gluon_refusal(case: Case, cfg: RunConfig) -> Optional[str]:
-    """Why the Gluon flash forward cannot compute ``case`` here (None: it can)."""
+def _gluon_kernel_refusal(case: Case, cfg: RunConfig) -> Optional[str]:
+    """Why the Gluon flash forward kernel cannot compute ``case`` here, whatever the op's routing (None: it can)."""
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
 
-    refused = _flash_skip(case, cfg) or variants.gluon_import_error()
+    refused = variants.gluon_import_error()
     return refused or "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
+
+
+def _gluon_refusal(case: Case, cfg: RunConfig) -> Optional[str]:
+    """Why the Gluon flash forward cannot compute ``case`` here through ``triton_flash`` (None: it can)."""
+    return _flash_skip(case, cfg) or _gluon_kernel_refusal(case, cfg)
 
 
 def _gluon_by_default(case: Case) -> bool:
@@ -399,9 +404,10 @@ class _FlashKernels(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, block_size, params, recompute, gluon=False):
         from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
-        from blockattn_layers.kernels.sm90.flash_fwd import flash_attention_fwd_ws
 
         if gluon:
+            from blockattn_layers.kernels.sm90.flash_fwd import flash_attention_fwd_ws
+
             out, lse = flash_attention_fwd_ws(q, k, v, offsets, block_size, params.scale, params.causal)
         else:
             out, lse = flash_attention_fwd(q, k, v, offsets, block_size, params.scale, params.causal,
@@ -448,11 +454,7 @@ def _flash_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
 
 
 def _gluon_kernels_skip(case: Case, cfg: RunConfig) -> Optional[str]:
-    from blockattn_layers.kernels.block import variants
-    from blockattn_layers.kernels.sm90.flash_fwd import flash_ws_call_reasons
-
-    refused = _flash_kernels_skip(case, cfg) or variants.gluon_import_error()
-    return refused or "; ".join(flash_ws_call_reasons(cfg.device, cfg.dtype, case.head_dim, case.rope_theta)) or None
+    return _flash_kernels_skip(case, cfg) or _gluon_kernel_refusal(case, cfg)
 
 
 def _gluon_kernels_options(**values):

@@ -78,8 +78,8 @@ PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
 # 0.528, 0.529 / 0.505, causal 0.586, 0.583 / 0.518; D64 causal blocks of 16 4x1 0.500, 0.502 / 0.474, 8x2
 # 1.000, 1.004 / 0.971. Not taken: D64 without causal (0.4735 / 0.4744 at blocks of 16) and at blocks of 32
 # (0.470-0.471 / 0.474-0.475 4x1), D128 causal at 168 (0.917 / 0.923 4x1 at blocks of 32, 1.833 / 1.854 8x2).
-PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16, False): 80, (32, True, 16, False): 80, (32, False, 32, False): 80,
-                                   (32, True, 32, False): 80, (64, True, 16, False): 96}
+PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16, False): 80, (32, True, 16, False): 80,
+                                   (32, False, 32, False): 80, (32, True, 32, False): 80, (64, True, 16, False): 96}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
