@@ -80,6 +80,11 @@ PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
 # (0.470-0.471 / 0.474-0.475 4x1), D128 causal at 168 (0.917 / 0.923 4x1 at blocks of 32, 1.833 / 1.854 8x2).
 PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16, False): 80, (32, True, 16, False): 80,
                                    (32, False, 32, False): 80, (32, True, 32, False): 80, (64, True, 16, False): 96}
+# Candidate caps of the grouped-query backwards without rotary (none taken yet): hopper_packed's keyed
+# (BLOCK_D, causal, SLOT), hopper's on 64-row tiles keyed (BLOCK_D, causal). Leads from ptxas sm_90 (no
+# spills): hopper_packed D32 193-205 registers -> 160 (2 -> 3 programs per SM); hopper D32 causal 179 -> 160.
+PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {}
+HOPPER_GROUP_BWD_MAXNREG: dict = {}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -104,6 +109,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         if not backward:
             key = (meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"], meta["ROT_DIM"] > 0)
             return PACKED_HOPPER_GROUP_FWD_MAXNREG.get(key)
+        if meta["ROT_DIM"] == 0:
+            return PACKED_HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"]))
         return None
     if variant.name == "hopper":
         rotary_fwd = not backward and meta["ROT_DIM"] > 0
@@ -123,6 +130,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
             return HEAD_LOOP_MAXNREG
         if not backward and meta["GROUPS"] > 1:
             return HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["ROT_DIM"] > 0))
+        if backward and meta["GROUPS"] > 1 and meta["ROT_DIM"] == 0:
+            return HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"])))
         return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
     if not backward and head_loop(meta, variant.name):
         # (At 128-row tiles the scores alone take 128 registers: capped, the loop spilled and ran
