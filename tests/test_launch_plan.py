@@ -233,13 +233,16 @@ def test_grouped_query_forward_runs_one_program_per_query_head(block, dim, rot, 
 @pytest.mark.parametrize("dim,causal,rotary,heads,backward,want", [
     (32, True, False, (4, 1), False, 80), (32, True, False, (8, 2), False, 80),
     (32, False, False, (4, 1), False, None), (64, True, False, (4, 1), False, None),
-    (32, True, True, (4, 1), False, None), (32, True, False, (2, 2), False, None),
-    (32, True, False, (4, 1), True, None),
+    (32, True, True, (4, 1), False, 80), (32, False, True, (4, 1), False, None), (64, False, True, (8, 2), False, 128),
+    (64, True, True, (4, 1), False, 128), (32, True, False, (2, 2), False, None),
+    (32, True, False, (4, 1), True, 160), (32, True, False, (8, 2), True, 160), (32, False, False, (4, 1), True, None),
+    (32, True, True, (4, 1), True, None), (64, True, False, (4, 1), True, None), (32, True, False, (2, 2), True, None),
 ])
 def test_hopper_forward_of_grouped_heads_capped_where_measured_faster(dim, causal, rotary, heads, backward, want):
-    """The hopper forward of grouped query heads on 64-row tiles at D32 with causal runs capped at 80
-    registers (6 programs per SM instead of 5; H100, 1.09-1.12x faster); not at D64, not without causal,
-    not with rotary, not one query head per kv head, not the backward."""
+    """hopper's grouped query heads on 64-row tiles run capped where measured faster (H100): the forward at D32 with
+    causal at 80 registers (rotary or not; 6 programs per SM instead of 4-5), with rotary at D64 at 128; the backward
+    at D32 with causal, without rotary, at 160 (3 programs instead of 2). Elsewhere, and with one query head per kv
+    head, ptxas's own choice."""
     q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
     k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
     meta = _options_per_call(q, k, 64, dim if rotary else 0, False, False, causal, backward, 0, False,
@@ -251,14 +254,30 @@ def test_hopper_forward_of_grouped_heads_capped_where_measured_faster(dim, causa
     (32, 16, False, (4, 1), False, 80), (32, 9, True, (8, 2), False, 80), (32, 32, False, (8, 2), False, 80),
     (32, 20, True, (4, 1), False, 80), (64, 16, True, (4, 1), False, 96), (64, 16, False, (4, 1), False, None),
     (64, 32, True, (4, 1), False, None), (128, 16, True, (4, 1), False, None), (32, 16, True, (2, 2), False, None),
-    (32, 16, True, (4, 1), True, None),
+    (32, 16, True, (4, 1), True, 96), (32, 30, False, (8, 2), True, 96), (64, 16, False, (4, 1), True, 128),
+    (64, 32, True, (8, 2), True, 128), (128, 16, True, (4, 1), True, None), (64, 16, True, (2, 2), True, None),
 ])
 def test_packed_forward_of_grouped_heads_capped_where_measured_faster(dim, block, causal, heads, rotary, want):
-    """hopper_packed's forward of grouped query heads runs capped where measured faster (H100): 80 registers
-    at D32 (blocks of up to 16 and of 17-32, causal or not), 96 at D64 causal on blocks of up to 16; elsewhere,
-    with one query head per kv head, or with rotary, ptxas's own choice."""
+    """hopper_packed's forward of grouped query heads runs capped where measured faster (H100): without rotary 80
+    registers at D32 (blocks of up to 16 and of 17-32, causal or not) and 96 at D64 causal on blocks of up to 16;
+    with rotary 96 at D32 and 128 at D64 (both slots, causal or not); elsewhere, and with one query head per kv
+    head, ptxas's own choice."""
     q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
     k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
     rot = dim if rotary else 0
     meta, _, _ = _plan(q, k, block, rot, False, False, causal, False, 0, False, variant=variants.HOPPER_PACKED)
+    assert meta.get("maxnreg") == want
+
+
+@pytest.mark.parametrize("dim,block,causal,heads,rotary,want", [
+    (32, 16, False, (2, 2), False, 96), (32, 32, True, (2, 2), False, 96), (32, 16, False, (4, 1), False, None),
+    (64, 16, False, (2, 2), False, None), (128, 32, False, (2, 2), False, 168),
+])
+def test_packed_backward_capped_where_measured_faster(dim, block, causal, heads, rotary, want):
+    """hopper_packed's backward of one query head per kv head runs capped at 96 registers at D32 (5 programs per SM
+    instead of 4; H100, 1.04-1.10x faster) and 168 at D128; grouped query heads and D64 at ptxas's own choice."""
+    q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
+    k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
+    meta, _, _ = _plan(q, k, block, dim if rotary else 0, False, False, causal, True, 0, False,
+                       variant=variants.HOPPER_PACKED)
     assert meta.get("maxnreg") == want

@@ -198,6 +198,39 @@ def test_capped_grouped_query_forward_matches_the_oracle(heads, kv_heads, block,
     check_against_oracle(q, k, v, offsets, block_size=block, causal=causal)
 
 
+ROTARY_FORMS = {"split": {}, "interleaved": dict(rotary_interleaved=True), "partial": dict(rotary_dim=16),
+                "positions": {}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("form", sorted(ROTARY_FORMS))
+@pytest.mark.parametrize("heads,kv_heads,block,dim,causal", [
+    (4, 1, 64, 32, True), (8, 2, 50, 64, False), (4, 1, 64, 64, True), (8, 2, 16, 32, True), (4, 1, 29, 32, False),
+    (4, 1, 13, 64, True), (8, 2, 32, 64, False)])
+def test_capped_rotary_grouped_query_forward_matches_the_oracle(heads, kv_heads, block, dim, causal, form, dtype):
+    """The rotary forwards of grouped query heads under a register cap (hopper on 64-row tiles: D32 causal at 80,
+    D64 at 128; hopper_packed on blocks of up to 32: D32 at 96, D64 at 128) in every rotary form (split halves,
+    interleaved pairs, partial, given int positions), against the float64 oracle on jagged lengths around the
+    block."""
+    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, dim, dtype, seed=block + dim)
+    kw = dict(ROTARY_FORMS[form])
+    if form == "positions":
+        kw["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
+    check_against_oracle(q, k, v, offsets, block_size=block, causal=causal, rope_theta=1e4, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,block,causal", [
+    (2, 2, 16, False), (2, 2, 32, True), (2, 2, 21, False), (4, 1, 64, True), (8, 2, 48, True)])
+def test_capped_d32_backward_matches_the_oracle(heads, kv_heads, block, causal, dtype):
+    """The D32 backwards under a register cap (hopper_packed's of one query head per kv head at 96; hopper's of
+    grouped query heads with causal on 64-row tiles at 160) against the float64 oracle."""
+    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block)
+    check_against_oracle(q, k, v, offsets, block_size=block, causal=causal)
+
+
 # The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs
 # there on sm_90 (forward, backward): hopper_heads (session 32; the rotation pass in session 31, keys
 # in session 28) for rotary grouped-query backwards at blocks over 64 and D 65-128, the rotation pass

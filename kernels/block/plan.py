@@ -64,11 +64,20 @@ HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
 # D32 causal 4x1 0.2732, 0.2723 / 0.2445; 8x2 0.5419, 0.5420 / 0.5003 (1.21x -> 1.09x floor); not taken:
 # causal D64 at 96 (93 registers, 5 programs) 0.4712 / 0.4747 (4x1) and 0.9662 / 0.9716 (8x2); D64 without
 # causal at 80 (36 B spilled, 6 programs) 0.4742 / 0.4948 and 0.9713 / 1.0061.
-HOPPER_GROUP_FWD_MAXNREG = {(32, True, False): 80}
+# With rotary (every form: split halves, interleaved pairs, partial; ptxas, 4 query heads per kv head): D32 causal
+# 109 registers (4 programs) -> 80 at 80 (0-16 B spilled, 6); D64 128-142 (3-4) -> 116-124 at 128, no spills (4).
+# H100, bf16, grid lengths, split rotary, one process per setting, forward ms uncapped / capped (2026-12-06):
+# D32 causal 4x1 0.314 / 0.283, 8x2 0.625 / 0.554; D64 4x1 0.474 / 0.474, causal 0.490 / 0.475; 8x2 0.973 /
+# 0.972, causal 0.989 / 0.972. 4x1, interleaved: D32 causal 0.369 / 0.333, D64 0.599 / 0.536, causal 0.596 /
+# 0.541; partial (half the channels): D32 causal 0.339 / 0.311, D64 0.494 / 0.495, causal 0.506 / 0.494.
+HOPPER_GROUP_FWD_MAXNREG = {(32, True, False): 80, (32, True, True): 80, (64, False, True): 128, (64, True, True): 128}
 # hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
-PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
+# The D32 backward: 97 registers (4 programs) -> 96 at 96 (8 B spilled, 5). H100, bf16, grid lengths, 2x2 heads,
+# one process per setting, two runs each, backward ms uncapped / capped (2026-12-06): blocks of 32 0.416, 0.416 /
+# 0.400, 0.400; causal blocks of 16 0.472, 0.472 / 0.430, 0.430; of 32 0.420, 0.419 / 0.402, 0.402.
+PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168, (True, 32): 96}
 # hopper_packed's forward of grouped query heads, keyed (BLOCK_D, causal, SLOT, rotary). ptxas sm_90,
 # bf16, 4 query heads per kv head, registers uncapped -> capped (no spills), programs of 4 warps per SM: D32 88
 # / 96 causal (5) -> 72 / 80 at 80 (7 / 6); D64 105 / 117 (4) -> 96 / 95 at 96 (5); D128 causal 174 (2) -> 161
@@ -78,13 +87,28 @@ PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168}
 # 0.528, 0.529 / 0.505, causal 0.586, 0.583 / 0.518; D64 causal blocks of 16 4x1 0.500, 0.502 / 0.474, 8x2
 # 1.000, 1.004 / 0.971. Not taken: D64 without causal (0.4735 / 0.4744 at blocks of 16) and at blocks of 32
 # (0.470-0.471 / 0.474-0.475 4x1), D128 causal at 168 (0.917 / 0.923 4x1 at blocks of 32, 1.833 / 1.854 8x2).
-PACKED_HOPPER_GROUP_FWD_MAXNREG = {(32, False, 16, False): 80, (32, True, 16, False): 80,
-                                   (32, False, 32, False): 80, (32, True, 32, False): 80, (64, True, 16, False): 96}
-# Candidate caps of the grouped-query backwards without rotary (none taken yet): hopper_packed's keyed
-# (BLOCK_D, causal, SLOT), hopper's on 64-row tiles keyed (BLOCK_D, causal). Leads from ptxas sm_90 (no
-# spills): hopper_packed D32 193-205 registers -> 160 (2 -> 3 programs per SM); hopper D32 causal 179 -> 160.
-PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {}
-HOPPER_GROUP_BWD_MAXNREG: dict = {}
+# With rotary (every form; ptxas, 4 query heads per kv head): D32 101-116 registers (4 programs) -> 93-96 at 96, no
+# spills (5); D64 147-162 (3) -> 128 at 128, 0-16 B spilled (4). H100, bf16, grid lengths, split rotary, one
+# process per setting, forward ms uncapped / capped (2026-12-06): D32 blocks of 16 4x1 0.368 / 0.340, causal
+# 0.428 / 0.347, 8x2 causal 0.849 / 0.692; blocks of 32 4x1 0.337 / 0.313, causal 0.339 / 0.319, 8x2 0.668 /
+# 0.618, causal 0.672 / 0.629; D64 blocks of 16 4x1 0.566 / 0.511, causal 0.699 / 0.522, 8x2 1.127 / 1.022,
+# causal 1.389 / 1.034; blocks of 32 4x1 0.532 / 0.486, causal 0.536 / 0.488, 8x2 1.060 / 0.979, causal 1.066 /
+# 0.986. 4x1, blocks of 16 / 32, interleaved: D32 0.430 / 0.409 -> 0.385 / 0.373, causal 0.507 / 0.417 -> 0.396 /
+# 0.380; D64 0.672 / 0.641 -> 0.591 / 0.566, causal 0.698 / 0.648 -> 0.611 / 0.574; partial: D32 0.402 / 0.368 ->
+# 0.375 / 0.344, causal 0.457 / 0.371 -> 0.381 / 0.348; D64 0.585 / 0.555 -> 0.537 / 0.505, causal 0.731 / 0.559
+# -> 0.538 / 0.514.
+PACKED_HOPPER_GROUP_FWD_MAXNREG = {
+    (32, False, 16, False): 80, (32, True, 16, False): 80, (32, False, 32, False): 80, (32, True, 32, False): 80,
+    (64, True, 16, False): 96,
+    **{(dim, causal, slot, True): {32: 96, 64: 128}[dim] for dim in (32, 64) for causal in (False, True)
+       for slot in (16, 32)},
+}
+# The hopper backward of grouped query heads on 64-row tiles without rotary, keyed (BLOCK_D, causal). D32 causal:
+# 179 -> 160 registers (2 -> 3 programs per SM). H100, bf16, grid lengths, block 64, one process per setting, two
+# runs each, backward ms uncapped / capped (2026-12-06): 4x1 0.682, 0.681 / 0.545, 0.545 (causal then as fast as
+# without). (hopper_packed's grouped-query backward at D32, 193-205 -> 160 registers by ptxas, is untimed: auto
+# runs simple's there.)
+HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True): 160}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -109,8 +133,6 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         if not backward:
             key = (meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"], meta["ROT_DIM"] > 0)
             return PACKED_HOPPER_GROUP_FWD_MAXNREG.get(key)
-        if meta["ROT_DIM"] == 0:
-            return PACKED_HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"]))
         return None
     if variant.name == "hopper":
         rotary_fwd = not backward and meta["ROT_DIM"] > 0
