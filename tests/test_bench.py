@@ -384,3 +384,29 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
             assert set(flash_persistent.LOOPS) == set(defaults) and set(flash_persistent.LOOPS.values()) == {pair}
             assert flash_persistent.taken(cpu) and flash_persistent.consumer_loop(64, 0) == pair
         assert flash_persistent.LOOPS == defaults
+
+
+@pytest.mark.parametrize("reasons,skipped", [
+    ({"hopper_packed": [], "simple": ["a variant before is taken"]}, True),
+    ({"hopper_packed": [], "simple": ["a variant before is taken"], "backward: simple": []}, False),
+    ({"simple": [], "hopper_packed": ["a variant before is taken"]}, False),
+])
+def test_forced_variant_rows_skip_only_where_auto_runs_that_variant_in_both_phases(monkeypatch, reasons, skipped):
+    """A forced-variant row (``triton[NAME]``) is a duplicate, and skips, only where auto runs NAME forward and
+    backward; where auto's backward runs another variant (``backward: simple``), the row times NAME's backward."""
+    from blockattn_layers.bench import ours
+
+    class Spec:
+        name = "triton"
+
+        @staticmethod
+        def not_supported_reasons(req):
+            return []
+
+        @staticmethod
+        def variant_reasons(req):
+            return reasons
+
+    monkeypatch.setattr(ours, "_request", lambda case, cfg: None)
+    why = ours._variant_skip(Spec, "hopper_packed")(None, None)
+    assert (why == "the 'triton' row runs this variant here") == skipped

@@ -109,7 +109,9 @@ def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
             if backward == variant and variants.forced() is None:
                 return f"the '{spec.name}' row runs this variant here"
             return None if case.rope_theta is not None else "no rotary"
-        if reasons.get(variant) == [] and variants.forced() is None:
+        backward_apart = blockattn_layers.dispatch.running_variants(reasons)[1].get("backward")
+        if reasons.get(variant) == [] and backward_apart is None and variants.forced() is None:
+            # (Where auto's backward runs another variant, the forced row times this one's backward.)
             return f"the '{spec.name}' row runs this variant here"
         ignored = ("a variant before", "auto takes", "experimental")
         why = [r for r in reasons.get(variant, []) if not r.startswith(ignored)]
