@@ -246,9 +246,11 @@ def test_register_caps():
                 == HOPPER_TILE128_ROTARY_FWD_MAXNREG)
     for rot, d in [(0, 32), (32, 32), (64, 64)]:
         assert max_registers(meta(rot, d, 128), "hopper", True, 9, 2) == HOPPER_TILE128_BWD_MAXNREG
+    for causal in (False, True):
+        assert max_registers(meta(64, 64, groups=4, causal=causal), "hopper", False, 9, 2) == 128
     for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
                  (meta(64, 64, 128, causal=True), "hopper", False, 9, 2),
-                 (meta(128, 128, groups=4), "hopper", True, 9, 2), (meta(64, 64, groups=4), "hopper", False, 9, 2),
+                 (meta(128, 128, groups=4), "hopper", True, 9, 2), (meta(0, 64, groups=4), "hopper", False, 9, 2),
                  (meta(64, 64), "hopper", True, 9, 2), (meta(128, 128, groups=2), "hopper", True, 9, 2),
                  (meta(64, 64, 128), "simple", False, 9, 2), (meta(32, 32, 128, groups=4), "simple", False, 9, 2),
                  (meta(128, 128, 128), "hopper", True, 9, 2),

@@ -386,13 +386,15 @@ def test_plans_of_the_sm90_variants():
         assert meta["BLOCK_M"] == 64 and not loop and key[-1] == "hopper"
         assert meta.get("maxnreg") == plan.HOPPER_MAXNREG.get((backward, 64, False))
         assert plan.block_grid(10, 2, q.device, backward, variants.HOPPER, 64) == (10, 2)
-    assert plan.max_registers(dict(ROT_DIM=0, BLOCK_D=128, BLOCK_M=64, GROUPS=2), variants.HOPPER, True, 9, 2) is None
+    for causal in (False, True):
+        meta = dict(ROT_DIM=0, BLOCK_D=128, BLOCK_M=64, GROUPS=2, IS_CAUSAL=causal)
+        assert plan.max_registers(meta, variants.HOPPER, True, 9, 2) is None
     # Rotary at D64, one query head per kv head: the forward loops over the kv heads.
     for kv_heads, loops in ((2, True), (1, False)):
         meta, loop, _ = plan.block_plan(q, q[:, :kv_heads], 64, 64, False, False, False, False, 512, False,
                                         variants.HOPPER, variants.HOPPER.kernels()[0])
         assert loop == meta["HEAD_LOOP"] == loops
-        assert meta.get("maxnreg") == (plan.HEAD_LOOP_MAXNREG if loops else None)
+        assert meta.get("maxnreg") == (plan.HEAD_LOOP_MAXNREG if loops else plan.HOPPER_GROUP_FWD_MAXNREG[(64, False, True)])
     for backward, dim, per_sm in ((False, 64, 2), (False, 128, 2), (True, 64, 2), (True, 128, 1)):
         launcher = variants.HOPPER_WS.kernels()[backward]
         meta, loop, key = plan.block_plan(q, q, 16, 0, False, False, False, backward, 0, False, variants.HOPPER_WS,
