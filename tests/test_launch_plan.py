@@ -271,11 +271,13 @@ def test_packed_forward_of_grouped_heads_capped_where_measured_faster(dim, block
 
 @pytest.mark.parametrize("dim,block,causal,heads,rotary,want", [
     (32, 16, False, (2, 2), False, 96), (32, 32, True, (2, 2), False, 96), (32, 16, False, (4, 1), False, None),
-    (64, 16, False, (2, 2), False, None), (128, 32, False, (2, 2), False, 168),
+    (64, 16, False, (2, 2), False, None), (128, 32, False, (2, 2), False, 168), (32, 16, False, (2, 2), True, None),
+    (128, 16, True, (2, 2), True, 168),
 ])
 def test_packed_backward_capped_where_measured_faster(dim, block, causal, heads, rotary, want):
-    """hopper_packed's backward of one query head per kv head runs capped at 96 registers at D32 (5 programs per SM
-    instead of 4; H100, 1.04-1.10x faster) and 168 at D128; grouped query heads and D64 at ptxas's own choice."""
+    """hopper_packed's backward of one query head per kv head runs capped at 96 registers at D32 without rotary (5
+    programs per SM instead of 4; H100, 1.04-1.10x faster) and 168 at D128; with rotary at D32 (untimed), grouped
+    query heads and D64 at ptxas's own choice."""
     q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
     k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
     meta, _, _ = _plan(q, k, block, dim if rotary else 0, False, False, causal, True, 0, False,

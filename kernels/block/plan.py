@@ -71,13 +71,14 @@ HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
 # 0.972, causal 0.989 / 0.972. 4x1, interleaved: D32 causal 0.369 / 0.333, D64 0.599 / 0.536, causal 0.596 /
 # 0.541; partial (half the channels): D32 causal 0.339 / 0.311, D64 0.494 / 0.495, causal 0.506 / 0.494.
 HOPPER_GROUP_FWD_MAXNREG = {(32, True, False): 80, (32, True, True): 80, (64, False, True): 128, (64, True, True): 128}
-# hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D), one query head per kv
+# hopper_packed (tiles of blocks of up to 32 tokens), keyed (backward, BLOCK_D, rotary), one query head per kv
 # head: the D128 backward needs 172 registers (its NaN check and the tile's row vectors; hopper's
 # needs 158), 2 programs per SM where 168 fits 3 beside 72 KB of shared memory.
-# The D32 backward: 97 registers (4 programs) -> 96 at 96 (8 B spilled, 5). H100, bf16, grid lengths, 2x2 heads,
-# one process per setting, two runs each, backward ms uncapped / capped (2026-12-06): blocks of 32 0.416, 0.416 /
-# 0.400, 0.400; causal blocks of 16 0.472, 0.472 / 0.430, 0.430; of 32 0.420, 0.419 / 0.402, 0.402.
-PACKED_HOPPER_MAXNREG: dict = {(True, 128): 168, (True, 32): 96}
+# The D32 backward without rotary: 97 registers (4 programs) -> 96 at 96 (8 B spilled, 5). H100, bf16, grid
+# lengths, 2x2 heads, one process per setting, two runs each, backward ms uncapped / capped (2026-12-06): blocks of
+# 32 0.416, 0.416 / 0.400, 0.400; causal blocks of 16 0.472, 0.472 / 0.430, 0.430; of 32 0.420, 0.419 / 0.402,
+# 0.402. (With rotary: 115-118 registers, 28-36 B spilled at 96; untimed.)
+PACKED_HOPPER_MAXNREG: dict = {(True, 128, False): 168, (True, 128, True): 168, (True, 32, False): 96}
 # hopper_packed's forward of grouped query heads, keyed (BLOCK_D, causal, SLOT, rotary). ptxas sm_90,
 # bf16, 4 query heads per kv head, registers uncapped -> capped (no spills), programs of 4 warps per SM: D32 88
 # / 96 causal (5) -> 72 / 80 at 80 (7 / 6); D64 105 / 117 (4) -> 96 / 95 at 96 (5); D128 causal 174 (2) -> 161
@@ -129,7 +130,7 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         return variant.maxnreg
     if variant.name == "hopper_packed":
         if meta["GROUPS"] == 1:
-            return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"]))
+            return PACKED_HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0))
         if not backward:
             key = (meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"], meta["ROT_DIM"] > 0)
             return PACKED_HOPPER_GROUP_FWD_MAXNREG.get(key)
