@@ -104,12 +104,15 @@ PACKED_HOPPER_GROUP_FWD_MAXNREG = {
     **{(dim, causal, slot, True): {32: 96, 64: 128}[dim] for dim in (32, 64) for causal in (False, True)
        for slot in (16, 32)},
 }
-# The hopper backward of grouped query heads on 64-row tiles without rotary, keyed (BLOCK_D, causal). D32 causal:
-# 179 -> 160 registers (2 -> 3 programs per SM). H100, bf16, grid lengths, block 64, one process per setting, two
-# runs each, backward ms uncapped / capped (2026-12-06): 4x1 0.682, 0.681 / 0.545, 0.545 (causal then as fast as
-# without). (hopper_packed's grouped-query backward at D32, 193-205 -> 160 registers by ptxas, is untimed: auto
-# runs simple's there.)
-HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True): 160}
+# The backwards of grouped query heads, hopper's on 64-row tiles keyed (BLOCK_D, causal, rotary), hopper_packed's
+# keyed (BLOCK_D, causal, SLOT, rotary). hopper D32 causal without rotary: 179 -> 160 registers (2 -> 3 programs per
+# SM). H100, bf16, grid lengths, block 64, one process per setting, two runs each, backward ms uncapped / capped
+# (2026-12-06): 4x1 0.682, 0.681 / 0.545, 0.545 (causal then as fast as without). Untimed leads (ptxas sm_90, 4
+# query heads per kv head, registers uncapped -> capped, programs per SM): hopper D32 without causal 164 -> 128
+# (96 B spilled, 3 -> 4); D64 239-247 -> 168 (188-208 B, 2 -> 3); D32 rotary 219-234 -> 168 (120-156 B, 2 -> 3);
+# hopper_packed D32 rotary 248-255 -> 168 (104-180 B, 2 -> 3). (hopper_packed without rotary: auto runs simple's.)
+HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True, False): 160}
+PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }
@@ -134,7 +137,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         if not backward:
             key = (meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"], meta["ROT_DIM"] > 0)
             return PACKED_HOPPER_GROUP_FWD_MAXNREG.get(key)
-        return None
+        return PACKED_HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["SLOT"],
+                                                    meta["ROT_DIM"] > 0))
     if variant.name == "hopper":
         rotary_fwd = not backward and meta["ROT_DIM"] > 0
         if rotary_fwd and meta["GROUPS"] > 1 and meta["BLOCK_D"] == 128:
@@ -153,8 +157,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
             return HEAD_LOOP_MAXNREG
         if not backward and meta["GROUPS"] > 1:
             return HOPPER_GROUP_FWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["ROT_DIM"] > 0))
-        if backward and meta["GROUPS"] > 1 and meta["ROT_DIM"] == 0:
-            return HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"])))
+        if backward and meta["GROUPS"] > 1:
+            return HOPPER_GROUP_BWD_MAXNREG.get((meta["BLOCK_D"], bool(meta["IS_CAUSAL"]), meta["ROT_DIM"] > 0))
         return HOPPER_MAXNREG.get((backward, meta["BLOCK_D"], meta["ROT_DIM"] > 0)) if meta["GROUPS"] == 1 else None
     if not backward and head_loop(meta, variant.name):
         # (At 128-row tiles the scores alone take 128 registers: capped, the loop spilled and ran
