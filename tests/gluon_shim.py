@@ -33,7 +33,11 @@ What it models:
   lowering does for an ``r`` register), and the GPU-scope fence before such a copy (a no-op here);
   :func:`record_asm` logs the operands (e.g. the angles the GPU approximates);
 - ``gl.atomic_add`` adds lane by lane and returns the old values (programs run one at a time);
-- ``gl.warp_specialize`` runs the worker partitions in threads beside the default one; mbarriers
+- ``gl.warp_specialize`` runs the worker partitions in threads beside the default one, one partition at a
+  time (``_Turns``): a partition runs until it must wait on a barrier, or until a plain ``arrive`` of its
+  completes a phase another partition waits on, which then runs first (so a buffer released before its last
+  read is refilled before that read, every time); a producer whose TMA copies complete a phase runs on (ahead
+  of its consumers, as on the GPU); every partition waiting at once raises a deadlock at once; mbarriers
   count arrivals and TMA bytes per phase (``expect`` arrives once and announces bytes, a TMA copy
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
   ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
@@ -47,8 +51,8 @@ What it models:
   ``tcgen05_commit`` arrives on its barrier at once (the products are synchronous);
   ``TensorMemoryLayout`` and ``get_tmem_reg_layout`` are inert layouts.
 
-What it does not model: anything about timing or concurrency inside a program (no warps or
-threads within a partition; the async copies and TMA are synchronous, so a missing
+What it does not model: timing, and concurrency inside a program beyond that one order of turns (no warps
+or threads within a partition; the async copies and TMA are synchronous, so a missing
 ``wait_group``, fence, barrier or ``thread_barrier`` goes unnoticed, as do a register operand of
 an asynchronous ``warpgroup_mma`` changed before its wait and races between programs), layouts
 and their conversions (every layout argument is accepted), register or shared-memory limits, the accuracy of ``sin/cos.approx`` or of low-precision accumulation, and
@@ -348,6 +352,8 @@ class _State:
         self.barriers: Dict[int, "_Barrier"] = {}
         self.cond = threading.Condition()
         self.aborted = False
+        # The partitions of the warp-specialized program being run, one at a time (``_Turns``); None outside one.
+        self.turns: Optional["_Turns"] = None
 
 
 _STATE = _State()
@@ -489,6 +495,10 @@ def _atomic_add(pointer: Pointer, val, mask=None, sem=None, scope=None) -> GTens
         if now - since > WAIT_TIMEOUT_S:
             raise RuntimeError(f"spin on {memory.name}[{at}] == {value} for {WAIT_TIMEOUT_S} s: no one counts it")
         _SPINS[key] = (since, value)
+        with _STATE.cond:
+            if _STATE.turns is not None:
+                _STATE.turns.hand_on()
+                _STATE.turns.await_turn()
         time.sleep(0)
     if pointer.ratio != 1:
         raise NotImplementedError("gluon_shim: atomic_add through a cast pointer")
@@ -628,6 +638,52 @@ class _Barrier:
             _STATE.cond.notify_all()
 
 
+class _Turns:
+    """The partitions of a warp-specialized program run one at a time, in threads that hand the turn over at
+    barrier operations: a partition that must wait hands it to the next one that can run (in partition order);
+    one whose arrival completes a phase hands it to the first partition that phase woke, and gets it back when
+    that one has to wait (so a release that comes too early is followed at once by the refill it allows); a
+    spin read hands it on. The producer whose copies complete a phase keeps it (it runs ahead). Every partition
+    waiting at once is a deadlock and raises. All methods run under ``_STATE.cond``."""
+
+    def __init__(self, count: int):
+        self.order: List[Optional[int]] = [None] * count
+        self.holder: Optional[int] = None
+        self.waiting: Dict[int, Tuple[_Barrier, int]] = {}
+        self.finished: set = set()
+
+    def can_run(self, t: int) -> bool:
+        if t in self.finished:
+            return False
+        wait = self.waiting.get(t)
+        return wait is None or wait[0].completed % 2 != wait[1]
+
+    def hand_on(self, first: Sequence[int] = (), keep: bool = True) -> None:
+        """Give the turn to the first of ``first`` that can run, else to the next partition after this one that
+        can (this one last, where ``keep``)."""
+        me = threading.get_ident()
+        at = self.order.index(me)
+        after = self.order[at + 1:] + self.order[:at] + ([me] if keep else [])
+        for t in list(first) + after:
+            if self.can_run(t):
+                self.holder = t
+                _STATE.cond.notify_all()
+                return
+        if any(t not in self.finished for t in self.order):
+            _STATE.aborted = True
+            _STATE.cond.notify_all()
+            raise RuntimeError("deadlock: every partition waits on a barrier phase that no one can complete: "
+                               + ", ".join(f"{w[0].pending} arrivals and {w[0].tx} bytes due"
+                                           for w in self.waiting.values()))
+        self.holder = None
+
+    def await_turn(self) -> None:
+        me = threading.get_ident()
+        _STATE.cond.wait_for(lambda: _STATE.aborted or self.holder == me, WAIT_TIMEOUT_S)
+        if _STATE.aborted:
+            raise _Aborted("another partition failed")
+
+
 def _barrier(bar: SharedTile, op: str) -> _Barrier:
     state = _STATE.barriers.get(bar.data.data_ptr())
     if state is None or not state.valid:
@@ -662,7 +718,15 @@ def _arrive(state: _Barrier, count: int) -> None:
 def _mbarrier_arrive(bar: SharedTile, *, count=1, pred=True) -> None:
     if bool(pred):
         with _STATE.cond:
-            _arrive(_barrier(bar, "arrive"), int(count))
+            state = _barrier(bar, "arrive")
+            phases = state.completed
+            _arrive(state, int(count))
+            turns = _STATE.turns
+            if turns is not None and state.completed != phases:
+                woken = [t for t, (s, _) in turns.waiting.items() if s is state]
+                if woken:
+                    turns.hand_on(first=woken)
+                    turns.await_turn()
 
 
 def _mbarrier_expect(bar: SharedTile, bytes, pred=True) -> None:
@@ -680,6 +744,15 @@ def _mbarrier_wait(bar: SharedTile, phase, pred=True, deps=()) -> None:
         return
     with _STATE.cond:
         state = _barrier(bar, "wait")
+        turns = _STATE.turns
+        if turns is not None and state.completed % 2 == int(phase):
+            me = threading.get_ident()
+            turns.waiting[me] = (state, int(phase))
+            try:
+                turns.hand_on(keep=False)
+                turns.await_turn()
+            finally:
+                turns.waiting.pop(me, None)
         done = _STATE.cond.wait_for(lambda: _STATE.aborted or state.completed % 2 != int(phase), WAIT_TIMEOUT_S)
         if _STATE.aborted:
             raise _Aborted("another partition failed")
@@ -810,9 +883,14 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> N
     """The first partition here, the workers in threads, all of one program."""
     (default_fn, default_args), *workers = functions_and_args
     errors: List[BaseException] = []
+    turns = _Turns(len(functions_and_args))
 
-    def run(fn, args):
+    def run(index, fn, args):
         try:
+            with _STATE.cond:
+                turns.order[index] = threading.get_ident()
+                _STATE.cond.notify_all()
+                turns.await_turn()
             fn(*args)
         except _Aborted:
             pass
@@ -821,13 +899,30 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> N
             with _STATE.cond:
                 _STATE.aborted = True
                 _STATE.cond.notify_all()
+        finally:
+            with _STATE.cond:
+                turns.finished.add(threading.get_ident())
+                if turns.holder == threading.get_ident() and not _STATE.aborted:
+                    try:
+                        turns.hand_on(keep=False)
+                    except RuntimeError as error:
+                        errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(fn, args), daemon=True) for fn, args in workers]
-    for t in threads:
-        t.start()
-    run(default_fn, default_args)
-    for t in threads:
-        t.join(WAIT_TIMEOUT_S * 2)
+    threads = [threading.Thread(target=run, args=(i + 1, fn, args), daemon=True) for i, (fn, args) in enumerate(workers)]
+    with _STATE.cond:
+        _STATE.turns = turns
+        turns.order[0] = threading.get_ident()
+        turns.holder = turns.order[0]
+    try:
+        for t in threads:
+            t.start()
+        with _STATE.cond:
+            _STATE.cond.wait_for(lambda: None not in turns.order, WAIT_TIMEOUT_S)
+        run(0, default_fn, default_args)
+        for t in threads:
+            t.join(WAIT_TIMEOUT_S * 2)
+    finally:
+        _STATE.turns = None
     if errors:
         raise errors[0]
 

@@ -1,0 +1,82 @@
+"""CPU tests of ``tests/gluon_shim.py``'s model of warp specialization: partitions run one at a time and hand
+the turn over at barrier operations, so a buffer released before its last read is refilled before that read
+(the bug shows in the result every time), and a program whose partitions all wait raises at once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tests next to Triton's interpreter (the shim stands in for Gluon)")
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
+
+from tests import gluon_shim as gs  # noqa: E402
+
+
+@gluon.jit
+def _producer(Src, slot, ready, empty, N: gl.constexpr, ROUNDS: gl.constexpr):
+    """Copy row ``r`` of ``Src`` into the one-slot ring by TMA in round ``r``, once the consumer has released it."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    desc = tma.make_tensor_descriptor(Src, [ROUNDS, N], [N, 1], [1, N], layout)
+    for r in range(ROUNDS):
+        mbarrier.wait(empty.index(0), (r & 1) ^ 1)
+        mbarrier.expect(ready.index(0), N * 4)
+        tma.async_copy_global_to_shared(desc, [r, 0], ready.index(0), slot)
+
+
+@gluon.jit
+def _consumer(slot, ready, empty, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr):
+    """Sum the slot's rounds; ``EARLY`` releases the slot before reading it (the bug)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    total = gl.zeros([1, N], gl.float32, layout)
+    for r in range(ROUNDS):
+        mbarrier.wait(ready.index(0), r & 1)
+        if EARLY:
+            mbarrier.arrive(empty.index(0))
+        total += slot.load(layout)
+        if not EARLY:
+            mbarrier.arrive(empty.index(0))
+    gl.store(Out + gl.arange(0, N, layout=gl.SliceLayout(0, layout))[None, :], total)
+
+
+@gluon.jit
+def _ring_kernel(Src, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr, STUCK: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    slot = gl.allocate_shared_memory(gl.float32, [1, N], layout)
+    ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready.index(0), count=1)
+    mbarrier.init(empty.index(0), count=2 if STUCK else 1)  # STUCK: the producer waits for an arrival never made
+    gl.warp_specialize([(_consumer, (slot, ready, empty, Out, N, ROUNDS, EARLY)),
+                        (_producer, (Src, slot, ready, empty, N, ROUNDS))], [1], [24])
+    mbarrier.invalidate(ready.index(0))
+    mbarrier.invalidate(empty.index(0))
+
+
+def _run(early: bool, stuck: bool = False) -> torch.Tensor:
+    src = (torch.arange(6, dtype=torch.float32) + 1)[:, None].expand(6, 32).contiguous()
+    out = torch.full((32,), float("nan"))
+    gs.launch(_ring_kernel, (1,), Src=src, Out=out, N=32, ROUNDS=6, EARLY=early, STUCK=stuck)
+    return out
+
+
+def test_a_ring_released_after_its_read_sums_every_round():
+    assert torch.equal(_run(early=False), torch.full((32,), 21.0))
+
+
+def test_a_ring_released_before_its_read_is_refilled_first():
+    """The consumer's early release hands the turn to the waiting producer, which refills the slot before the
+    read: every round after the first reads the next round's values (2 + 3 + ... + 6, and 6 again)."""
+    for _ in range(3):
+        assert torch.equal(_run(early=True), torch.full((32,), 26.0))
+
+
+def test_partitions_all_waiting_raise_a_deadlock():
+    with pytest.raises(RuntimeError, match="every partition waits"):
+        _run(early=False, stuck=True)
