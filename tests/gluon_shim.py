@@ -631,6 +631,10 @@ class _Barrier:
         self.completed = 0
         self.valid = True
 
+    def done(self, phase) -> bool:
+        """Whether the phase of parity ``phase`` has completed (a wait on it returns)."""
+        return self.completed % 2 != int(phase)
+
     def settle(self) -> None:
         if self.pending == 0 and self.tx == 0:
             self.completed += 1
@@ -656,7 +660,7 @@ class _Turns:
         if t in self.finished:
             return False
         wait = self.waiting.get(t)
-        return wait is None or wait[0].completed % 2 != wait[1]
+        return wait is None or wait[0].done(wait[1])
 
     def hand_on(self, first: Sequence[int] = (), keep: bool = True) -> None:
         """Give the turn to the first of ``first`` that can run, else to the next partition after this one that
@@ -745,7 +749,7 @@ def _mbarrier_wait(bar: SharedTile, phase, pred=True, deps=()) -> None:
     with _STATE.cond:
         state = _barrier(bar, "wait")
         turns = _STATE.turns
-        if turns is not None and state.completed % 2 == int(phase):
+        if turns is not None and not state.done(phase):
             me = threading.get_ident()
             turns.waiting[me] = (state, int(phase))
             try:
@@ -753,7 +757,7 @@ def _mbarrier_wait(bar: SharedTile, phase, pred=True, deps=()) -> None:
                 turns.await_turn()
             finally:
                 turns.waiting.pop(me, None)
-        done = _STATE.cond.wait_for(lambda: _STATE.aborted or state.completed % 2 != int(phase), WAIT_TIMEOUT_S)
+        done = _STATE.cond.wait_for(lambda: _STATE.aborted or state.done(phase), WAIT_TIMEOUT_S)
         if _STATE.aborted:
             raise _Aborted("another partition failed")
         if not done:

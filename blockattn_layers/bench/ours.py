@@ -103,13 +103,12 @@ def _variant_skip(spec: blockattn_layers.BackendSpec, variant: str):
         if refused:
             return refused
         reasons = spec.variant_reasons(_request(case, cfg))
+        backward_apart = blockattn_layers.dispatch.running_variants(reasons)[1].get("backward")
         if variants.VARIANTS[variant].rotation_pass:
             # A backward-only variant: the forward runs auto's either way.
-            backward = blockattn_layers.dispatch.running_variants(reasons)[1].get("backward")
-            if backward == variant and variants.forced() is None:
+            if backward_apart == variant and variants.forced() is None:
                 return f"the '{spec.name}' row runs this variant here"
             return None if case.rope_theta is not None else "no rotary"
-        backward_apart = blockattn_layers.dispatch.running_variants(reasons)[1].get("backward")
         if reasons.get(variant) == [] and backward_apart is None and variants.forced() is None:
             # (Where auto's backward runs another variant, the forced row times this one's backward.)
             return f"the '{spec.name}' row runs this variant here"
