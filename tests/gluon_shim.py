@@ -367,6 +367,7 @@ def program(pid: Sequence[int], grid: Sequence[int]) -> Iterator[None]:
     _STATE.pid = tuple(pid) + (0,) * (3 - len(pid))
     _STATE.grid = tuple(grid) + (1,) * (3 - len(grid))
     _STATE.barriers, _STATE.aborted = {}, False
+    _COPIES.open, _COPIES.groups = [], []
     try:
         yield
     finally:
@@ -611,10 +612,39 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
 
 
 # ----------------------------------------------------------------------------- async copies
+# ``cp.async`` copies of this thread (a program, or a partition of one): read from global memory at
+# issue, written to shared memory only when a ``wait_group`` retires their commit group, so a tile
+# read before its wait holds what it held before the copy (as on the GPU, at worst).
+_COPIES = threading.local()
+
+
+def _copies():
+    if not hasattr(_COPIES, "groups"):
+        _COPIES.open, _COPIES.groups = [], []
+    return _COPIES
+
+
 def _async_copy_global_to_shared(smem: SharedTile, pointer: Pointer, mask=None, **_ignored) -> None:
     offsets, mask = _mask_like(pointer.offsets, mask)
     values = _load(Pointer(pointer.memory, offsets), mask, other=0)
-    smem.store(values.expand(smem.data.shape).as_subclass(torch.Tensor))
+    _copies().open.append((smem, values.expand(smem.data.shape).as_subclass(torch.Tensor)))
+
+
+def _commit_group() -> None:
+    copies = _copies()
+    copies.groups.append(copies.open)
+    copies.open = []
+
+
+def _wait_group(num_outstanding=0) -> None:
+    """Land every committed group but the ``num_outstanding`` newest, oldest first."""
+    copies = _copies()
+    keep = int(num_outstanding)
+    done = copies.groups[:len(copies.groups) - keep] if keep else copies.groups
+    for group in done:
+        for smem, values in group:
+            smem.store(values)
+    copies.groups = copies.groups[len(done):]
 
 
 # ----------------------------------------------------------------------------- mbarriers
@@ -963,7 +993,7 @@ language = _namespace(
 )
 async_copy = _namespace(
     "gluon_shim.async_copy", async_copy_global_to_shared=_async_copy_global_to_shared,
-    commit_group=_nothing, wait_group=_nothing,
+    commit_group=_commit_group, wait_group=_wait_group,
 )
 mbarrier = _namespace(
     "gluon_shim.mbarrier", MBarrierLayout=_layout("MBarrierLayout"), init=_mbarrier_init,

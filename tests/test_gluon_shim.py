@@ -1,6 +1,7 @@
 """CPU tests of ``tests/gluon_shim.py``'s model of warp specialization: partitions run one at a time and hand
 the turn over at barrier operations, so a buffer released before its last read is refilled before that read
-(the bug shows in the result every time), and a program whose partitions all wait raises at once."""
+(the bug shows in the result every time), and a program whose partitions all wait raises at once. And of its
+``cp.async`` copies: a tile holds a copy's data only once a ``wait_group`` has retired the copy's group."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
 
 from tests import gluon_shim as gs  # noqa: E402
@@ -80,3 +82,34 @@ def test_a_ring_released_before_its_read_is_refilled_first():
 def test_partitions_all_waiting_raise_a_deadlock():
     with pytest.raises(RuntimeError, match="every partition waits"):
         _run(early=False, stuck=True)
+
+
+@gluon.jit
+def _copies_kernel(Src, Out, N: gl.constexpr, WAITED: gl.constexpr):
+    """Copy rows 0 and 1 of ``Src`` into two tiles, one commit group each, wait for all but ``WAITED``
+    newest groups, then store both tiles' contents: rows 0 and 1 of ``Out``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    tiles = gl.allocate_shared_memory(gl.float32, [2, 1, N], smem)
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))[None, :]
+    for r in gl.static_range(2):
+        tiles.index(r).store(gl.zeros([1, N], gl.float32, layout))
+    for r in gl.static_range(2):
+        async_copy.async_copy_global_to_shared(tiles.index(r), Src + r * N + cols)
+        async_copy.commit_group()
+    async_copy.wait_group(WAITED)
+    for r in gl.static_range(2):
+        gl.store(Out + r * N + cols, tiles.index(r).load(layout))
+    async_copy.wait_group(0)
+
+
+@pytest.mark.parametrize("waited,landed", [(0, [True, True]), (1, [True, False]), (2, [False, False])])
+def test_a_copy_lands_when_a_wait_retires_its_group(waited, landed):
+    """``wait_group(n)`` lands every committed group but the ``n`` newest, oldest first; a tile read before
+    its copy's group is retired still holds what it held before (zeros here)."""
+    src = torch.arange(1, 65, dtype=torch.float32)
+    out = torch.full((64,), float("nan"))
+    gs.launch(_copies_kernel, (1,), Src=src, Out=out, N=32, WAITED=waited)
+    for r, done in enumerate(landed):
+        want = src[r * 32:(r + 1) * 32] if done else torch.zeros(32)
+        assert torch.equal(out[r * 32:(r + 1) * 32], want), r
