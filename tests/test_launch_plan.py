@@ -236,13 +236,16 @@ def test_grouped_query_forward_runs_one_program_per_query_head(block, dim, rot, 
     (32, True, True, (4, 1), False, 80), (32, False, True, (4, 1), False, None), (64, False, True, (8, 2), False, 128),
     (64, True, True, (4, 1), False, 128), (32, True, False, (2, 2), False, None),
     (32, True, False, (4, 1), True, 160), (32, True, False, (8, 2), True, 160), (32, False, False, (4, 1), True, None),
-    (32, True, True, (4, 1), True, None), (64, True, False, (4, 1), True, None), (32, True, False, (2, 2), True, None),
+    (32, True, True, (4, 1), True, 168), (32, False, True, (8, 2), True, 168), (64, True, False, (4, 1), True, None),
+    (64, False, False, (4, 1), True, None), (64, True, True, (4, 1), True, None), (32, True, False, (2, 2), True, None),
+    (32, True, True, (2, 2), True, None),
 ])
 def test_hopper_forward_of_grouped_heads_capped_where_measured_faster(dim, causal, rotary, heads, backward, want):
     """hopper's grouped query heads on 64-row tiles run capped where measured faster (H100): the forward at D32 with
     causal at 80 registers (rotary or not; 6 programs per SM instead of 4-5), with rotary at D64 at 128; the backward
-    at D32 with causal, without rotary, at 160 (3 programs instead of 2). Elsewhere, and with one query head per kv
-    head, ptxas's own choice."""
+    at D32 with causal, without rotary, at 160, and with rotary, causal or not, at 168 (3 programs instead of 2).
+    Elsewhere (D32 without causal or rotary, D64: slower capped), and with one query head per kv head, ptxas's own
+    choice."""
     q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
     k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
     meta = _options_per_call(q, k, 64, dim if rotary else 0, False, False, causal, backward, 0, False,
@@ -270,14 +273,17 @@ def test_packed_forward_of_grouped_heads_capped_where_measured_faster(dim, block
 
 
 @pytest.mark.parametrize("dim,block,causal,heads,rotary,want", [
-    (32, 16, False, (2, 2), False, 96), (32, 32, True, (2, 2), False, 96), (32, 16, False, (4, 1), False, None),
-    (64, 16, False, (2, 2), False, None), (128, 32, False, (2, 2), False, 168), (32, 16, False, (2, 2), True, None),
+    (32, 16, False, (2, 2), False, 96), (32, 32, True, (2, 2), False, 96), (32, 16, False, (4, 1), False, 160),
+    (32, 29, True, (8, 2), False, 160), (32, 16, True, (4, 1), True, 168), (32, 32, False, (8, 2), True, 168),
+    (64, 16, False, (2, 2), False, None), (64, 16, False, (4, 1), False, None), (64, 32, True, (4, 1), True, None),
+    (128, 32, False, (2, 2), False, 168), (32, 16, False, (2, 2), True, 96), (32, 20, True, (2, 2), True, 96),
     (128, 16, True, (2, 2), True, 168),
 ])
 def test_packed_backward_capped_where_measured_faster(dim, block, causal, heads, rotary, want):
-    """hopper_packed's backward of one query head per kv head runs capped at 96 registers at D32 without rotary (5
-    programs per SM instead of 4; H100, 1.04-1.10x faster) and 168 at D128; with rotary at D32 (untimed), grouped
-    query heads and D64 at ptxas's own choice."""
+    """hopper_packed's backward runs capped where measured faster (H100): one query head per kv head at 96 registers
+    at D32, rotary or not (5 programs per SM instead of 4; 1.04-1.10x faster without rotary, 1.2-1.25x with), 168
+    at D128; grouped query heads at D32, 160 without rotary and 168 with (3 programs instead of 2). D64 at ptxas's
+    own choice."""
     q = torch.empty(3, heads[0], dim, dtype=torch.bfloat16)
     k = torch.empty(3, heads[1], dim, dtype=torch.bfloat16)
     meta, _, _ = _plan(q, k, block, dim if rotary else 0, False, False, causal, True, 0, False,

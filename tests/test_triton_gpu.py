@@ -222,13 +222,31 @@ def test_capped_rotary_grouped_query_forward_matches_the_oracle(heads, kv_heads,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,block,causal", [
-    (2, 2, 16, False), (2, 2, 32, True), (2, 2, 21, False), (4, 1, 64, True), (8, 2, 48, True)])
+    (2, 2, 16, False), (2, 2, 32, True), (2, 2, 21, False), (4, 1, 64, True), (8, 2, 48, True), (4, 1, 16, False),
+    (8, 2, 29, True), (4, 1, 32, True)])
 def test_capped_d32_backward_matches_the_oracle(heads, kv_heads, block, causal, dtype):
-    """The D32 backwards under a register cap (hopper_packed's of one query head per kv head at 96; hopper's of
-    grouped query heads with causal on 64-row tiles at 160) against the float64 oracle."""
+    """The D32 backwards under a register cap (hopper_packed's of one query head per kv head at 96 and of grouped
+    query heads at 160; hopper's of grouped query heads with causal on 64-row tiles at 160) against the float64
+    oracle."""
     lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
     q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block)
     check_against_oracle(q, k, v, offsets, block_size=block, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("form", sorted(ROTARY_FORMS))
+@pytest.mark.parametrize("heads,kv_heads,block,causal", [
+    (2, 2, 16, True), (2, 2, 27, False), (4, 1, 64, False), (8, 2, 40, True), (4, 1, 16, True), (8, 2, 32, False)])
+def test_capped_d32_rotary_backward_matches_the_oracle(heads, kv_heads, block, causal, form, dtype):
+    """The D32 rotary backwards under a register cap (hopper_packed's of one query head per kv head at 96 and of
+    grouped query heads at 168; hopper's of grouped query heads on 64-row tiles at 168), in every rotary form,
+    against the float64 oracle."""
+    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block + 7)
+    kw = dict(ROTARY_FORMS[form])
+    if form == "positions":
+        kw["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
+    check_against_oracle(q, k, v, offsets, block_size=block, causal=causal, rope_theta=1e4, **kw)
 
 
 # The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs

@@ -77,8 +77,11 @@ HOPPER_GROUP_FWD_MAXNREG = {(32, True, False): 80, (32, True, True): 80, (64, Fa
 # The D32 backward without rotary: 97 registers (4 programs) -> 96 at 96 (8 B spilled, 5). H100, bf16, grid
 # lengths, 2x2 heads, one process per setting, two runs each, backward ms uncapped / capped (2026-12-06): blocks of
 # 32 0.416, 0.416 / 0.400, 0.400; causal blocks of 16 0.472, 0.472 / 0.430, 0.430; of 32 0.420, 0.419 / 0.402,
-# 0.402. (With rotary: 115-118 registers, 28-36 B spilled at 96; untimed.)
-PACKED_HOPPER_MAXNREG: dict = {(True, 128, False): 168, (True, 128, True): 168, (True, 32, False): 96}
+# 0.402. With rotary: 115-118 registers (4) -> 96 at 96 (28-36 B spilled, 5); split halves, blocks of 16 / 32
+# (session 50): 0.567 -> 0.456 (32), causal 0.642 -> 0.516, 0.574 -> 0.458; interleaved 0.700 -> 0.572, 0.621 ->
+# 0.520, causal 0.701 -> 0.567, 0.633 -> 0.522.
+PACKED_HOPPER_MAXNREG: dict = {(True, 128, False): 168, (True, 128, True): 168, (True, 32, False): 96,
+                               (True, 32, True): 96}
 # hopper_packed's forward of grouped query heads, keyed (BLOCK_D, causal, SLOT, rotary). ptxas sm_90,
 # bf16, 4 query heads per kv head, registers uncapped -> capped (no spills), programs of 4 warps per SM: D32 88
 # / 96 causal (5) -> 72 / 80 at 80 (7 / 6); D64 105 / 117 (4) -> 96 / 95 at 96 (5); D128 causal 174 (2) -> 161
@@ -105,14 +108,20 @@ PACKED_HOPPER_GROUP_FWD_MAXNREG = {
        for slot in (16, 32)},
 }
 # The backwards of grouped query heads, hopper's on 64-row tiles keyed (BLOCK_D, causal, rotary), hopper_packed's
-# keyed (BLOCK_D, causal, SLOT, rotary). hopper D32 causal without rotary: 179 -> 160 registers (2 -> 3 programs per
-# SM). H100, bf16, grid lengths, block 64, one process per setting, two runs each, backward ms uncapped / capped
-# (2026-12-06): 4x1 0.682, 0.681 / 0.545, 0.545 (causal then as fast as without). Untimed leads (ptxas sm_90, 4
-# query heads per kv head, registers uncapped -> capped, programs per SM): hopper D32 without causal 164 -> 128
-# (96 B spilled, 3 -> 4); D64 239-247 -> 168 (188-208 B, 2 -> 3); D32 rotary 219-234 -> 168 (120-156 B, 2 -> 3);
-# hopper_packed D32 rotary 248-255 -> 168 (104-180 B, 2 -> 3). (hopper_packed without rotary: auto runs simple's.)
-HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True, False): 160}
-PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {}
+# keyed (BLOCK_D, causal, SLOT, rotary). H100, bf16, 4x1, grid lengths, one process per setting, two runs each,
+# backward ms uncapped / capped (ptxas sm_90: registers uncapped -> capped, programs per SM):
+# - hopper D32 causal without rotary at 160 (179, 2 -> 3), block 64: 0.682, 0.681 / 0.545, 0.545 (session 49);
+# - hopper D32 split rotary at 168 (219-234, 2 -> 3; 120-156 B spilled), block 64: 0.696, 0.695 / 0.643, 0.640,
+#   causal the same (session 50);
+# - hopper_packed D32 split rotary at 168 (248-255, 2 -> 3; 104-180 B), blocks of 16 / 32: 0.881, 0.888 / 0.757,
+#   0.750 and 0.828, 0.817 / 0.724, 0.728, causal 0.888 / 0.756, 0.817 / 0.728 (session 50);
+# - hopper_packed D32 without rotary at 160 (193-205, 2 -> 3): uncapped slower than simple, capped faster (see
+#   ``variants._hopper_packed_auto_reasons``; session 50).
+# Slower capped (session 50): hopper D32 without causal at 128 (164, 3 -> 4, 96 B spilled): 0.550 -> 0.578; hopper
+# D64 at 168 (239-247, 2 -> 3, 188-208 B): 0.770 -> 0.949-0.986.
+HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True, False): 160, (32, False, True): 168, (32, True, True): 168}
+PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {(32, causal, slot, rotary): 168 if rotary else 160
+                                         for causal in (False, True) for slot in (16, 32) for rotary in (False, True)}
 _SM90_MAXNREG = {
     (False, 128, True): 104, (True, 64, True): 128, (True, 128, False): 168, (False, 64, False): 72,
 }

@@ -432,8 +432,11 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
     kv head 1.0-1.34x faster at D 32-128, 0.71-0.84x at D256; backward of grouped query heads
     0.72-1.00x at 9c1adb3 (tiles spilling 0.6-0.9 KB at D 64-128); since its NaN check counts dK
     and dV (session 21: bf16, 8x2 and 4x1, causal or not) 1.03-1.22x faster than simple at D64 (8 of
-    8 points; block 32 causal 8x2 2.002 vs 2.442 ms), 0.8-1.1x at D32 (simple kept); D 96-128
-    spill 0.3 KB at 255 registers, not timed (simple kept). Split-half rotary
+    8 points; block 32 causal 8x2 2.002 vs 2.442 ms), 0.8-1.1x at D32 (simple kept then; capped at 160
+    registers since session 50, 2 -> 3 programs per SM: H100, bf16, 4x1, grid lengths, backward ms
+    against simple's, blocks of 16 / 32: 0.658 / 0.694, 0.622 / 0.758, causal 0.654 / 0.711, 0.621 /
+    0.885, so auto takes it at D32); D 96-128 spill 0.3 KB at 255 registers, not timed (simple kept).
+    Split-half rotary
     (bf16, causal no): at D 32-64 forward 0.98-1.35x and backward 1.05-1.37x, grouped query heads
     included, so auto takes it there; at D128 forward 0.87-1.13x (simple). Its split-half rotary
     backward at D 96-128 (session 27, bf16, causal no, A/B): 0.95-0.97x at 2x2, 0.38x at 4x1 (simple
@@ -453,10 +456,9 @@ def _hopper_packed_auto_reasons(facts: CallFacts) -> List[str]:
         return []
     if facts.head_dim > 128:
         return [f"head_dim {facts.head_dim} > 128: not faster than simple on the H200"]
-    if facts.backward and facts.groups > 1 and tile_extent(facts.head_dim) != 64:
-        return [f"backward of grouped-query heads at head_dim {facts.head_dim}: slower than simple on the H200"
-                if facts.head_dim <= 32 else f"backward of grouped-query heads at head_dim {facts.head_dim}: not "
-                "faster than simple on the H200 (its tiles spill)"]
+    if facts.backward and facts.groups > 1 and tile_extent(facts.head_dim) > 64:
+        return [f"backward of grouped-query heads at head_dim {facts.head_dim}: not faster than simple on the H200 "
+                "(its tiles spill)"]
     if not facts.backward and facts.groups == 1 and facts.head_dim > 64:
         return [f"forward at head_dim {facts.head_dim} with one query head per kv head: not faster than simple "
                 "on the H200"]
