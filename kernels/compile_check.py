@@ -483,7 +483,8 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
-                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True)
+                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=False)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
@@ -494,14 +495,23 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
             (128, True, True, True, True), (64, False, True, False, False), (128, False, True, False, False)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
-                          WITH_DQ=with_dq)
+                          WITH_DQ=with_dq, ROWS_BY_LOADER=False)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
+        yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+    # lse and delta copied by the loader (ROWS_BY_LOADER): the fast and ordered passes, causal GQA, D 128 and 64.
+    for dim, (causal, groups), ordered in itertools.product((64, 128), ((False, 1), (True, 4)), (False, True)):
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+                          IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=True)
+        name = (f"flash_gluon_bwd_rows_by_loader_bf16_d{dim}{'_causal_gqa' if causal else ''}"
+                f"{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
-                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False)
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
+                          ROWS_BY_LOADER=False)
         yield Build(f"flash_gluon_bwd_dkdv_only_m128_bf16_d64{'_causal_gqa' if causal else ''}",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 

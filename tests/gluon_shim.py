@@ -647,6 +647,20 @@ def _wait_group(num_outstanding=0) -> None:
     copies.groups = copies.groups[len(done):]
 
 
+def _copies_mbarrier_arrive(bar: SharedTile, increment_count=True) -> None:
+    """``cp.async.mbarrier.arrive``: the barrier's phase waits for this thread's copies so far, which
+    land here (taken out of their groups); without ``increment_count`` (``.noinc``) their completion
+    also counts as one of the phase's arrivals, with it it does not."""
+    copies = _copies()
+    for group in copies.groups + [copies.open]:
+        for smem, values in group:
+            smem.store(values)
+    copies.groups = [[] for _ in copies.groups]
+    copies.open = []
+    if not increment_count:
+        _mbarrier_arrive(bar)
+
+
 # ----------------------------------------------------------------------------- mbarriers
 class _Aborted(RuntimeError):
     """Another partition of the program failed."""
@@ -993,7 +1007,7 @@ language = _namespace(
 )
 async_copy = _namespace(
     "gluon_shim.async_copy", async_copy_global_to_shared=_async_copy_global_to_shared,
-    commit_group=_commit_group, wait_group=_wait_group,
+    commit_group=_commit_group, wait_group=_wait_group, mbarrier_arrive=_copies_mbarrier_arrive,
 )
 mbarrier = _namespace(
     "gluon_shim.mbarrier", MBarrierLayout=_layout("MBarrierLayout"), init=_mbarrier_init,

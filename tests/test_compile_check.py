@@ -142,14 +142,17 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     read); the ordered builds read each counter with acquire semantics and count with release
     semantics, the others have no counters. With them the
     candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
-    product, and dK / dV alone (no dQ term: neither adds nor counters; at D 64 over 64 and 128 query
-    rows a step)."""
+    product, dK / dV alone (no dQ term: neither adds nor counters; at D 64 over 64 and 128 query
+    rows a step), and lse / delta copied by the loader warp, whose slot's ready barrier waits for them
+    (``cp.async.mbarrier.arrive``; the others have none)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 27 and sum(name.endswith("_deterministic") for name in ptx) == 11
+    assert len(ptx) == 35 and sum(name.endswith("_deterministic") for name in ptx) == 15
     assert sum("_dkdv_only_" in name for name in ptx) == 4 and sum("_dkdv_only_m128_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
+    assert sum("_rows_by_loader_" in name for name in ptx) == 8
     for name, text in ptx.items():
+        assert ("cp.async.mbarrier.arrive" in text) == ("_rows_by_loader_" in name), name
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "cp.async.ca.shared.global", "setmaxnreg.inc",
                             "mbarrier.try_wait"):

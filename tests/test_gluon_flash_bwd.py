@@ -44,10 +44,11 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
 
 
 def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
-         block_m=flash_bwd.TILE_M):
+         block_m=flash_bwd.TILE_M, rows_by_loader=False):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
-    ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``)."""
+    ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``; ``rows_by_loader``: lse and delta
+    copied by the loader, ``ROWS_BY_LOADER``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -67,13 +68,16 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
         GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
+        ROWS_BY_LOADER=rows_by_loader,
     )
     return sums * scale, dk, dv, run, counters
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
 @pytest.mark.parametrize("name", list(CASES) + [f"writer-{c}" for c in CASES]
-                         + ["p-beside-dp-full-d64", "p-beside-dp-full-gqa-causal-d128"])
+                         + ["p-beside-dp-full-d64", "p-beside-dp-full-gqa-causal-d128"]
+                         + [f"rows-by-loader-{c}" for c in ("writer-full-d64", "writer-full-gqa-causal-d128",
+                                                             "blocks256-causal-d64")])
 def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministic):
     """Gradients against float64; each dK, dV element stored once; dQ's sums added once per key tile
     meeting the row (twice at D 64); ``DETERMINISTIC``: every query tile's counters end at the adds it
@@ -81,7 +85,10 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
     first key tiles first, so each turn must already have come). ``writer-``: the adds by
     the writer partition (``DQ_WRITER``), by TMA reduce-adds: ordered, one per element and key tile
     whatever D (at D 64 the warpgroups' terms summed first), counted in slot 0; in any order each
-    warpgroup's tile; ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``)."""
+    warpgroup's tile; ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``);
+    ``rows-by-loader-``: lse and delta copied by the loader into the ring's slots (``ROWS_BY_LOADER``)."""
+    rows_by_loader = name.startswith("rows-by-loader-")
+    name = name[len("rows-by-loader-"):] if rows_by_loader else name
     early_p = name.startswith("p-beside-dp-")
     name = name[len("p-beside-dp-"):] if early_p else name
     writer = name.startswith("writer-")
@@ -89,7 +96,8 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, len(lengths) + dim)
     offsets = offsets_from_lengths(lengths)
-    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic, writer, early_p)
+    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic, writer, early_p,
+                                     rows_by_loader=rows_by_loader)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
                                         dim ** -0.5, causal)
     for got, ref in zip((dq, dk, dv), want):
@@ -128,35 +136,37 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
         assert not counters.any()
 
 
+@pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
 @pytest.mark.parametrize("writer", [False, True], ids=["consumers-add", "writer-adds"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer, deterministic):
+def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer, deterministic, rows_by_loader):
     """Tensor maps over each block's own rows (the writer's dQ map, in any order or in order, too)
-    and lse / delta copies masked at the block's end: a NaN sequence leaves its neighbours'
-    gradients finite."""
+    and lse / delta copies masked at the block's end (by the consumers, or by the loader,
+    ``ROWS_BY_LOADER``): a NaN sequence leaves its neighbours' gradients finite."""
     lengths = [130, 70, 200]
     q, k, v, do = _inputs(lengths, 2, 2, dim, 3)
     offsets = offsets_from_lengths(lengths)
     for x in (q, k, v, do):
         x[130:200] = float("nan")
-    dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False, deterministic, writer)
+    dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False, deterministic, writer, rows_by_loader=rows_by_loader)
     for g in (dq, dk, dv):
         assert torch.isfinite(g[:130]).all() and torch.isfinite(g[200:]).all() and torch.isnan(g[130:200]).all()
 
 
 @pytest.mark.parametrize("block_m", [64, 128], ids=["m64", "m128"])
-@pytest.mark.parametrize("writer", [False, True], ids=["consumers", "writer"])
+@pytest.mark.parametrize("writer,rows_by_loader", [(False, False), (True, False), (True, True)],
+                         ids=["consumers", "writer", "writer-loader-copies-rows"])
 @pytest.mark.parametrize("name", ["full-gqa-causal-d128", "blocks256-causal-d64", "full-d64"])
-def test_flash_ws_backward_without_dq_computes_dk_and_dv_only(name, writer, block_m):
+def test_flash_ws_backward_without_dq_computes_dk_and_dv_only(name, writer, rows_by_loader, block_m):
     """``WITH_DQ`` off (the deterministic backward's dK/dV pass beside the Triton dQ pass): dK and dV
     against float64, each stored once, nothing added to dQ's sums, no counter touched, and no writer
-    partition waiting for terms that never come."""
+    partition waiting for terms that never come (lse and delta copied by the loader too: 128-row steps)."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
     offsets = offsets_from_lengths(lengths)
     _, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, False, writer, with_dq=False,
-                                    block_m=block_m)
+                                    block_m=block_m, rows_by_loader=rows_by_loader)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
                                         dim ** -0.5, causal)
     for got, ref in zip((dk, dv), want[1:]):

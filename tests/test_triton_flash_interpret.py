@@ -591,14 +591,20 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                             dict(heads=4, kv_heads=4, dim=64, block_size=None, dkdv_only=True),
                             dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True),
                             dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True,
-                                 narrow=True)],
+                                 narrow=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, rows_by_loader=True),
+                            dict(heads=2, kv_heads=2, dim=128, block_size=384, rows_by_loader=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, rows_by_loader=True),
+                            dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True,
+                                 rows_by_loader=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
     (``sm90.flash_bwd``, ``TAKEN`` set): gradients within 3x the naive same-dtype error of the float64
     oracle (with a floor); the deterministic one bitwise the same twice. dQ's adds by the writer
     partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
-    computed while dP's product runs (``P_BESIDE_DP``); ``dkdv_only``: the deterministic backward with
+    computed while dP's product runs (``P_BESIDE_DP``); ``rows_by_loader``: each step's lse and delta copied
+    by the loader warp (``ROWS_BY_LOADER``); ``dkdv_only``: the deterministic backward with
     the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
     ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it), at D 64 over 128 query
     rows a step (``DKDV_ONLY_WIDE_HEAD_DIMS``), ``narrow``: over 64. The deterministic one otherwise has the writer add
@@ -613,6 +619,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     monkeypatch.setattr(flash_bwd, "DQ_WRITER", not case.pop("consumer_adds", False))
     if case.pop("p_beside_dp", False):
         monkeypatch.setattr(flash_bwd, "P_BESIDE_DP", True)
+    if case.pop("rows_by_loader", False):
+        monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", True)
     launches = []
     launch = flash_bwd.launch_bwd
     monkeypatch.setattr(flash_bwd, "launch_bwd", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -660,20 +668,24 @@ def _nan_sequence_inputs(dim: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("writer,fast,dkdv_only", [(False, False, False), (True, False, False), (True, True, False),
-                                                   (True, False, True), (True, False, "narrow")],
-                         ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only", "dkdv-only-narrow"])
+@pytest.mark.parametrize("writer,fast,dkdv_only,rows_by_loader", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False), (True, False, True, False),
+    (True, False, "narrow", False), (True, True, False, True), (True, False, True, True)],
+    ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only", "dkdv-only-narrow", "rows-by-loader",
+         "dkdv-only-rows-by-loader"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only):
+def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only, rows_by_loader):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
     the block's end: a NaN sequence between ragged ones has NaN gradients, every other row finite
     gradients equal to the Triton deterministic backward's within bf16 rounding (``writer``: dQ's
     adds by the writer partition, in order by TMA reduce-adds over a tensor map of each block's
     rows; ``fast``: the fast backward, the writer's TMA reduce-adds in any order; ``dkdv_only``: the
     deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass, over 128
-    query rows a step at D 64; ``"narrow"``: over 64)."""
+    query rows a step at D 64; ``"narrow"``: over 64; ``rows_by_loader``: lse and delta copied by the loader,
+    masked at the block's end)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
+    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", rows_by_loader)
     if dkdv_only == "narrow":
         monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
 

@@ -335,15 +335,16 @@ TRITON_FAST_BACKWARD = Method(
 
 
 @contextlib.contextmanager
-def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False):
+def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
-    dP's product (``P_BESIDE_DP``)."""
+    dP's product (``P_BESIDE_DP``); ``rows_by_loader``: lse and delta copied by the loader
+    (``ROWS_BY_LOADER``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
-            module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p):
+            module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader):
         yield
 
 
@@ -378,18 +379,22 @@ GLUON_BACKWARDS = [
            description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
                        "(sm_90; TMA loader warp, two consumer warpgroups over a 128-row key tile) adding dQ's terms "
                        f"{order}, the Gluon forward on every call it admits",
-           context=functools.partial(_gluon_backward, fast, writer, early_p))
-    for name, mode, order, fast, writer, early_p in (
+           context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader))
+    for name, mode, order, fast, writer, early_p, rows_by_loader in (
         ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
-         "their terms in shared memory and go on)", False, True, False),
+         "their terms in shared memory and go on)", False, True, False, False),
         ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
-         "store their terms in shared memory and go on)", True, True, False),
+         "store their terms in shared memory and go on)", True, True, False, False),
         ("triton_flash[gluon_bwd_consumer_adds]", "deterministic", "in a fixed order by the consumers' own atomic "
-         "adds", False, False, False),
+         "adds", False, False, False, False),
         ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
-         True, False, False),
+         True, False, False, False),
         ("triton_flash[gluon_fast_bwd_p_beside_dp]", "fast", "in any order by TMA reduce-adds from a writer warp, "
-         "each step's P computed while dP's product runs", True, True, True),
+         "each step's P computed while dP's product runs", True, True, True, False),
+        ("triton_flash[gluon_fast_bwd_rows_by_loader]", "fast", "in any order by TMA reduce-adds from a writer "
+         "warp, each step's lse and delta copied by the loader warp", True, True, False, True),
+        ("triton_flash[gluon_bwd_rows_by_loader]", "deterministic", "in a fixed order from a writer warp, each "
+         "step's lse and delta copied by the loader warp", False, True, False, True),
     )
 ]
 

@@ -119,6 +119,12 @@ DQ_WRITER = True
 # product alone first, as FlashAttention-3 orders its step), or waits for both. A candidate to time
 # (``triton_flash[gluon_fast_bwd_p_beside_dp]``).
 P_BESIDE_DP = False
+# Whether the loader warp copies each step's lse and delta rows (``ROWS_BY_LOADER``: by ``cp.async`` into the
+# step's ring slot, which its ready barrier then waits for too, as FlashAttention-3's producer loads them beside
+# q and dO) instead of each consumer warpgroup copying its own ahead (a copy wait and a warpgroup barrier every
+# step: ncu of the fast backward, seed3, H100, session 50, has 31 % of the consumers' cycles between issues
+# waiting at barriers). A candidate to time (``triton_flash[gluon_fast_bwd_rows_by_loader]``).
+ROWS_BY_LOADER = False
 WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: what it takes, consumer 1 gives
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
@@ -138,10 +144,12 @@ def query_steps(n, tile_row, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _loader(k_s, v_s, q_s, do_s, kv_bar, ready, empty, Q, K, V, DO, start, n, tile_row, hk, heads, kv_heads,
-            first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Loader partition: the key tile's k and v, then each step's q and dO into the ring."""
+def _loader(k_s, v_s, q_s, do_s, lse_s, delta_s, kv_bar, ready, empty, Q, K, V, DO, Lse, Delta, start, n, tile_row,
+            hk, heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, stride_lh,
+            GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            ROWS_BY_LOADER: gl.constexpr):
+    """Loader partition: the key tile's k and v, then each step's q and dO into the ring
+    (``ROWS_BY_LOADER``: and its lse and delta rows, into ``lse_s`` / ``delta_s``'s slot of the step)."""
     k_map = block_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM)
     v_map = block_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM)
     q_map = block_map(Q, start, n, heads, stride_qt, BLOCK_M, HEAD_DIM)
@@ -156,6 +164,10 @@ def _loader(k_s, v_s, q_s, do_s, kv_bar, ready, empty, Q, K, V, DO, start, n, ti
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(s)
+        if ROWS_BY_LOADER:
+            # Before the expect's arrival: the slot's phase cannot complete before these copies land.
+            _load_rows(lse_s.index(s), delta_s.index(s), Lse, Delta, h * stride_lh + start + row, n - row, BLOCK_M)
+            async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, 2 * BLOCK_M * nbytes)
         tma.async_copy_global_to_shared(q_map, [row, h * HEAD_DIM], bar, q_s.index(s))
         tma.async_copy_global_to_shared(do_map, [row, h * HEAD_DIM], bar, do_s.index(s))
@@ -301,15 +313,29 @@ def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stri
 
 
 @gluon.jit
+def _load_rows(lse_s, delta_s, Lse, Delta, off, rows_left, BLOCK_M: gl.constexpr):
+    """Copy ``lse`` and ``delta`` of a step's ``BLOCK_M`` query rows (from element ``off``; rows from
+    ``rows_left`` on, past the block, read as zeros) into ``lse_s`` / ``delta_s`` by ``cp.async``, by one
+    warp (``ROWS_BY_LOADER``)."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    rows = gl.arange(0, BLOCK_M, layout=layout)
+    ok = rows < rows_left
+    async_copy.async_copy_global_to_shared(lse_s, Lse + off + rows, mask=ok)
+    async_copy.async_copy_global_to_shared(delta_s, Delta + off + rows, mask=ok)
+
+
+@gluon.jit
 def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
               done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale,
               stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
-              P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr):
+              P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
-    ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all."""
+    ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
+    ``ROWS_BY_LOADER``: the step's lse and delta rows in ``rows_s`` / ``rows_d``'s slot of the step,
+    copied by the loader (shared by both warpgroups), else copied by this warpgroup one step ahead."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -321,16 +347,21 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
-    _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+    if not ROWS_BY_LOADER:
+        _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUPS * steps):
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
         s = it % STAGES
         b = it % 2
-        _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
-        async_copy.wait_group(1)
-        gl.thread_barrier()  # step it's rows, copied by every thread of the warpgroup, have landed
+        if ROWS_BY_LOADER:
+            r = s  # the rows' slot: the step's ring slot
+        else:
+            r = b
+            _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+            async_copy.wait_group(1)
+            gl.thread_barrier()  # step it's rows, copied by every thread of the warpgroup, have landed
         cols = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_s))
         q = q_s.index(s)
         do = do_s.index(s)
@@ -341,12 +372,12 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         else:
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        lse = rows_s.index(b).load(gl.SliceLayout(0, acc_s)) * _LOG2E
+        lse = rows_s.index(r).load(gl.SliceLayout(0, acc_s)) * _LOG2E
         # Only the first two query tiles from the diagonal hold columns left of a key row.
         pt = _probs(st, lse, keys, cols, qk_scale, row < tile_row + BLOCK_N, IS_CAUSAL)
         if P_BESIDE_DP:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-        delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
+        delta = rows_d.index(r).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -398,7 +429,7 @@ def _flash_bwd_ws_kernel(
     stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
-    P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr,
+    P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -410,10 +441,18 @@ def _flash_bwd_ws_kernel(
         do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        lse_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)  # per consumer, two slots
-        lse_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        # Per consumer, two slots; ROWS_BY_LOADER: one copy in the ring's slots, both consumers read it.
+        gl.static_assert(not ROWS_BY_LOADER or STAGES == 2, "the rows' slots are the ring's")
+        lse_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        if ROWS_BY_LOADER:
+            lse_1 = lse_0
+        else:
+            lse_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
         delta_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
-        delta_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
+        if ROWS_BY_LOADER:
+            delta_1 = delta_0
+        else:
+            delta_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], rows_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -437,15 +476,15 @@ def _flash_bwd_ws_kernel(
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
-                (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
-                           heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
-                           BLOCK_M, BLOCK_N, HEAD_DIM)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER)),
+                (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
+                           Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
+                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
                 (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
                               steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
                               IS_CAUSAL, DETERMINISTIC)),
@@ -456,15 +495,15 @@ def _flash_bwd_ws_kernel(
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ)),
-                (_loader, (k_s, v_s, q_s, do_s, kv_bar.index(0), ready, empty, Q, K, V, DO, start, n, tile_row, hk,
-                           heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, GROUPS,
-                           BLOCK_M, BLOCK_N, HEAD_DIM)),
+                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER)),
+                (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
+                           Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
+                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         mbarrier.invalidate(ds_ready.index(0))
@@ -548,7 +587,7 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     sums = dq_sums if with_dq else dk
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
                 DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER,
-                P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, num_warps=4)
+                P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER, num_warps=4)
     args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total)
