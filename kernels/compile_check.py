@@ -504,7 +504,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True)
-        name = (f"flash_gluon_bwd_rows_by_loader_bf16_d{dim}{'_causal_gqa' if causal else ''}"
+        name = (f"flash_gluon_bwd_lse_by_loader_bf16_d{dim}{'_causal_gqa' if causal else ''}"
                 f"{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).

@@ -150,9 +150,9 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     assert sum("_dkdv_only_" in name for name in ptx) == 4 and sum("_dkdv_only_m128_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
-    assert sum("_rows_by_loader_" in name for name in ptx) == 8
+    assert sum("_lse_by_loader_" in name for name in ptx) == 8
     for name, text in ptx.items():
-        assert ("cp.async.mbarrier.arrive" in text) == ("_rows_by_loader_" in name), name
+        assert ("cp.async.mbarrier.arrive" in text) == ("_lse_by_loader_" in name), name
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "cp.async.ca.shared.global", "setmaxnreg.inc",
                             "mbarrier.try_wait"):
