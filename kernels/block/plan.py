@@ -108,17 +108,18 @@ PACKED_HOPPER_GROUP_FWD_MAXNREG = {
        for slot in (16, 32)},
 }
 # The backwards of grouped query heads, hopper's on 64-row tiles keyed (BLOCK_D, causal, rotary), hopper_packed's
-# keyed (BLOCK_D, causal, SLOT, rotary). H100, bf16, 4x1, grid lengths, one process per setting, two runs each,
-# backward ms uncapped / capped (ptxas sm_90: registers uncapped -> capped, programs per SM):
+# keyed (BLOCK_D, causal, SLOT, rotary). H100, bf16, 4x1, grid lengths, one process per setting (session 49: two
+# of each; session 50: one uncapped, two capped), backward ms uncapped / capped (ptxas sm_90: registers uncapped ->
+# capped, programs per SM):
 # - hopper D32 causal without rotary at 160 (179, 2 -> 3), block 64: 0.682, 0.681 / 0.545, 0.545 (session 49);
-# - hopper D32 split rotary at 168 (219-234, 2 -> 3; 120-156 B spilled), block 64: 0.696, 0.695 / 0.643, 0.640,
-#   causal the same (session 50);
-# - hopper_packed D32 split rotary at 168 (248-255, 2 -> 3; 104-180 B), blocks of 16 / 32: 0.881, 0.888 / 0.757,
-#   0.750 and 0.828, 0.817 / 0.724, 0.728, causal 0.888 / 0.756, 0.817 / 0.728 (session 50);
+# - hopper D32 split rotary at 168 (219-234, 2 -> 3; 120-156 B spilled), block 64: 0.696 / 0.643, 0.646, causal
+#   0.695 / 0.643, 0.640 (session 50);
+# - hopper_packed D32 split rotary at 168 (248-255, 2 -> 3; 104-180 B), blocks of 16: 0.881 / 0.757, 0.752, causal
+#   0.888 / 0.750, 0.756; of 32: 0.828 / 0.724, 0.724, causal 0.817 / 0.728, 0.728 (session 50);
 # - hopper_packed D32 without rotary at 160 (193-205, 2 -> 3): uncapped slower than simple, capped faster (see
 #   ``variants._hopper_packed_auto_reasons``; session 50).
-# Slower capped (session 50): hopper D32 without causal at 128 (164, 3 -> 4, 96 B spilled): 0.550 -> 0.578; hopper
-# D64 at 168 (239-247, 2 -> 3, 188-208 B): 0.770 -> 0.949-0.986.
+# Slower capped (session 50): hopper D32 without causal at 128 (164, 3 -> 4, 96 B spilled): 0.550 -> 0.578, 0.579;
+# hopper D64 at 168 (239-247, 2 -> 3, 188-208 B): 0.770 -> 0.985, 0.986, causal 0.771 -> 0.949, 0.949.
 HOPPER_GROUP_BWD_MAXNREG: dict = {(32, True, False): 160, (32, False, True): 168, (32, True, True): 168}
 PACKED_HOPPER_GROUP_BWD_MAXNREG: dict = {(32, causal, slot, rotary): 168 if rotary else 160
                                          for causal in (False, True) for slot in (16, 32) for rotary in (False, True)}
