@@ -650,7 +650,8 @@ def _wait_group(num_outstanding=0) -> None:
 def _copies_mbarrier_arrive(bar: SharedTile, increment_count=True) -> None:
     """``cp.async.mbarrier.arrive``: the barrier's phase waits for this thread's copies so far, which
     land here (taken out of their groups); without ``increment_count`` (``.noinc``) their completion
-    also counts as one of the phase's arrivals, with it it does not."""
+    also counts as one of the phase's arrivals (one for the whole partition, whose threads the shim
+    runs as one: on the GPU each thread arrives), with it it does not."""
     copies = _copies()
     for group in copies.groups + [copies.open]:
         for smem, values in group:
