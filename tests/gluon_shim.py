@@ -636,14 +636,19 @@ def _commit_group() -> None:
     copies.open = []
 
 
+def _land(groups) -> None:
+    """Write ``groups``' copies to shared memory, oldest first."""
+    for group in groups:
+        for smem, values in group:
+            smem.store(values)
+
+
 def _wait_group(num_outstanding=0) -> None:
     """Land every committed group but the ``num_outstanding`` newest, oldest first."""
     copies = _copies()
     keep = int(num_outstanding)
     done = copies.groups[:len(copies.groups) - keep] if keep else copies.groups
-    for group in done:
-        for smem, values in group:
-            smem.store(values)
+    _land(done)
     copies.groups = copies.groups[len(done):]
 
 
@@ -653,9 +658,7 @@ def _copies_mbarrier_arrive(bar: SharedTile, increment_count=True) -> None:
     also counts as one of the phase's arrivals (one for the whole partition, whose threads the shim
     runs as one: on the GPU each thread arrives), with it it does not."""
     copies = _copies()
-    for group in copies.groups + [copies.open]:
-        for smem, values in group:
-            smem.store(values)
+    _land(copies.groups + [copies.open])
     copies.groups = [[] for _ in copies.groups]
     copies.open = []
     if not increment_count:

@@ -354,11 +354,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
         s = it % STAGES
-        b = it % 2
-        if ROWS_BY_LOADER:
-            r = s  # the rows' slot: the step's ring slot
-        else:
-            r = b
+        b = it % 2  # with ROWS_BY_LOADER also the step's ring slot (STAGES is 2), where the loader put its rows
+        if not ROWS_BY_LOADER:
             _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
             async_copy.wait_group(1)
             gl.thread_barrier()  # step it's rows, copied by every thread of the warpgroup, have landed
@@ -372,12 +369,12 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         else:
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        lse = rows_s.index(r).load(gl.SliceLayout(0, acc_s)) * _LOG2E
+        lse = rows_s.index(b).load(gl.SliceLayout(0, acc_s)) * _LOG2E
         # Only the first two query tiles from the diagonal hold columns left of a key row.
         pt = _probs(st, lse, keys, cols, qk_scale, row < tile_row + BLOCK_N, IS_CAUSAL)
         if P_BESIDE_DP:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-        delta = rows_d.index(r).load(gl.SliceLayout(0, acc_s))
+        delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
