@@ -212,8 +212,14 @@ def test_capped_rotary_grouped_query_forward_matches_the_oracle(heads, kv_heads,
     D64 at 128; hopper_packed on blocks of up to 32: D32 at 96, D64 at 128) in every rotary form (split halves,
     interleaved pairs, partial, given int positions), against the float64 oracle on jagged lengths around the
     block."""
+    _check_rotary_form(heads, kv_heads, block, dim, causal, form, dtype, seed=block + dim)
+
+
+def _check_rotary_form(heads, kv_heads, block, dim, causal, form, dtype, seed):
+    """Forward and gradients of one rotary form (``ROTARY_FORMS``) against the float64 oracle on jagged lengths
+    around the block."""
     lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
-    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, dim, dtype, seed=block + dim)
+    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, dim, dtype, seed=seed)
     kw = dict(ROTARY_FORMS[form])
     if form == "positions":
         kw["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
@@ -241,12 +247,7 @@ def test_capped_d32_rotary_backward_matches_the_oracle(heads, kv_heads, block, c
     """The D32 rotary backwards under a register cap (hopper_packed's of one query head per kv head at 96 and of
     grouped query heads at 168; hopper's of grouped query heads on 64-row tiles at 168), in every rotary form,
     against the float64 oracle."""
-    lengths = EDGE_LENGTHS + [block - 1, block, block + 1, 2 * block + 3, 0, 1]
-    q, k, v, offsets = make_inputs(lengths * 2, heads, kv_heads, 32, dtype, seed=block + 7)
-    kw = dict(ROTARY_FORMS[form])
-    if form == "positions":
-        kw["positions"] = torch.randint(0, 4000, (q.shape[0],), device=DEV)
-    check_against_oracle(q, k, v, offsets, block_size=block, causal=causal, rope_theta=1e4, **kw)
+    _check_rotary_form(heads, kv_heads, block, 32, causal, form, dtype, seed=block + 7)
 
 
 # The regions auto gave another variant in sessions 28, 31 and 32, with the variant each phase runs
