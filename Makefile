@@ -81,7 +81,7 @@ gpu-check: gpu-tests gpu-tests-forced
 # forward and sub-layers with their time per kernel (`bench.fp8 --kernels`), and the flash forward's
 # loop and tile options (about 7 minutes); `make gpu-candidates-bwd-bench` the flash backward's forms
 # beside ours on the full-attention shapes (about 4 minutes).
-CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_fast_bwd_rows_by_loader],triton_flash[gluon_bwd_rows_by_loader],triton_flash[gluon_dkdv_bwd]
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_fast_bwd_rows_by_loader],triton_flash[gluon_bwd_rows_by_loader],triton_flash[gluon_fast_bwd_thread_release],triton_flash[gluon_bwd_thread_release],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n $(GPU_WORKERS) -p no:cacheprovider tests/test_fp8_modules.py \
@@ -95,7 +95,7 @@ gpu-candidates-bench:
 	timeout 180 python3 -m blockattn_layers.bench.fp8 --kernels --out $(GPU_OUT)/fp8.csv || true
 	timeout 120 python3 -m blockattn_layers.bench.fp8 --ws-options --out $(GPU_OUT)/fp8_ws_options.csv || true
 	timeout 180 python3 -m blockattn_layers.bench --shapes seed3,seed3_d64,block256,block512 --modes fwd \
-		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_serial_joint],triton_flash[gluon_overlap_joint],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong],triton_flash[gluon_shift_last],triton_flash[gluon_early_release]" \
+		--backends "triton_flash,triton_flash[triton_fwd],triton_flash[gluon_serial_joint],triton_flash[gluon_overlap_joint],triton_flash[gluon_m128],triton_flash[gluon_m192],triton_flash[gluon_pingpong],triton_flash[gluon_shift_last],triton_flash[gluon_early_release],triton_flash[gluon_thread_release]" \
 		--out $(GPU_OUT)/flash_fwd || true
 
 gpu-candidates-bwd-bench:

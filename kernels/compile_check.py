@@ -455,17 +455,20 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     # serial loop, its k and v may sit on barriers of their own (SPLIT_KV), and in the serial loop a block's
     # last key tile may be its last keys (SHIFT_LAST; the overlapped loop spills 324-332 B with it at D 128), and
     # the previous item's query buffer may go back after the first Q K^T (EARLY_RELEASE), and items of one key
-    # tile may reuse the previous item's (SHARE_KV, with both of the last two).
+    # tile may reuse the previous item's (SHARE_KV, with both of the last two), and the consumers' threads may hand
+    # slots back one by one (THREAD_RELEASE, on the D 128 default loop: overlapped on split barriers).
     loops = {"": dict(OVERLAP=False, PINGPONG=False), "_overlap": dict(OVERLAP=True, PINGPONG=False),
              "_pingpong": dict(OVERLAP=True, PINGPONG=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_ws_kernel, "flash_gluon_fwd", loops)
-    plain = dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False, EARLY_RELEASE=False, SHARE_KV=False)
+    plain = dict(OVERLAP=False, PINGPONG=False, SPLIT_KV=False, SHIFT_LAST=False, EARLY_RELEASE=False, SHARE_KV=False,
+                 THREAD_RELEASE=False)
     loops = {"": plain, "_overlap": dict(plain, OVERLAP=True), "_pingpong": dict(plain, PINGPONG=True),
              "_split_kv": dict(plain, SPLIT_KV=True), "_overlap_split_kv": dict(plain, OVERLAP=True, SPLIT_KV=True),
              "_shift_last": dict(plain, SHIFT_LAST=True),
              "_split_kv_shift_last": dict(plain, SPLIT_KV=True, SHIFT_LAST=True),
              "_early_release": dict(plain, EARLY_RELEASE=True),
-             "_share_kv": dict(plain, SPLIT_KV=True, EARLY_RELEASE=True, SHARE_KV=True)}
+             "_share_kv": dict(plain, SPLIT_KV=True, EARLY_RELEASE=True, SHARE_KV=True),
+             "_thread_release": dict(plain, OVERLAP=True, SPLIT_KV=True, THREAD_RELEASE=True)}
     yield from _flash_forward_loop_builds(_flash_fwd_persistent_kernel, "flash_gluon_fwd_persistent", loops)
     # 192-row items, three consumer warpgroups (THREE_CONSUMER_HEAD_DIMS): full attention at D 64 (each loop but
     # the overlapped one on split barriers: ptxas spills 360-408 B at three consumers' 160 registers); at D 128
@@ -484,7 +487,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
-                          ROWS_BY_LOADER=False)
+                          ROWS_BY_LOADER=False, THREAD_RELEASE=False)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
@@ -495,23 +498,27 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
             (128, True, True, True, True), (64, False, True, False, False), (128, False, True, False, False)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
-                          WITH_DQ=with_dq, ROWS_BY_LOADER=False)
+                          WITH_DQ=with_dq, ROWS_BY_LOADER=False, THREAD_RELEASE=False)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
-    # lse and delta copied by the loader (ROWS_BY_LOADER): the fast and ordered passes, causal GQA, D 128 and 64.
-    for dim, (causal, groups), ordered in itertools.product((64, 128), ((False, 1), (True, 4)), (False, True)):
+    # lse and delta copied by the loader (ROWS_BY_LOADER): the fast and ordered passes, causal GQA, D 128 and 64;
+    # at D 128 also with the slots released by every consumer thread (THREAD_RELEASE).
+    for dim, (causal, groups), ordered, threads in itertools.product(
+            (64, 128), ((False, 1), (True, 4)), (False, True), (False, True)):
+        if threads and dim != 128:
+            continue
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
-                          ROWS_BY_LOADER=True)
-        name = (f"flash_gluon_bwd_lse_by_loader_bf16_d{dim}{'_causal_gqa' if causal else ''}"
-                f"{'_deterministic' if ordered else ''}")
+                          ROWS_BY_LOADER=True, THREAD_RELEASE=threads)
+        name = (f"flash_gluon_bwd_lse_by_loader{'_thread_release' if threads else ''}_bf16_d{dim}"
+                f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
-                          ROWS_BY_LOADER=False)
+                          ROWS_BY_LOADER=False, THREAD_RELEASE=False)
         yield Build(f"flash_gluon_bwd_dkdv_only_m128_bf16_d64{'_causal_gqa' if causal else ''}",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 

@@ -616,6 +616,14 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
 # issue, written to shared memory only when a ``wait_group`` retires their commit group, so a tile
 # read before its wait holds what it held before the copy (as on the GPU, at worst).
 _COPIES = threading.local()
+# The threads of the program or partition this Python thread runs (its warps times ``WARP_THREADS``): what one
+# ``.noinc`` copy arrival counts on a barrier.
+_THREADS = threading.local()
+WARP_THREADS = 32
+
+
+def _partition_threads() -> int:
+    return getattr(_THREADS, "count", 4 * WARP_THREADS)
 
 
 def _copies():
@@ -655,14 +663,14 @@ def _wait_group(num_outstanding=0) -> None:
 def _copies_mbarrier_arrive(bar: SharedTile, increment_count=True) -> None:
     """``cp.async.mbarrier.arrive``: the barrier's phase waits for this thread's copies so far, which
     land here (taken out of their groups); without ``increment_count`` (``.noinc``) their completion
-    also counts as one of the phase's arrivals (one for the whole partition, whose threads the shim
-    runs as one: on the GPU each thread arrives), with it it does not."""
+    also counts as the phase's arrivals of every thread of the partition (which the shim runs as one:
+    on the GPU each thread arrives; ``_partition_threads``), with it it does not."""
     copies = _copies()
     _land(copies.groups + [copies.open])
     copies.groups = [[] for _ in copies.groups]
     copies.open = []
     if not increment_count:
-        _mbarrier_arrive(bar)
+        _mbarrier_arrive(bar, count=_partition_threads())
 
 
 # ----------------------------------------------------------------------------- mbarriers
@@ -938,6 +946,8 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> N
     turns = _Turns(len(functions_and_args))
 
     def run(index, fn, args):
+        if index:
+            _THREADS.count = int(worker_num_warps[index - 1]) * WARP_THREADS
         try:
             with _STATE.cond:
                 turns.order[index] = threading.get_ident()
@@ -1137,7 +1147,8 @@ def launch(kernel, grid: Sequence[int], **values) -> Launch:
     ``values`` are its arguments by name: tensors become pointers (tensors given twice share
     one), numbers 0-d tensors, constexprs stay Python values. Names the kernel does not take are
     ignored (launch options, or the arguments of a kernel of another variant), missing ones
-    raise. Each program must invalidate every mbarrier it initializes.
+    raise; ``num_warps`` (4 if not given) sets the threads of the program's default partition.
+    Each program must invalidate every mbarrier it initializes.
     """
     fn = _rebind(kernel.fn)
     _SPINS.clear()
@@ -1156,6 +1167,7 @@ def launch(kernel, grid: Sequence[int], **values) -> Launch:
             call.append(Pointer(memories[p.name]))
         else:
             call.append(_argument(value, p.name))
+    _THREADS.count = int(values.get("num_warps", 4)) * WARP_THREADS
     for pid in itertools.product(*[range(int(g)) for g in grid]):
         with program(pid, grid):
             fn(*call)

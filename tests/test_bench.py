@@ -305,28 +305,33 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
         return (flash_bwd.TAKEN[0], flash_bwd.FAST_TAKEN[0], flash_bwd.DKDV_ONLY_TAKEN[0], flash_bwd.DQ_WRITER,
                 flash_bwd.P_BESIDE_DP, flash_persistent.TAKEN[0], not determinism.deterministic_backward(),
                 tuple(sorted(flash_bwd.ORDERED_HEAD_DIMS)), tuple(sorted(flash_bwd.DKDV_ONLY_HEAD_DIMS)),
-                tuple(sorted(flash_bwd.DKDV_ONLY_WIDE_HEAD_DIMS)), flash_bwd.ROWS_BY_LOADER)
+                tuple(sorted(flash_bwd.DKDV_ONLY_WIDE_HEAD_DIMS)), flash_bwd.ROWS_BY_LOADER,
+                flash_bwd.THREAD_RELEASE)
 
     defaults = switches()
-    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), False)
+    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), False, False)
     rows = {method.name: method for method in ours.GLUON_BACKWARDS + [
         ours.GLUON_FLASH_BY_TILES, ours.TRITON_FAST_BACKWARD, ours.GLUON_DKDV_ONLY_BACKWARD, ours.TRITON_BACKWARD,
         ours.GLUON_DKDV_ONLY_NARROW_BACKWARD]}
     want = {
-        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False),
-        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), False),
-        "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False),
-        "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False),
-        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False),
-        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), False),
-        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), False),
-        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), False),
-        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), False),
-        "triton_flash[gluon_dkdv_m64]": (False, True, True, True, False, True, False, (), (64,), (), False),
+        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), False, False),
+        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), False, False),
+        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), False, False),
+        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), False, False),
+        "triton_flash[gluon_dkdv_m64]": (False, True, True, True, False, True, False, (), (64,), (), False, False),
         "triton_flash[gluon_fast_bwd_rows_by_loader]": (True, True, False, True, False, True, True, (128,), (64,), (64,),
-                                                        True),
+                                                        True, False),
         "triton_flash[gluon_bwd_rows_by_loader]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
-                                                   True),
+                                                   True, False),
+        "triton_flash[gluon_fast_bwd_thread_release]": (True, True, False, True, False, True, True, (128,), (64,),
+                                                        (64,), True, True),
+        "triton_flash[gluon_bwd_thread_release]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
+                                                   True, True),
     }
     assert set(rows) == set(want)
     for name, method in rows.items():
@@ -341,7 +346,8 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     too, ``triton_flash[gluon_pingpong]`` with the serial loop's products in turns (each of the three on the
     serial loop with one barrier pair, as measured), ``triton_flash[gluon_shift_last]`` with a block's ragged
     last key tile its last keys, ``triton_flash[gluon_early_release]`` with the previous item's query buffer
-    released after the first ``Q K^T``, and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
+    released after the first ``Q K^T``, ``triton_flash[gluon_thread_release]`` with slots released by every
+    consumer thread, and the ``[gluon_serial_joint]``, ``[gluon_split_kv]``,
     ``[gluon_overlap_joint]``, ``[gluon_overlap_split_kv]`` rows with one consumer loop
     (``flash_persistent.LOOPS``) everywhere; every switch back at its default afterwards."""
     from blockattn_layers.bench import ours
@@ -374,6 +380,10 @@ def test_gluon_forward_candidate_rows_set_their_switches_and_restore_them():
     with ours.GLUON_FLASH_EARLY_RELEASE.context():
         assert flash_persistent.EARLY_RELEASE and flash_persistent.taken(cpu)
     assert not flash_persistent.EARLY_RELEASE
+    assert not flash_persistent.THREAD_RELEASE
+    with ours.GLUON_FLASH_THREAD_RELEASE.context():
+        assert flash_persistent.THREAD_RELEASE and flash_persistent.taken(cpu)
+    assert not flash_persistent.THREAD_RELEASE
     # The loop rows: one consumer loop for every key of LOOPS; the defaults back afterwards.
     defaults = dict(flash_persistent.LOOPS)
     loop = flash_persistent.consumer_loop

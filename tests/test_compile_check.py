@@ -104,17 +104,24 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
     overlapped, and serial in turns (``PINGPONG``, each product waited for alone); k and v on one barrier
     pair per slot or, ``SPLIT_KV``, on pairs of their own (v's two barriers per slot initialised too), a
     block's last key tile its last keys (``SHIFT_LAST``), the previous item's query buffer released after the
-    first ``Q K^T`` (``EARLY_RELEASE``), items of one key tile reusing the previous one's (``SHARE_KV``); two
-    consumer warpgroups, or three on 192-row items at D 64 and, on 64-row key tiles, D 128) likewise."""
+    first ``Q K^T`` (``EARLY_RELEASE``), items of one key tile reusing the previous one's (``SHARE_KV``), slots
+    released by every consumer thread's own arrival (``THREAD_RELEASE``: no warpgroup barrier before them, so
+    fewer ``bar.sync`` than the same loop's elected releases); two consumer warpgroups, or three on 192-row
+    items at D 64 and, on 64-row key tiles, D 128) likewise."""
     # bf16 builds (the CLI builds fp16 too: the same code at another element type, 40 more builds and 2 more
     # minutes of the CPU run).
     only = "flash_gluon_fwd_bf16,flash_gluon_fwd_persistent_bf16,flash_gluon_fwd_persistent_m192"
     ptx = _compile_check("sm_90", only, tmp_path / "sm_90")
-    assert len(ptx) == 58 and sum("_persistent_" in name for name in ptx) == 46
+    assert len(ptx) == 62 and sum("_persistent_" in name for name in ptx) == 50
     assert sum("_m192_" in name for name in ptx) == 10 and sum(name.endswith("_split_kv") for name in ptx) == 10
     assert sum(name.endswith("_shift_last") for name in ptx) == 8
     assert sum(name.endswith("_early_release") for name in ptx) == 4
     assert sum(name.endswith("_share_kv") for name in ptx) == 4
+    assert sum(name.endswith("_thread_release") for name in ptx) == 4
+    for name in (n for n in ptx if n.endswith("_thread_release")):
+        elected = ptx[name.replace("_thread_release", "_overlap_split_kv")]
+        assert "cp.async.mbarrier.arrive.noinc" in ptx[name] and "cp.async.mbarrier.arrive" not in elected, name
+        assert ptx[name].count("bar.sync") < elected.count("bar.sync"), name
     assert not any("_overlap_split_kv_shift" in name for name in ptx)
     for name in (n for n in ptx if n.endswith("_split_kv")):
         inits = [ptx[n].count("mbarrier.init") for n in (name.removesuffix("_split_kv"), name)]
@@ -127,6 +134,7 @@ def test_warp_specialized_flash_forward_compiles(tmp_path):
         order = "".join("C" if op == "commit_group" else "W"
                         for op in re.findall(r"wgmma\.(commit_group|wait_group)", text))
         stem = name.removesuffix("_share_kv").removesuffix("_early_release").removesuffix("_shift_last")
+        stem = stem.replace("_thread_release", "_overlap_split_kv")
         overlapped = stem.removesuffix("_split_kv").endswith("_overlap") or (
             name.endswith("_pingpong") and "_persistent_" not in name)
         assert ("CC" in order) == overlapped, (name, order)
@@ -144,15 +152,21 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     candidates: dQ's adds by the consumers themselves (D 64 / 128, per-thread atomics), P beside dP's
     product, dK / dV alone (no dQ term: neither adds nor counters; at D 64 over 64 and 128 query
     rows a step), and lse / delta copied by the loader warp, whose slot's ready barrier waits for them
-    (``cp.async.mbarrier.arrive``; the others have none)."""
+    (``cp.async.mbarrier.arrive``; the others have none), at D 128 also with slots released by every consumer
+    thread (``THREAD_RELEASE``: ``.noinc`` arrivals, fewer ``bar.sync`` than the elected releases)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 35 and sum(name.endswith("_deterministic") for name in ptx) == 15
+    assert len(ptx) == 39 and sum(name.endswith("_deterministic") for name in ptx) == 17
     assert sum("_dkdv_only_" in name for name in ptx) == 4 and sum("_dkdv_only_m128_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
-    assert sum("_lse_by_loader_" in name for name in ptx) == 8
+    assert sum("_lse_by_loader_" in name for name in ptx) == 12
+    assert sum("_thread_release_" in name for name in ptx) == 4
     for name, text in ptx.items():
         assert ("cp.async.mbarrier.arrive" in text) == ("_lse_by_loader_" in name), name
+        assert ("cp.async.mbarrier.arrive.noinc" in text) == ("_thread_release_" in name), name
+        if "_thread_release_" in name:
+            elected = ptx[name.replace("_thread_release", "")]
+            assert text.count("bar.sync") < elected.count("bar.sync"), name
         for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor.2d.shared::cluster.global",
                             "cp.async.bulk.tensor.2d.global.shared", "cp.async.ca.shared.global", "setmaxnreg.inc",
                             "mbarrier.try_wait"):

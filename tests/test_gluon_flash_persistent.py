@@ -38,7 +38,7 @@ CASES = {
 
 def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=flash_fwd.TILE_M,
          tile_n=flash_fwd.TILE_N, pingpong=False, split_kv=False, shift_last=False, early_release=False,
-         share_kv=False):
+         share_kv=False, thread_release=False):
     total, heads, dim = q.shape
     sched = FlashSchedule(offsets, total, block_size, tile_m, None, longest_first=block_size == 0)
     o = torch.full_like(q, float("nan"))
@@ -50,7 +50,7 @@ def _run(q, k, v, offsets, block_size, causal, programs, overlap=False, tile_m=f
         stride_kt=k.stride(0), stride_vt=v.stride(0), stride_ot=o.stride(0), stride_lh=lse.stride(0),
         HEAD_DIM=dim, GROUPS=heads // k.shape[1], BLOCK_M=tile_m, BLOCK_N=tile_n,
         IS_CAUSAL=causal, OVERLAP=overlap, PINGPONG=pingpong, SPLIT_KV=split_kv, SHIFT_LAST=shift_last,
-        EARLY_RELEASE=early_release, SHARE_KV=share_kv,
+        EARLY_RELEASE=early_release, SHARE_KV=share_kv, THREAD_RELEASE=thread_release,
     )
     return o, lse, run
 
@@ -99,6 +99,22 @@ def test_persistent_forward_matches_the_reference(name, overlap, tile_m, tile_n,
     if causal:
         s = s.masked_fill(torch.ones(u1 - lo, u1 - lo, dtype=torch.bool).triu(1), float("-inf"))
     assert torch.allclose(lse[:, lo:u1].double(), torch.logsumexp(s, -1), atol=2e-3)
+
+
+@pytest.mark.parametrize("overlap,tile_m,split_kv", [(True, 128, True), (False, 128, False), (False, 192, True)],
+                         ids=["overlap-split-kv", "serial", "m192-split-kv"])
+@pytest.mark.parametrize("name", ["full-gqa-causal-d128", "blocks256-causal-d64", "one-program"])
+def test_slots_released_by_every_thread_match_the_reference(name, overlap, tile_m, split_kv):
+    """``THREAD_RELEASE``: the consumers' threads hand key and value slots back one by one (the rings count
+    128 arrivals a consumer, two or three consumers): output and logsumexp against the float64 reference."""
+    lengths, heads, kv_heads, dim, block_size, causal, programs = CASES[name]
+    q, k, v, offsets = _inputs(lengths, heads, kv_heads, dim, seed=len(lengths) + dim)
+    o, lse, run = _run(q, k, v, offsets, block_size, causal, programs, overlap, tile_m, split_kv=split_kv,
+                       thread_release=True)
+    d = [x.double() for x in (q, k, v)]
+    want = reference.attention_forward(*d, offsets, block_size or None, dim ** -0.5, causal, None, None, 0, False)
+    assert rel_err(o, want) < 3e-3
+    assert torch.equal(run.writes("O"), torch.ones_like(o, dtype=torch.int64))
 
 
 # Blocks of one key tile with grouped query heads (lengths, heads, kv_heads, dim, block_size, causal, programs):

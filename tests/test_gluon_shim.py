@@ -33,8 +33,10 @@ def _producer(Src, slot, ready, empty, N: gl.constexpr, ROUNDS: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(slot, ready, empty, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr):
-    """Sum the slot's rounds; ``EARLY`` releases the slot before reading it (the bug)."""
+def _consumer(slot, ready, empty, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr,
+              BY_THREADS: gl.constexpr):
+    """Sum the slot's rounds; ``EARLY`` releases the slot before reading it (the bug); ``BY_THREADS`` releases it
+    by each thread's ``cp.async.mbarrier.arrive.noinc`` (no copies in flight) instead of one arrival."""
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     total = gl.zeros([1, N], gl.float32, layout)
     for r in range(ROUNDS):
@@ -43,28 +45,35 @@ def _consumer(slot, ready, empty, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EA
             mbarrier.arrive(empty.index(0))
         total += slot.load(layout)
         if not EARLY:
-            mbarrier.arrive(empty.index(0))
+            if BY_THREADS:
+                async_copy.mbarrier_arrive(empty.index(0), increment_count=False)
+            else:
+                mbarrier.arrive(empty.index(0))
     gl.store(Out + gl.arange(0, N, layout=gl.SliceLayout(0, layout))[None, :], total)
 
 
 @gluon.jit
-def _ring_kernel(Src, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr, STUCK: gl.constexpr):
+def _ring_kernel(Src, Out, N: gl.constexpr, ROUNDS: gl.constexpr, EARLY: gl.constexpr, STUCK: gl.constexpr,
+                 BY_THREADS: gl.constexpr, EMPTY_COUNT: gl.constexpr):
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     slot = gl.allocate_shared_memory(gl.float32, [1, N], layout)
     ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(ready.index(0), count=1)
-    mbarrier.init(empty.index(0), count=2 if STUCK else 1)  # STUCK: the producer waits for an arrival never made
-    gl.warp_specialize([(_consumer, (slot, ready, empty, Out, N, ROUNDS, EARLY)),
+    # STUCK: the producer waits for an arrival never made.
+    mbarrier.init(empty.index(0), count=EMPTY_COUNT + 1 if STUCK else EMPTY_COUNT)
+    gl.warp_specialize([(_consumer, (slot, ready, empty, Out, N, ROUNDS, EARLY, BY_THREADS)),
                         (_producer, (Src, slot, ready, empty, N, ROUNDS))], [1], [24])
     mbarrier.invalidate(ready.index(0))
     mbarrier.invalidate(empty.index(0))
 
 
-def _run(early: bool, stuck: bool = False) -> torch.Tensor:
+def _run(early: bool, stuck: bool = False, by_threads: bool = False, empty_count: int = 1,
+         num_warps: int = 4) -> torch.Tensor:
     src = (torch.arange(6, dtype=torch.float32) + 1)[:, None].expand(6, 32).contiguous()
     out = torch.full((32,), float("nan"))
-    gs.launch(_ring_kernel, (1,), Src=src, Out=out, N=32, ROUNDS=6, EARLY=early, STUCK=stuck)
+    gs.launch(_ring_kernel, (1,), Src=src, Out=out, N=32, ROUNDS=6, EARLY=early, STUCK=stuck, BY_THREADS=by_threads,
+              EMPTY_COUNT=empty_count, num_warps=num_warps)
     return out
 
 
@@ -82,6 +91,20 @@ def test_a_ring_released_before_its_read_is_refilled_first():
 def test_partitions_all_waiting_raise_a_deadlock():
     with pytest.raises(RuntimeError, match="every partition waits"):
         _run(early=False, stuck=True)
+
+
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_a_slot_released_by_every_thread_counts_the_partitions_threads(num_warps):
+    """A ``.noinc`` copy arrival is each thread's own: a barrier counting the consumer partition's threads
+    (its warps times 32) completes a phase per round, one counting one arrival raises at the first release,
+    and one counting a thread more than the partition has never completes (the producer waits for ever)."""
+    threads = num_warps * 32
+    assert torch.equal(_run(early=False, by_threads=True, empty_count=threads, num_warps=num_warps),
+                       torch.full((32,), 21.0))
+    with pytest.raises(RuntimeError, match="more arrivals than its count"):
+        _run(early=False, by_threads=True, empty_count=1, num_warps=num_warps)
+    with pytest.raises(RuntimeError, match="every partition waits"):
+        _run(early=False, stuck=True, by_threads=True, empty_count=threads, num_warps=num_warps)
 
 
 @gluon.jit

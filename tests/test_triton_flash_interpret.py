@@ -507,11 +507,12 @@ def test_gpu_tensor_maps_match_pointer_loads(monkeypatch, case):
                                                          (False, False, "pingpong"), (False, False, "split_kv"),
                                                          (True, False, "split_kv"), (False, False, "default"),
                                                          (False, False, "shift_last"),
-                                                         (False, False, "early_release")],
+                                                         (False, False, "early_release"),
+                                                         (False, False, "thread_release")],
                          ids=["serial", "overlap", "pingpong", "persistent", "persistent_overlap",
                               "persistent_m192", "persistent_pingpong", "persistent_split_kv",
                               "persistent_overlap_split_kv", "persistent_default", "persistent_shift_last",
-                              "persistent_early_release"])
+                              "persistent_early_release", "persistent_thread_release"])
 def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, overlap, pingpong, persistent):
     """The warp-specialized Gluon forward (every call it admits with unverified kernels allowed),
     its consumers' products one after the other, overlapped (``OVERLAP``) or in ping-pong, or its
@@ -521,7 +522,8 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     "default": the items and consumer loops taken by default (a block's ragged last key tile its last keys at
     blocks of up to 256 tokens), the others one loop everywhere; "shift_last": the defaults with that last key
     tile in every serial loop, full attention too; "early_release": the
-    defaults with the previous item's query buffer released after the first ``Q K^T``): output
+    defaults with the previous item's query buffer released after the first ``Q K^T``; "thread_release": the
+    defaults with key and value slots released by every consumer thread's own arrival): output
     within 2x the naive same-dtype error of the float64 oracle, logsumexp as the Triton forward's, and
     the backward on its output and logsumexp as accurate as on the Triton forward's."""
     from blockattn_layers import reference
@@ -532,13 +534,15 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
     monkeypatch.setattr(flash_persistent, "TAKEN", [bool(persistent)])
     monkeypatch.setattr(flash_persistent, "THREE_CONSUMER_HEAD_DIMS",
                         frozenset({64, 128} if persistent == "m192"
-                                  else {64} if persistent in ("pingpong", "default", "shift_last", "early_release")
+                                  else {64} if persistent in ("pingpong", "default", "shift_last", "early_release",
+                                                              "thread_release")
                                   else ()))
     monkeypatch.setattr(flash_persistent, "PINGPONG", persistent == "pingpong")
     if persistent == "shift_last":
         monkeypatch.setattr(flash_persistent, "SHIFT_LAST_BLOCKS", (0, 1 << 62))
     monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", persistent == "early_release")
-    if persistent not in ("default", "shift_last", "early_release"):  # one loop everywhere (split_kv: k, v on barriers of their own)
+    monkeypatch.setattr(flash_persistent, "THREAD_RELEASE", persistent == "thread_release")
+    if persistent not in ("default", "shift_last", "early_release", "thread_release"):  # one loop everywhere (split_kv: k, v on barriers of their own)
         monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, persistent == "split_kv")
                                                         for key in flash_persistent.LOOPS})
     launches = []
@@ -596,7 +600,12 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                             dict(heads=2, kv_heads=2, dim=128, block_size=384, rows_by_loader=True),
                             dict(heads=4, kv_heads=4, dim=64, block_size=None, rows_by_loader=True),
                             dict(heads=8, kv_heads=2, dim=64, block_size=None, causal=True, dkdv_only=True,
-                                 rows_by_loader=True)],
+                                 rows_by_loader=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, rows_by_loader=True,
+                                 thread_release=True),
+                            dict(heads=2, kv_heads=2, dim=128, block_size=384, rows_by_loader=True,
+                                 thread_release=True),
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, thread_release=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
@@ -604,7 +613,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     oracle (with a floor); the deterministic one bitwise the same twice. dQ's adds by the writer
     partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
     computed while dP's product runs (``P_BESIDE_DP``); ``rows_by_loader``: each step's lse and delta copied
-    by the loader warp (``ROWS_BY_LOADER``); ``dkdv_only``: the deterministic backward with
+    by the loader warp (``ROWS_BY_LOADER``); ``thread_release``: the ring's slots released by every consumer
+    thread (``THREAD_RELEASE``); ``dkdv_only``: the deterministic backward with
     the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
     ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it), at D 64 over 128 query
     rows a step (``DKDV_ONLY_WIDE_HEAD_DIMS``), ``narrow``: over 64. The deterministic one otherwise has the writer add
@@ -621,6 +631,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
         monkeypatch.setattr(flash_bwd, "P_BESIDE_DP", True)
     if case.pop("rows_by_loader", False):
         monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", True)
+    if case.pop("thread_release", False):
+        monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", True)
     launches = []
     launch = flash_bwd.launch_bwd
     monkeypatch.setattr(flash_bwd, "launch_bwd", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -670,9 +682,10 @@ def _nan_sequence_inputs(dim: int):
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("writer,fast,dkdv_only,rows_by_loader", [
     (False, False, False, False), (True, False, False, False), (True, True, False, False), (True, False, True, False),
-    (True, False, "narrow", False), (True, True, False, True), (True, False, True, True)],
+    (True, False, "narrow", False), (True, True, False, True), (True, False, True, True),
+    (True, True, False, "thread_release")],
     ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only", "dkdv-only-narrow", "rows-by-loader",
-         "dkdv-only-rows-by-loader"])
+         "dkdv-only-rows-by-loader", "rows-by-loader-thread-release"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only, rows_by_loader):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
@@ -682,10 +695,12 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     rows; ``fast``: the fast backward, the writer's TMA reduce-adds in any order; ``dkdv_only``: the
     deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass, over 128
     query rows a step at D 64; ``"narrow"``: over 64; ``rows_by_loader``: lse and delta copied by the loader,
-    masked at the block's end)."""
+    masked at the block's end; ``"thread_release"``: that, and the ring's slots released by every consumer
+    thread)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
-    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", rows_by_loader)
+    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", bool(rows_by_loader))
+    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader == "thread_release")
     if dkdv_only == "narrow":
         monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
 
@@ -772,7 +787,7 @@ def test_gpu_persistent_gluon_forward_keeps_a_nan_in_its_sequence(monkeypatch, d
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("options", ["default", "early_release", "share_kv", "share_kv_split"])
+@pytest.mark.parametrize("options", ["default", "early_release", "share_kv", "share_kv_split", "thread_release"])
 @pytest.mark.parametrize("case", [dict(heads=8, kv_heads=2, dim=128, block_size=128),
                                   dict(heads=4, kv_heads=1, dim=64, block_size=128, causal=True),
                                   dict(heads=8, kv_heads=2, dim=64, block_size=64),
@@ -783,12 +798,14 @@ def test_gpu_persistent_forward_at_one_tile_blocks(monkeypatch, case, options):
     128 tokens only): output within 2x the naive bf16 error of the float64 oracle, and a NaN sequence kept to its
     own rows; with the previous item's query buffer released after the first ``Q K^T`` (``EARLY_RELEASE``), and
     a block's grouped query heads reusing one copy of its key tile (``SHARE_KV``, on one barrier pair or
-    ``SPLIT_KV``), on all SMs and on two programs (ranges that split a block's heads)."""
+    ``SPLIT_KV``), or slots released by every consumer thread (``THREAD_RELEASE``, without the others), on all
+    SMs and on two programs (ranges that split a block's heads)."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.sm90 import flash_persistent
 
-    monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", options != "default")
+    monkeypatch.setattr(flash_persistent, "EARLY_RELEASE", options.startswith(("early_release", "share_kv")))
     monkeypatch.setattr(flash_persistent, "SHARE_KV", options.startswith("share_kv"))
+    monkeypatch.setattr(flash_persistent, "THREAD_RELEASE", options == "thread_release")
     if options == "share_kv_split":
         monkeypatch.setattr(flash_persistent, "LOOPS", {key: (False, True) for key in flash_persistent.LOOPS})
     case, dim, q, k, v, offsets = _gpu_inputs(case, torch.bfloat16, 3)

@@ -248,6 +248,11 @@ GLUON_FLASH_EARLY_RELEASE = _gluon_forward_option(
     "triton_flash[gluon_early_release]", "flash_persistent",
     "triton_flash with the persistent Gluon forward's consumers giving the previous item's query buffer back after "
     "the first Q K^T (not the first P V), on every call it admits", EARLY_RELEASE=True)
+GLUON_FLASH_THREAD_RELEASE = _gluon_forward_option(
+    "triton_flash[gluon_thread_release]", "flash_persistent",
+    "triton_flash with the persistent Gluon forward's consumers handing key and value slots back by every "
+    "thread's own arrival (no warpgroup barrier before one elected arrival), on every call it admits",
+    THREAD_RELEASE=True)
 GLUON_FLASH_LOOPS = [
     _gluon_forward_option(
         f"triton_flash[gluon_{name}]", "flash_persistent",
@@ -335,16 +340,18 @@ TRITON_FAST_BACKWARD = Method(
 
 
 @contextlib.contextmanager
-def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False):
+def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False,
+                    thread_release: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
     dP's product (``P_BESIDE_DP``); ``rows_by_loader``: lse and delta copied by the loader
-    (``ROWS_BY_LOADER``)."""
+    (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
-            module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader):
+            module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
+                         THREAD_RELEASE=thread_release):
         yield
 
 
@@ -379,22 +386,28 @@ GLUON_BACKWARDS = [
            description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
                        "(sm_90; TMA loader warp, two consumer warpgroups over a 128-row key tile) adding dQ's terms "
                        f"{order}, the Gluon forward on every call it admits",
-           context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader))
-    for name, mode, order, fast, writer, early_p, rows_by_loader in (
+           context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader, thread_release))
+    for name, mode, order, fast, writer, early_p, rows_by_loader, thread_release in (
         ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
-         "their terms in shared memory and go on)", False, True, False, False),
+         "their terms in shared memory and go on)", False, True, False, False, False),
         ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
-         "store their terms in shared memory and go on)", True, True, False, False),
+         "store their terms in shared memory and go on)", True, True, False, False, False),
         ("triton_flash[gluon_bwd_consumer_adds]", "deterministic", "in a fixed order by the consumers' own atomic "
-         "adds", False, False, False, False),
+         "adds", False, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
-         True, False, False, False),
+         True, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_p_beside_dp]", "fast", "in any order by TMA reduce-adds from a writer warp, "
-         "each step's P computed while dP's product runs", True, True, True, False),
+         "each step's P computed while dP's product runs", True, True, True, False, False),
         ("triton_flash[gluon_fast_bwd_rows_by_loader]", "fast", "in any order by TMA reduce-adds from a writer "
-         "warp, each step's lse and delta copied by the loader warp", True, True, False, True),
+         "warp, each step's lse and delta copied by the loader warp", True, True, False, True, False),
         ("triton_flash[gluon_bwd_rows_by_loader]", "deterministic", "in a fixed order from a writer warp, each "
-         "step's lse and delta copied by the loader warp", False, True, False, True),
+         "step's lse and delta copied by the loader warp", False, True, False, True, False),
+        ("triton_flash[gluon_fast_bwd_thread_release]", "fast", "in any order by TMA reduce-adds from a writer "
+         "warp, each step's lse and delta copied by the loader warp, the ring's slots released by every consumer "
+         "thread", True, True, False, True, True),
+        ("triton_flash[gluon_bwd_thread_release]", "deterministic", "in a fixed order from a writer warp, each "
+         "step's lse and delta copied by the loader warp, the ring's slots released by every consumer thread",
+         False, True, False, True, True),
     )
 ]
 
@@ -513,6 +526,7 @@ def our_methods() -> List[Method]:
             methods.extend([FAST_BACKWARD, TRITON_BACKWARD, TRITON_FAST_BACKWARD, GLUON_FLASH, GLUON_FLASH_BY_TILES,
                             GLUON_FLASH_M128,
                             GLUON_FLASH_M192, GLUON_FLASH_PINGPONG, GLUON_FLASH_SHIFT_LAST, GLUON_FLASH_EARLY_RELEASE,
+                            GLUON_FLASH_THREAD_RELEASE,
                             *GLUON_FLASH_LOOPS,
                             *GLUON_BACKWARDS, GLUON_DKDV_ONLY_BACKWARD,
                             GLUON_DKDV_ONLY_NARROW_BACKWARD, TRITON_FORWARD,

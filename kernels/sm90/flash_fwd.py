@@ -41,7 +41,7 @@ from ..common.launch import Launcher
 from ..common.meta import LOG2E, empty_contiguous, needs_int64
 from ..flash.schedule import FlashSchedule
 from .block import _acc_layout, _smem_layout
-from .persistent import drop_ring, init_ring
+from .persistent import drop_ring, init_ring, release_slot
 
 STAGES = gl.constexpr(2)
 LOADER_REGS = gl.constexpr(40)
@@ -142,9 +142,8 @@ def _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N: g
 
 
 @gluon.jit
-def _release(kv_empty, s):
-    gl.thread_barrier()  # every warp of the warpgroup is done with the slot (one arrival for all)
-    mbarrier.arrive(kv_empty.index(s))
+def _release(kv_empty, s, BY_THREADS: gl.constexpr = False):
+    release_slot(kv_empty.index(s), BY_THREADS)
 
 
 @gluon.jit

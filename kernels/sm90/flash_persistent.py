@@ -126,6 +126,11 @@ EARLY_RELEASE = False
 # memory at once) and was slower everywhere: H100, bf16, grid lengths, blocks of 128, with ``EARLY_RELEASE``,
 # forward ms without / with: D128 4x1 1.087 / 1.456, 8x2 2.098 / 2.918; D64 4x1 0.680 / 1.068, 8x2 1.345 / 2.115.
 SHARE_KV = False
+# The consumers hand key and value slots back by every thread's own arrival (``persistent.release_slot``'s
+# ``BY_THREADS``: the rings count each consumer's 128 threads) instead of a warpgroup barrier and one elected
+# thread's arrival: two warpgroup barriers less per key tile (sm_90 PTX of the D 128 overlapped loop: 48 -> 38 in
+# all). A candidate, off until timed (the benchmark's ``triton_flash[gluon_thread_release]`` row).
+THREAD_RELEASE = False
 
 
 def consumer_loop(head_dim: int, block_size: int) -> tuple:
@@ -184,13 +189,13 @@ def _wait_unless(bar, phase, shared, SHARE_KV: gl.constexpr):
 
 
 @gluon.jit
-def _release_unless(empty, s, keep, SHARE_KV: gl.constexpr):
+def _release_unless(empty, s, keep, SHARE_KV: gl.constexpr, BY_THREADS: gl.constexpr):
     """Release slot ``s`` on ``empty`` unless the next item reuses its key tile (``keep``)."""
     if SHARE_KV:
         if keep == 0:
-            _release(empty, s)
+            _release(empty, s, BY_THREADS)
     else:
-        _release(empty, s)
+        _release(empty, s, BY_THREADS)
 
 
 @gluon.jit
@@ -315,7 +320,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
               heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr, GROUPS: gl.constexpr,
-              SHARE_KV: gl.constexpr):
+              SHARE_KV: gl.constexpr, THREAD_RELEASE: gl.constexpr):
     """Consumer partition (one warpgroup): 64-row part ``half`` of each item, ``flash_fwd``'s serial
     loop (with ``PINGPONG`` its products issued in turns with the other consumers', ``persistent.await_turn``),
     or with ``OVERLAP`` its overlapped one (key tile ``j + 1``'s ``Q K^T`` and tile ``j``'s
@@ -356,7 +361,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                 mbarrier.wait(kv_ready.index(s), (it // STAGES) & 1)
                 scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s, use_acc=False)
                 if SPLIT_KV:
-                    _release(kv_empty, s)
+                    _release(kv_empty, s, THREAD_RELEASE)
                 if EARLY_RELEASE and qi > 0:
                     _release_buffer(q_empty, 1 - b)
                 p, alpha, m_i, l_i = _online_softmax(scores, 0, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
@@ -373,18 +378,18 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc, is_async=True)
                     scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
                     if SPLIT_KV:
-                        _release(kv_empty, t)
+                        _release(kv_empty, t, THREAD_RELEASE)
                     p, alpha, m_i, l_i = _online_softmax(scores, j + 1, unmasked, rows, n, m_i, l_i, qk_scale,
                                                          BLOCK_N, IS_CAUSAL, SHIFT_LAST)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _release(v_empty if SPLIT_KV else kv_empty, s)
+                    _release(v_empty if SPLIT_KV else kv_empty, s, THREAD_RELEASE)
                     it += 1
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_d)), 1)
                 s = it % STAGES
                 if SPLIT_KV:
                     mbarrier.wait(v_ready.index(s), (it // STAGES) & 1)
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-                _release(v_empty if SPLIT_KV else kv_empty, s)
+                _release(v_empty if SPLIT_KV else kv_empty, s, THREAD_RELEASE)
                 it += 1
             else:
                 for j in range(tiles):
@@ -399,7 +404,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                     else:
                         scores = warpgroup_mma(q, k_s.index(s).permute((1, 0)), zero_s)
                     if SPLIT_KV:
-                        _release_unless(kv_empty, s, keep, SHARE_KV)
+                        _release_unless(kv_empty, s, keep, SHARE_KV, THREAD_RELEASE)
                     if EARLY_RELEASE and j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
                     p, alpha, m_i, l_i = _online_softmax(scores, j, unmasked, rows, n, m_i, l_i, qk_scale, BLOCK_N,
@@ -415,7 +420,7 @@ def _consumer(half, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready
                         g += 1
                     else:
                         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_d), v_s.index(s), acc)
-                    _release_unless(v_empty if SPLIT_KV else kv_empty, s, keep, SHARE_KV)
+                    _release_unless(v_empty if SPLIT_KV else kv_empty, s, keep, SHARE_KV, THREAD_RELEASE)
                     it += 1 - shared
                     if not EARLY_RELEASE and j == 0 and qi > 0:
                         _release_buffer(q_empty, 1 - b)
@@ -441,6 +446,7 @@ def _flash_fwd_persistent_kernel(
     stride_ot, stride_lh, HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     SPLIT_KV: gl.constexpr, SHIFT_LAST: gl.constexpr, EARLY_RELEASE: gl.constexpr, SHARE_KV: gl.constexpr,
+    THREAD_RELEASE: gl.constexpr,
 ):
     gl.static_assert((BLOCK_M == 2 * HALF_M) or (BLOCK_M == 3 * HALF_M), "two or three consumer warpgroups")
     gl.static_assert(not (OVERLAP and PINGPONG), "turns in the serial loop only")
@@ -460,9 +466,9 @@ def _flash_fwd_persistent_kernel(
     fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # PINGPONG's, one per consumer
     init_ring(q_ready, q_empty, 2, CONSUMERS)  # a query buffer is free once every consumer is done with it
-    init_ring(kv_ready, kv_empty, STAGES, CONSUMERS)
+    init_ring(kv_ready, kv_empty, STAGES, CONSUMERS, THREAD_RELEASE)
     if SPLIT_KV:
-        init_ring(v_ready, v_empty, STAGES, CONSUMERS)
+        init_ring(v_ready, v_empty, STAGES, CONSUMERS, THREAD_RELEASE)
     mbarrier.init(fix.index(0), count=1)
     if PINGPONG:
         init_turns(turn, CONSUMERS)
@@ -471,13 +477,16 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV,
+                         THREAD_RELEASE)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV,
+                         THREAD_RELEASE)),
             (_consumer, (2, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV,
+                         THREAD_RELEASE)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
                        BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST, SHARE_KV)),
@@ -486,10 +495,12 @@ def _flash_fwd_persistent_kernel(
         gl.warp_specialize([
             (_consumer, (0, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV,
+                         THREAD_RELEASE)),
             (_consumer, (1, q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, turn, O, Lse,
                          Table, slots, heads, items, total, qk_scale, stride_ot, stride_lh, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV)),
+                         IS_CAUSAL, OVERLAP, PINGPONG, SPLIT_KV, SHIFT_LAST, EARLY_RELEASE, GROUPS, SHARE_KV,
+                         THREAD_RELEASE)),
             (_loader, (q_s, k_s, v_s, q_ready, q_empty, kv_ready, kv_empty, v_ready, v_empty, fix.index(0), Q, K, V,
                        Table, slots, heads, kv_heads, items, total, stride_qt, stride_kt, stride_vt, HEAD_DIM, GROUPS,
                        BLOCK_M, BLOCK_N, IS_CAUSAL, SPLIT_KV, SHIFT_LAST, SHARE_KV)),
@@ -539,7 +550,7 @@ def flash_attention_fwd_persistent(q, k, v, offsets, block_size: int, scale: flo
                 OVERLAP=overlap, PINGPONG=PINGPONG and not overlap, SPLIT_KV=split_kv,
                 SHIFT_LAST=shift_last_taken(block_size) and not overlap, EARLY_RELEASE=EARLY_RELEASE,
                 SHARE_KV=SHARE_KV and not overlap and q.shape[1] > k.shape[1] and 0 < block_size <= tile_n,
-                num_warps=4)
+                THREAD_RELEASE=THREAD_RELEASE, num_warps=4)
     args = (q, k, v, o, lse, table, sched.programs, heads, k.shape[1], items, total, scale * LOG2E,
             q.stride(0), k.stride(0), v.stride(0), o.stride(0), lse.stride(0))
     launch((min(items, sm_count(q.device)),), args, meta, q)

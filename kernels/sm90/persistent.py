@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .block import _smem_layout
 
 # Rows a tensor map may address: only full blocks are copied through them, all inside [0, T).
 ROWS = gl.constexpr(2**31 - 1)
+# Threads of a consumer warpgroup: what one consumer adds to a ring's empty count when its threads release
+# slots each (``release_slot``'s ``BY_THREADS``).
+WARPGROUP_THREADS = gl.constexpr(128)
 
 
 @gluon.jit
@@ -39,11 +43,31 @@ def bounded_row_map(ptr, rows, heads, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl
 
 
 @gluon.jit
-def init_ring(ready, empty, STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr):
-    """A ring's barriers: one arrival makes a slot ready, ``EMPTY_COUNT`` make it empty."""
+def init_ring(ready, empty, STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr, BY_THREADS: gl.constexpr = False):
+    """A ring's barriers: one arrival makes a slot ready, ``EMPTY_COUNT`` consumers' make it empty (with
+    ``BY_THREADS`` each consumer's threads arrive one by one: ``release_slot``)."""
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=EMPTY_COUNT)
+        if BY_THREADS:
+            mbarrier.init(empty.index(s), count=EMPTY_COUNT * WARPGROUP_THREADS)
+        else:
+            mbarrier.init(empty.index(s), count=EMPTY_COUNT)
+
+
+@gluon.jit
+def release_slot(empty, BY_THREADS: gl.constexpr = False):
+    """A consumer warpgroup hands a slot back on its ``empty`` barrier once every thread is done with it
+    (its products on the slot waited for). By default a warpgroup barrier, then one elected thread's
+    arrival (how Gluon lowers ``mbarrier.arrive``). ``BY_THREADS``: every thread arrives for itself, with no
+    barrier, as CUTLASS's pipelines release a stage (the ring counts ``WARPGROUP_THREADS`` arrivals a
+    consumer: ``init_ring``'s ``BY_THREADS``). The arrival is ``cp.async.mbarrier.arrive.noinc``, which
+    fires once the thread's own ``cp.async`` copies so far have landed: at once in a partition that
+    issues none."""
+    if BY_THREADS:
+        async_copy.mbarrier_arrive(empty, increment_count=False)
+    else:
+        gl.thread_barrier()
+        mbarrier.arrive(empty)
 
 
 @gluon.jit
