@@ -575,8 +575,9 @@ def _linear_ws_builds(capability: int) -> Iterator[Build]:
     """The warp-specialized e4m3 projection for sm_90 (``sm90.linear``): the ranking models' width
     (E 256 to 768 outputs) in 128- and 256-column slices, ``x`` in 64-channel chunks (``CHUNKED``,
     the default) or whole tiles, a narrow one (E 64, 208 outputs, no bias), and the ranking width
-    without ``PINGPONG`` and ``BIAS_ONCE`` (both taken by default) and with rotary in its epilogue
-    (``PairRotary``; the bias per tile then, as ``linear_ws`` launches it: held once it spilled 136-268 B)."""
+    without ``PINGPONG`` and ``BIAS_ONCE`` (both taken by default), with rotary in its epilogue
+    (``PairRotary``; the bias per tile then, as ``linear_ws`` launches it: held once it spilled 136-268 B), and
+    with the chunks' slots released by every consumer thread (``THREAD_RELEASE``, a candidate)."""
     if capability // 10 != 9 or gluon_import_error() is not None:
         return
     from .sm90.linear import CHUNK, _linear_ws_kernel, stages
@@ -587,11 +588,12 @@ def _linear_ws_builds(capability: int) -> Iterator[Build]:
             (256, 768, True, 256, "bf16", True, ""), (256, 768, True, 256, "bf16", True, "no_pingpong"),
             (256, 768, True, 256, "bf16", True, "no_pingpong_bias_per_tile"),
             (256, 768, True, 256, "bf16", True, "rotary_d128_bias_per_tile"),
-            (256, 768, True, 256, "bf16", True, "rotary_d64_bias_per_tile")):
+            (256, 768, True, 256, "bf16", True, "rotary_d64_bias_per_tile"),
+            (256, 768, True, 256, "bf16", True, "thread_release")):
         constexprs = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias, BLOCK_N=block_n,
                           STAGES=stages(in_dim, block_n), CHUNK=CHUNK if chunked else in_dim,
                           PINGPONG="no_pingpong" not in options, BIAS_ONCE="bias_per_tile" not in options,
-                          HEAD_DIM=64, ROT_DIM=64, ROT_END=0)
+                          HEAD_DIM=64, ROT_DIM=64, ROT_END=0, THREAD_RELEASE=options == "thread_release")
         if "rotary" in options:  # q and k rotated in the epilogue (PairRotary), prod's D 128 H2 / D 64 H4
             dim = 128 if "d128" in options else 64
             constexprs.update(HEAD_DIM=dim, ROT_DIM=dim, ROT_END=2 * out_dim // 3)

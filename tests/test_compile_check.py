@@ -363,14 +363,15 @@ def test_fp8_kernels_compile(tmp_path):
     warp-specialized fp8 forward (``sm90.fp8_fwd``): e4m3 wgmma scores (16-bit ones of the rotated
     halves with rotary), TMA copies, mbarrier waits and the partitions' register reallocation; and
     the warp-specialized projection (``sm90.linear``): 16-bit wgmma, TMA copies in and out, and with
-    rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles); the candidate
+    rotary in its epilogue the pairs rotated in place (approximate sines, no shuffles), and its candidate
+    releasing the chunks' slots thread by thread (``THREAD_RELEASE``: fewer ``bar.sync``); the candidate
     forward rotating q and k in float32 (``F16_ROTATION`` off) as well."""
     for arch, instruction in (("sm_89", "mma.sync"), ("sm_90", "wgmma"), ("sm_100", "tcgen05.mma")):
         ptx = _compile_check(arch, "fp8_", tmp_path / arch)
         ws = {name: text for name, text in ptx.items() if name.startswith("fp8_gluon_")}
         linear_ws = {name: text for name, text in ptx.items() if name.startswith("fp8_linear_gluon_")}
         assert len(ptx) - len(ws) - len(linear_ws) == 12, arch
-        assert (len(ws), len(linear_ws)) == ((12, 9) if arch == "sm_90" else (0, 0)), arch
+        assert (len(ws), len(linear_ws)) == ((12, 10) if arch == "sm_90" else (0, 0)), arch
         for name, text in ptx.items():
             convert = "cvt.rn.satfinite.e4m3x2" if name.startswith("fp8_linear") else "cvt.rn.f16x2.e4m3x2"
             assert convert in text and instruction in text, (arch, name)
@@ -394,6 +395,12 @@ def test_fp8_kernels_compile(tmp_path):
                                            "cp.async.bulk.tensor.2d.global.shared", "setmaxnreg")), name
             # Rotary in the epilogue: approximate sines of the reduced angles, and no data moved for the pairs.
             assert ("sin.approx.f32" in text) == ("_rotary" in name) and "shfl.sync.bfly" not in text, name
+            # Chunks' slots released by every consumer thread: no barrier before each release.
+            assert ("cp.async.mbarrier.arrive.noinc" in text) == ("_thread_release" in name), name
+        threads = linear_ws.get("fp8_linear_gluon_e256_n768_chunked_thread_release_256cols_bf16")
+        if threads is not None:
+            elected = linear_ws["fp8_linear_gluon_e256_n768_chunked_256cols_bf16"]
+            assert threads.count("bar.sync") < elected.count("bar.sync")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "blockattn_layers.kernels.compile_check", "--arch", "sm_80", "--out",
            str(tmp_path / "sm_80"), "--only", "fp8_"]

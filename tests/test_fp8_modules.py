@@ -148,15 +148,17 @@ def _e4m3_close(got, want):
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("options", [dict(), dict(CHUNKED=False), dict(PINGPONG=False),
-                                     dict(PINGPONG=False, BIAS_ONCE=False)],
-                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile"])
+                                     dict(PINGPONG=False, BIAS_ONCE=False), dict(THREAD_RELEASE=True)],
+                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile",
+                              "thread-release"])
 @pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("case", [(300, 256, 768, True), (129, 64, 208, False), (70_001, 256, 768, True),
                                   (1000, 128, 400, True)], ids=str)
 def test_warp_specialized_projection_on_the_gpu(monkeypatch, case, block_n, options, dtype):
     """The Gluon projection (``sm90.linear``) against float64, as the Triton kernel's test, its ``x``
     in whole tiles or 64-channel chunks (``CHUNKED``), the consumers' products in turns (``PINGPONG``),
-    the bias loaded once (``BIAS_ONCE``); with unverified kernels allowed ``linear_e4m3`` takes it for
+    the bias loaded once (``BIAS_ONCE``), the chunks' slots released by every consumer thread
+    (``THREAD_RELEASE``); with unverified kernels allowed ``linear_e4m3`` takes it for
     the projections it admits."""
     from blockattn_layers.kernels import fp8_linear
     from blockattn_layers.kernels.block import variants

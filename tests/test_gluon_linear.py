@@ -48,7 +48,7 @@ def _run(x, w, b, y, block_n, lanes, rotary=None):
         ws._linear_ws_kernel, (slices * lanes,), X=x, W=w, B=b if b is not None else w, Y=y, rows=rows, lanes=lanes,
         stride_xt=x.stride(0), stride_wn=w.stride(0), stride_yt=y.stride(0), IN_DIM=in_dim, OUT_DIM=w.shape[0],
         HAS_BIAS=b is not None, BLOCK_N=block_n, STAGES=ws.stages(in_dim, block_n), CHUNK=ws.chunk(in_dim),
-        PINGPONG=ws.PINGPONG, BIAS_ONCE=ws.BIAS_ONCE, **rotation)
+        PINGPONG=ws.PINGPONG, BIAS_ONCE=ws.BIAS_ONCE, THREAD_RELEASE=ws.THREAD_RELEASE, **rotation)
 
 
 def rotate_pairs_reference(y, rotary):
@@ -67,14 +67,17 @@ def rotate_pairs_reference(y, rotary):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(CHUNKED=False), dict(PINGPONG=False),
-                                     dict(PINGPONG=False, BIAS_ONCE=False, CHUNKED=False)],
-                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile-whole-tiles"])
+                                     dict(PINGPONG=False, BIAS_ONCE=False, CHUNKED=False), dict(THREAD_RELEASE=True),
+                                     dict(THREAD_RELEASE=True, CHUNKED=False)],
+                         ids=["defaults", "whole-tiles", "no-pingpong", "no-pingpong-bias-per-tile-whole-tiles",
+                              "thread-release", "thread-release-whole-tiles"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_projection_against_float64(monkeypatch, case, options):
     """Float32 out (the product, bias and saturation exactly): within float32 sums of float64;
     each element written once, and only inside the ``[T, N]`` output. ``x`` copied and multiplied
     in 64-channel chunks (``CHUNKED``) or in whole tiles; the consumers' products in turns
-    (``PINGPONG``); the bias loaded once (``BIAS_ONCE``)."""
+    (``PINGPONG``); the bias loaded once (``BIAS_ONCE``); each chunk's slot released by every consumer thread
+    (``THREAD_RELEASE``)."""
     for name, value in options.items():
         monkeypatch.setattr(ws, name, value)
     rows, width, out, bias, block_n, lanes = case

@@ -252,7 +252,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
     bfloat16 to ``[T, 768]`` e4m3: the Triton kernel, the warp-specialized sm_90 one in 128- and
     256-column slices, its ``x`` in 64-channel chunks or whole tiles (``sm90.linear``, where it
     admits the call; ``CHUNKED``), at 256 columns without its consumers' turns (``PINGPONG``) or its
-    bias loaded once (``BIAS_ONCE``), with rotary on q and k in its epilogue (``PairRotary``, prod's D128 and
+    bias loaded once (``BIAS_ONCE``), or with its chunks' slots released by every thread (``THREAD_RELEASE``),
+    with rotary on q and k in its epilogue (``PairRotary``, prod's D128 and
     D64 heads; its GPU test checks the values), and cuBLAS's bfloat16 product
     (what the bfloat16 sub-layer runs), each checked first against the float32 product. ``x floor``:
     time over the bytes (16-bit x read, e4m3 y written; cuBLAS: 16-bit y) at ``bandwidth`` bytes/s
@@ -287,7 +288,8 @@ def projection_rows(commit: str, in_dim: int = 256, out_dim: int = 768, device: 
                        for block_n, chunked in itertools.product((128, 256), (True, False))]
             options += [("gluon 256 columns, no ping-pong", 256, dict(CHUNKED=True, PINGPONG=False)),
                         ("gluon 256 columns, bias per tile", 256, dict(CHUNKED=True, BIAS_ONCE=False)),
-                        ("gluon 256 columns, neither", 256, dict(CHUNKED=True, PINGPONG=False, BIAS_ONCE=False))]
+                        ("gluon 256 columns, neither", 256, dict(CHUNKED=True, PINGPONG=False, BIAS_ONCE=False)),
+                        ("gluon 256 columns, thread release", 256, dict(CHUNKED=True, THREAD_RELEASE=True))]
             for name, block_n, values in options:
                 def run(block_n=block_n, values=values):
                     y = output()

@@ -44,7 +44,7 @@ from ..common.launch import Launcher
 from ..common.meta import sm_count
 from .block import _acc_layout, _smem_layout
 from .fp8_fwd import _e4m3_layout
-from .persistent import await_turn, drop_ring, drop_turns, init_ring, init_turns, pass_turn
+from .persistent import await_turn, drop_ring, drop_turns, init_ring, init_turns, pass_turn, release_slot
 from .rotary import pair_sin_cos
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_fp8_modules.py,
@@ -81,6 +81,11 @@ CHUNKED = True
 # 1.526, bias once 1.528, both 1.407. Taken, both.
 PINGPONG = True
 BIAS_ONCE = True
+# A consumer hands each chunk's slot back by every thread's own arrival (``persistent.release_slot``'s
+# ``BY_THREADS``; the ring counts a consumer's 128 threads) instead of a warpgroup barrier and one elected
+# arrival: ``IN_DIM // CHUNK`` warpgroup barriers less a tile (four at E 256). A candidate, off until timed
+# (``bench.fp8 --projection``'s "gluon 256 columns, thread release").
+THREAD_RELEASE = False
 E4M3_MAX = gl.constexpr(448.0)
 
 
@@ -187,13 +192,14 @@ def _loader(x_s, w_s, ready, empty, w_bar, X, W, rows, lanes, stride_xt, stride_
 def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_theta, rows, lanes, stride_yt,
               IN_DIM: gl.constexpr, OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CHUNK: gl.constexpr, PINGPONG: gl.constexpr, BIAS_ONCE: gl.constexpr,
-              HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, ROT_END: gl.constexpr):
+              HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr, ROT_END: gl.constexpr, THREAD_RELEASE: gl.constexpr):
     """Consumer partition ``c`` (one warpgroup): its tiles' products, one asynchronous ``wgmma`` per
     ``CHUNK``-channel chunk, each chunk's slot released once its product is done (the loader copies
     the next tile's chunk while this tile's later ones multiply), and the bias, saturation, e4m3
     cast and store through its output tile (each store waited for before the tile's next use).
     ``PINGPONG``: its tiles' products issued in turn with the other consumer's (``turn``). ``ROT_END``
-    over 0: rotary on the first ``ROT_END`` columns after the bias (``_rotate_pairs``)."""
+    over 0: rotary on the first ``ROT_END`` columns after the bias (``_rotate_pairs``). ``THREAD_RELEASE``:
+    each thread releases the slots itself (``release_slot``)."""
     KC: gl.constexpr = IN_DIM // CHUNK
     acc_l: gl.constexpr = _acc_layout(BLOCK_N)
     col0, lane, count = _program_share(rows, lanes, OUT_DIM, BLOCK_N)
@@ -217,12 +223,10 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_the
             if PINGPONG and kc == KC - 1:
                 pass_turn(turn, c, CONSUMERS)
             if kc > 0:
-                acc = warpgroup_mma_wait(1, deps=[acc])  # the previous chunk's product is done
-                gl.thread_barrier()  # every warp's products have read its slot
-                mbarrier.arrive(empty.index(base + kc - 1))
+                acc = warpgroup_mma_wait(1, deps=[acc])  # the previous chunk's product has read its slot
+                release_slot(empty.index(base + kc - 1), THREAD_RELEASE)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(base + KC - 1))
+        release_slot(empty.index(base + KC - 1), THREAD_RELEASE)
         if HAS_BIAS:
             if BIAS_ONCE:
                 acc = acc + bias
@@ -246,7 +250,7 @@ def _consumer(c, x_s, w_s, out_s, ready, empty, w_bar, turn, Y, B, Pos, log2_the
 def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, stride_wn, stride_yt, IN_DIM: gl.constexpr,
                       OUT_DIM: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CHUNK: gl.constexpr, PINGPONG: gl.constexpr, BIAS_ONCE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      ROT_DIM: gl.constexpr, ROT_END: gl.constexpr):
+                      ROT_DIM: gl.constexpr, ROT_END: gl.constexpr, THREAD_RELEASE: gl.constexpr):
     gl.static_assert(IN_DIM % CHUNK == 0, "input channels in whole chunks")
     gl.static_assert(STAGES % CONSUMERS == 0, "each ring slot serves one consumer (stages())")
     KC: gl.constexpr = IN_DIM // CHUNK
@@ -257,17 +261,17 @@ def _linear_ws_kernel(X, W, B, Y, Pos, log2_theta, rows, lanes, stride_xt, strid
     empty = gl.allocate_shared_memory(gl.int64, [STAGES * KC, 1], mbarrier.MBarrierLayout())
     w_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    init_ring(ready, empty, STAGES * KC, 1)
+    init_ring(ready, empty, STAGES * KC, 1, THREAD_RELEASE)
     mbarrier.init(w_bar.index(0), count=1)
     if PINGPONG:
         init_turns(turn, CONSUMERS)
     gl.warp_specialize([
         (_consumer, (0, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, Pos, log2_theta, rows, lanes,
                      stride_yt, IN_DIM, OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE, HEAD_DIM,
-                     ROT_DIM, ROT_END)),
+                     ROT_DIM, ROT_END, THREAD_RELEASE)),
         (_consumer, (1, x_s, w_s, out_s, ready, empty, w_bar.index(0), turn, Y, B, Pos, log2_theta, rows, lanes,
                      stride_yt, IN_DIM, OUT_DIM, HAS_BIAS, BLOCK_N, STAGES, CHUNK, PINGPONG, BIAS_ONCE, HEAD_DIM,
-                     ROT_DIM, ROT_END)),
+                     ROT_DIM, ROT_END, THREAD_RELEASE)),
         (_loader, (x_s, w_s, ready, empty, w_bar.index(0), X, W, rows, lanes, stride_xt, stride_wn, IN_DIM,
                    OUT_DIM, BLOCK_N, STAGES, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -290,7 +294,7 @@ def linear_ws(x: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, bloc
     meta = dict(IN_DIM=in_dim, OUT_DIM=out_dim, HAS_BIAS=bias is not None, BLOCK_N=block_n,
                 STAGES=stages(in_dim, block_n), CHUNK=chunk(in_dim), PINGPONG=PINGPONG,
                 BIAS_ONCE=BIAS_ONCE and rotary is None, HEAD_DIM=64, ROT_DIM=64, ROT_END=0,  # ROT_END 0: no rotary
-                num_warps=4)  # with rotary no registers are left for the bias
+                THREAD_RELEASE=THREAD_RELEASE, num_warps=4)  # with rotary no registers are left for the bias
     pos, log2_theta = weight, 0.0
     if rotary is not None:
         meta.update(HEAD_DIM=rotary.head_dim, ROT_DIM=rotary.rotary_dim, ROT_END=rotary.columns)
