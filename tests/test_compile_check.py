@@ -153,17 +153,25 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     product, dK / dV alone (no dQ term: neither adds nor counters; at D 64 over 64 and 128 query
     rows a step), and lse / delta copied by the loader warp, whose slot's ready barrier waits for them
     (``cp.async.mbarrier.arrive``; the others have none), at D 128 also with slots released by every consumer
-    thread (``THREAD_RELEASE``: ``.noinc`` arrivals, fewer ``bar.sync`` than the elected releases)."""
+    thread (``THREAD_RELEASE``: ``.noinc`` arrivals, fewer ``bar.sync`` than the elected releases), and on
+    those each step's dQ product the step before's (``DQ_LAG``; ``STAGGER``: warpgroup 1 half a step behind),
+    with two more mbarrier waits a step (the dS^T slot free, the step before's halves in)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 39 and sum(name.endswith("_deterministic") for name in ptx) == 17
+    assert len(ptx) == 47 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    lagged = [name for name in ptx if name.startswith(("flash_gluon_bwd_dq_lag_", "flash_gluon_bwd_stagger_"))]
+    assert len(lagged) == 8
+    for name in lagged:
+        base = ptx[name.replace("_dq_lag_", "_lse_by_loader_thread_release_").replace(
+            "_stagger_", "_lse_by_loader_thread_release_")]
+        assert ptx[name].count("mbarrier.try_wait") > base.count("mbarrier.try_wait"), name
     assert sum("_dkdv_only_" in name for name in ptx) == 4 and sum("_dkdv_only_m128_" in name for name in ptx) == 2
     assert sum("_consumer_adds_" in name for name in ptx) == 4
     assert sum("_pbesidedp_" in name for name in ptx) == 3
     assert sum("_lse_by_loader_" in name for name in ptx) == 12
     assert sum("_thread_release_" in name for name in ptx) == 4
     for name, text in ptx.items():
-        assert ("cp.async.mbarrier.arrive" in text) == ("_lse_by_loader_" in name), name
-        assert ("cp.async.mbarrier.arrive.noinc" in text) == ("_thread_release_" in name), name
+        assert ("cp.async.mbarrier.arrive" in text) == ("_lse_by_loader_" in name or name in lagged), name
+        assert ("cp.async.mbarrier.arrive.noinc" in text) == ("_thread_release_" in name or name in lagged), name
         if "_thread_release_" in name:
             elected = ptx[name.replace("_thread_release", "")]
             assert text.count("bar.sync") < elected.count("bar.sync"), name

@@ -44,12 +44,13 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
 
 
 def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
-         block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False):
+         block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False, dq_lag=False, stagger=False):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
     ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``; ``rows_by_loader``: lse and delta
     copied by the loader, ``ROWS_BY_LOADER``; ``thread_release``: slots released by every consumer thread,
-    ``THREAD_RELEASE``)."""
+    ``THREAD_RELEASE``; ``dq_lag``: each step's dQ product the step before's, ``DQ_LAG``; ``stagger``:
+    ``STAGGER``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -69,7 +70,7 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
         GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
-        ROWS_BY_LOADER=rows_by_loader, THREAD_RELEASE=thread_release,
+        ROWS_BY_LOADER=rows_by_loader, THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
     )
     return sums * scale, dk, dv, run, counters
 
@@ -80,7 +81,11 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
                          + [f"rows-by-loader-{c}" for c in ("writer-full-d64", "writer-full-gqa-causal-d128",
                                                              "blocks256-causal-d64")]
                          + [f"thread-release-{c}" for c in ("rows-by-loader-writer-full-gqa-causal-d128",
-                                                            "writer-full-d64")])
+                                                            "writer-full-d64")]
+                         + ["dq-lag-writer-full-gqa-causal-d128", "dq-lag-writer-blocks192-gqa-d128",
+                            "dq-lag2-writer-full-gqa-causal-d128",
+                            "stagger-writer-full-gqa-causal-d128",
+                            "stagger-thread-release-rows-by-loader-writer-blocks192-gqa-d128"])
 def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministic):
     """Gradients against float64; each dK, dV element stored once; dQ's sums added once per key tile
     meeting the row (twice at D 64); ``DETERMINISTIC``: every query tile's counters end at the adds it
@@ -90,7 +95,18 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
     whatever D (at D 64 the warpgroups' terms summed first), counted in slot 0; in any order each
     warpgroup's tile; ``p-beside-dp-``: P computed while dP's product runs (``P_BESIDE_DP``);
     ``rows-by-loader-``: lse and delta copied by the loader into the ring's slots (``ROWS_BY_LOADER``);
-    ``thread-release-``: the ring's slots released by every consumer thread (``THREAD_RELEASE``)."""
+    ``thread-release-``: the ring's slots released by every consumer thread (``THREAD_RELEASE``); ``dq-lag-``:
+    each step's dQ product the step before's (``DQ_LAG``; ``dq-lag2-``: in two dS^T slots, not three; the
+    shim's order of turns never lets a warpgroup overwrite a slot the other has yet to read, so a missing
+    ``ds_free`` wait passes here);
+    ``stagger-``: that, warpgroup 1 starting after warpgroup 0's first dS^T half (``STAGGER``)."""
+    stagger = name.startswith("stagger-")
+    name = name[len("stagger-"):] if stagger else name
+    if name.startswith("dq-lag2-"):
+        monkeypatch.setattr(flash_bwd, "DS_LAG_SLOTS", 2)
+        name = "dq-lag-" + name[len("dq-lag2-"):]
+    dq_lag = stagger or name.startswith("dq-lag-")
+    name = name[len("dq-lag-"):] if name.startswith("dq-lag-") else name
     thread_release = name.startswith("thread-release-")
     name = name[len("thread-release-"):] if thread_release else name
     rows_by_loader = name.startswith("rows-by-loader-")
@@ -103,7 +119,8 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, len(lengths) + dim)
     offsets = offsets_from_lengths(lengths)
     dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, deterministic, writer, early_p,
-                                     rows_by_loader=rows_by_loader, thread_release=thread_release)
+                                     rows_by_loader=rows_by_loader, thread_release=thread_release, dq_lag=dq_lag,
+                                     stagger=stagger)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size or None,
                                         dim ** -0.5, causal)
     for got, ref in zip((dq, dk, dv), want):

@@ -605,7 +605,14 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                                  thread_release=True),
                             dict(heads=2, kv_heads=2, dim=128, block_size=384, rows_by_loader=True,
                                  thread_release=True),
-                            dict(heads=4, kv_heads=4, dim=64, block_size=None, thread_release=True)],
+                            dict(heads=4, kv_heads=4, dim=64, block_size=None, thread_release=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, rows_by_loader=True,
+                                 thread_release=True, dq_lag=True),
+                            dict(heads=2, kv_heads=2, dim=128, block_size=384, dq_lag=True),
+                            dict(heads=4, kv_heads=4, dim=128, block_size=None, rows_by_loader=True,
+                                 thread_release=True, dq_lag=True, stagger=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, dq_lag=True,
+                                 stagger=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
@@ -614,7 +621,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     partition (``DQ_WRITER``, the default), ``consumer_adds``: by the consumers; ``p_beside_dp``: P
     computed while dP's product runs (``P_BESIDE_DP``); ``rows_by_loader``: each step's lse and delta copied
     by the loader warp (``ROWS_BY_LOADER``); ``thread_release``: the ring's slots released by every consumer
-    thread (``THREAD_RELEASE``); ``dkdv_only``: the deterministic backward with
+    thread (``THREAD_RELEASE``); ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``);
+    ``stagger``: warpgroup 1 half a step behind (``STAGGER``); ``dkdv_only``: the deterministic backward with
     the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
     ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it), at D 64 over 128 query
     rows a step (``DKDV_ONLY_WIDE_HEAD_DIMS``), ``narrow``: over 64. The deterministic one otherwise has the writer add
@@ -633,6 +641,10 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
         monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", True)
     if case.pop("thread_release", False):
         monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", True)
+    if case.pop("dq_lag", False):
+        monkeypatch.setattr(flash_bwd, "DQ_LAG", True)
+    if case.pop("stagger", False):
+        monkeypatch.setattr(flash_bwd, "STAGGER", True)
     launches = []
     launch = flash_bwd.launch_bwd
     monkeypatch.setattr(flash_bwd, "launch_bwd", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -683,9 +695,9 @@ def _nan_sequence_inputs(dim: int):
 @pytest.mark.parametrize("writer,fast,dkdv_only,rows_by_loader", [
     (False, False, False, False), (True, False, False, False), (True, True, False, False), (True, False, True, False),
     (True, False, "narrow", False), (True, True, False, True), (True, False, True, True),
-    (True, True, False, "thread_release")],
+    (True, True, False, "thread_release"), (True, True, False, "dq_lag")],
     ids=["consumers-add", "writer-adds", "writer-tma-adds", "dkdv-only", "dkdv-only-narrow", "rows-by-loader",
-         "dkdv-only-rows-by-loader", "rows-by-loader-thread-release"])
+         "dkdv-only-rows-by-loader", "rows-by-loader-thread-release", "dq-lag"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer, fast, dkdv_only, rows_by_loader):
     """The Gluon dK/dV pass's tensor maps span each block's rows and its lse / delta copies stop at
@@ -696,11 +708,13 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     deterministic backward with the kernel computing dK and dV only, beside the Triton dQ pass, over 128
     query rows a step at D 64; ``"narrow"``: over 64; ``rows_by_loader``: lse and delta copied by the loader,
     masked at the block's end; ``"thread_release"``: that, and the ring's slots released by every consumer
-    thread)."""
+    thread; ``"dq_lag"``: that, and each step's dQ product the step before's, warpgroup 1 half a step behind)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", bool(rows_by_loader))
-    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader == "thread_release")
+    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader in ("thread_release", "dq_lag"))
+    monkeypatch.setattr(flash_bwd, "DQ_LAG", rows_by_loader == "dq_lag")
+    monkeypatch.setattr(flash_bwd, "STAGGER", rows_by_loader == "dq_lag")
     if dkdv_only == "narrow":
         monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
 

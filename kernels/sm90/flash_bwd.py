@@ -131,6 +131,17 @@ ROWS_BY_LOADER = False
 # ``ROWS_BY_LOADER`` a thread's arrival also waits for its copies of the next step's rows. A candidate to time
 # (``triton_flash[gluon_fast_bwd_thread_release]``, with the rows by the loader).
 THREAD_RELEASE = False
+# Whether each step's dQ product is the previous step's (``DQ_LAG``, D 128 with the writer): a consumer stores its
+# dS^T half of step ``it`` into a slot of ``DS_LAG_SLOTS`` and issues dQ's product of step ``it - 1``, whose halves
+# both warpgroups stored a step before, so the warpgroups no longer wait for each other mid-step (the ``ds_ready``
+# meeting: ncu of the fast backward, seed3, H100, session 50, 31 % of the consumers' issue gaps at barriers); a
+# slot is written again once both warpgroups' products on it are done (``ds_free``). ``STAGGER`` (with
+# ``DQ_LAG``): warpgroup 1 starts once warpgroup 0 has stored its first dS^T half, so that one warpgroup's
+# exponentials may run beside the other's products. Candidates to time (``triton_flash[gluon_fast_bwd_dq_lag]``,
+# ``[gluon_fast_bwd_stagger]``).
+DQ_LAG = False
+STAGGER = False
+DS_LAG_SLOTS = gl.constexpr(3)
 WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: what it takes, consumer 1 gives
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
@@ -304,6 +315,43 @@ def _dq_term(ds16, ds_tile, ds_ready, phase, k_s, w, BLOCK_M: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _store_ds_lagged(ds16, ds_s, ds_ready, ds_free, it, w: gl.constexpr):
+    """``DQ_LAG``: store this warpgroup's ``dS^T`` rows of step ``it`` into slot ``it % DS_LAG_SLOTS``, once
+    both warpgroups' dQ products of the slot's previous step are done (``ds_free``), and count them in
+    (``ds_ready``)."""
+    d = it % DS_LAG_SLOTS
+    mbarrier.wait(ds_free.index(d), ((it // DS_LAG_SLOTS) & 1) ^ 1)
+    ds_s.index(d).slice(w * HALF_N, HALF_N).store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's dS^T rows are in shared memory
+    mbarrier.arrive(ds_ready.index(d))
+
+
+@gluon.jit
+def _lagged_dq(ds_s, ds_ready, j, wait, k_s, w: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+    """``DQ_LAG``: issue step ``j``'s dQ term (asynchronous; ``j`` from -1 on) over all 128 keys, this
+    warpgroup's ``DQ_COLS`` columns, once both warpgroups' ``dS^T`` halves of the step are in (``ds_ready``;
+    without ``wait`` at once)."""
+    d = (j + DS_LAG_SLOTS) % DS_LAG_SLOTS
+    mbarrier.wait(ds_ready.index(d), (j // DS_LAG_SLOTS) & 1, pred=wait)
+    zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, _acc_layout(DQ_COLS))
+    return warpgroup_mma(ds_s.index(d).permute((1, 0)), k_s.slice(w * DQ_COLS, DQ_COLS, dim=1), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
+    """``DQ_LAG``: hand step ``j``'s dQ term (its product done) to the writer through ``dq_s.index(w)`` once
+    the writer has read step ``j - 1``'s, and give the step's ``dS^T`` slot back."""
+    mbarrier.wait(dq_free, (j & 1) ^ 1)
+    dq_s.index(w).store(dq)
+    fence_async_shared()  # the writer's TMA adds read it
+    gl.thread_barrier()  # the whole warpgroup's term is in shared memory, its product on the dS^T slot done
+    mbarrier.arrive(dq_full)
+    mbarrier.arrive(ds_free.index(j % DS_LAG_SLOTS))
+
+
+@gluon.jit
 def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stride_lh, GROUPS: gl.constexpr,
                 BLOCK_M: gl.constexpr):
     """Start copying ``lse`` and ``delta`` of step ``it``'s query rows into slot ``it % 2`` by
@@ -337,13 +385,15 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
-              THREAD_RELEASE: gl.constexpr):
+              THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
     ``ROWS_BY_LOADER``: the step's lse and delta rows in ``rows_s`` / ``rows_d``'s slot of the step,
     copied by the loader (shared by both warpgroups), else copied by this warpgroup one step ahead;
-    ``THREAD_RELEASE``: each thread hands the step's slot back itself."""
+    ``THREAD_RELEASE``: each thread hands the step's slot back itself; ``DQ_LAG``: the dQ product of the step
+    before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
+    starts once warpgroup 0's first dS^T half is in (``lead``)."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -358,6 +408,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
+    if STAGGER and w == 1:
+        mbarrier.wait(lead, 0)
     for it in range(GROUPS * steps):
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
@@ -385,46 +437,76 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
-        dv = warpgroup_mma(p16, do, dv, is_async=True)
-        if WITH_DQ:
-            dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
-        ds_a = gl.convert_layout(ds16, a_s)
-        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
-        if not WITH_DQ:
-            dv, p16, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, p16, dk, ds_a))
-        elif DQ_WRITER:
-            # dQ's term goes out while dK's product runs (products complete in the order issued).
+        if DQ_LAG:
+            dv = warpgroup_mma(p16, do, dv, is_async=True)
+            _store_ds_lagged(ds16, ds_s, ds_ready, ds_free, it, w)
+            if STAGGER and w == 0:
+                mbarrier.arrive(lead, pred=it == 0)
+            # Step it - 1's dQ term (at the first step a product of a slot no step has written yet, dropped:
+            # one product a program, where a branch here would move the loop's accumulators into other
+            # registers and spill) goes out while dK's product runs.
+            dq = _lagged_dq(ds_s, ds_ready, it - 1, it > 0, k_s, w, BLOCK_M, DQ_COLS)
+            ds_a = gl.convert_layout(ds16, a_s)
+            dk = warpgroup_mma(ds_a, q, dk, is_async=True)
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-            mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
-            dq_s.index(w).store(dq)
-            fence_async_shared()  # the writer's TMA adds read it
-            gl.thread_barrier()  # the whole warpgroup's term is in shared memory
-            mbarrier.arrive(dq_full)
+            if it > 0:
+                _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, it - 1, w)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+            _release(empty, s, THREAD_RELEASE)
         else:
-            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-            turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
-            if DQ_COLS == HEAD_DIM:
-                _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
-                        BLOCK_M, DQ_COLS, DETERMINISTIC)
+            dv = warpgroup_mma(p16, do, dv, is_async=True)
+            if WITH_DQ:
+                dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
+            ds_a = gl.convert_layout(ds16, a_s)
+            dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+            if not WITH_DQ:
+                dv, p16, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, p16, dk, ds_a))
+            elif DQ_WRITER:
+                # dQ's term goes out while dK's product runs (products complete in the order issued).
+                dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+                mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
+                dq_s.index(w).store(dq)
+                fence_async_shared()  # the writer's TMA adds read it
+                gl.thread_barrier()  # the whole warpgroup's term is in shared memory
+                mbarrier.arrive(dq_full)
+                dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
             else:
-                _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
-                        BLOCK_M, DQ_COLS, DETERMINISTIC)
-            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
-        _release(empty, s, THREAD_RELEASE)
+                dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+                turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+                if DQ_COLS == HEAD_DIM:
+                    _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
+                            BLOCK_M, DQ_COLS, DETERMINISTIC)
+                else:
+                    _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
+                            BLOCK_M, DQ_COLS, DETERMINISTIC)
+                dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+            _release(empty, s, THREAD_RELEASE)
     async_copy.wait_group(0)  # the copies past the last step (all masked) are done too
-    # Both warpgroups are done with k and v (each one's dQ products read every key row).
+    # Both warpgroups are done with k and v (each one's dQ products read every key row), and with the ring.
     gl.thread_barrier()
     mbarrier.arrive(done)
     mbarrier.wait(done, 0)
-    k_w.store((dk * scale).to(dtype))
-    v_w.store(dv.to(dtype))
+    if DQ_LAG:
+        # The last step's dQ product still reads k: dK and dV go out through ring slots (the same
+        # [64, D] tiles), so that they leave registers before it.
+        dk_t = q_s.index(w)
+        dv_t = do_s.index(w)
+    else:
+        dk_t = k_w
+        dv_t = v_w
+    dk_t.store((dk * scale).to(dtype))
+    dv_t.store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
     dk_map = block_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM)
     dv_map = block_map(DV, start, n, kv_heads, stride_dvt, HALF_N, HEAD_DIM)
-    tma.async_copy_shared_to_global(dk_map, [key0, hk * HEAD_DIM], k_w)
-    tma.async_copy_shared_to_global(dv_map, [key0, hk * HEAD_DIM], v_w)
+    tma.async_copy_shared_to_global(dk_map, [key0, hk * HEAD_DIM], dk_t)
+    tma.async_copy_shared_to_global(dv_map, [key0, hk * HEAD_DIM], dv_t)
+    if DQ_LAG:
+        last = GROUPS * steps - 1
+        dq = _lagged_dq(ds_s, ds_ready, last, True, k_s, w, BLOCK_M, DQ_COLS)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, last, w)
     tma.store_wait(0)
 
 
@@ -435,6 +517,7 @@ def _flash_bwd_ws_kernel(
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
+    DQ_LAG: gl.constexpr, STAGGER: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -444,7 +527,12 @@ def _flash_bwd_ws_kernel(
         v_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
+        if DQ_LAG:
+            gl.static_assert(DQ_WRITER and WITH_DQ and DQ_COLS < HEAD_DIM, "DQ_LAG: D 128's writer form")
+        if STAGGER:
+            gl.static_assert(DQ_LAG, "STAGGER needs DQ_LAG")
+        DS_SLOTS: gl.constexpr = DS_LAG_SLOTS if DQ_LAG else 2
+        ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         # Per consumer, two slots; ROWS_BY_LOADER: one copy in the ring's slots, both consumers read it.
         gl.static_assert(not ROWS_BY_LOADER or STAGES == 2, "the rows' slots are the ring's")
@@ -461,7 +549,13 @@ def _flash_bwd_ws_kernel(
         kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
+        if DQ_LAG:
+            ds_free = gl.allocate_shared_memory(gl.int64, [DS_SLOTS, 1], mbarrier.MBarrierLayout())
+            lead = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        else:
+            ds_free = ds_ready
+            lead = ds_ready
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         if DQ_WRITER and WITH_DQ:
             dq_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], _dq_layout())
@@ -470,8 +564,12 @@ def _flash_bwd_ws_kernel(
             mbarrier.init(dq_full.index(0), count=2)
             mbarrier.init(dq_free.index(0), count=1)
         mbarrier.init(kv_bar.index(0), count=1)
-        mbarrier.init(ds_ready.index(0), count=2)
-        mbarrier.init(ds_ready.index(1), count=2)
+        for d in gl.static_range(DS_SLOTS):
+            mbarrier.init(ds_ready.index(d), count=2)
+            if DQ_LAG:
+                mbarrier.init(ds_free.index(d), count=2)
+        if DQ_LAG:
+            mbarrier.init(lead.index(0), count=1)
         mbarrier.init(done.index(0), count=2)
         init_ring(ready, empty, STAGES, 2, THREAD_RELEASE)  # a slot is free once both consumers are done with it
         first, steps = query_steps(n, tile_row, BLOCK_M, IS_CAUSAL)
@@ -482,13 +580,13 @@ def _flash_bwd_ws_kernel(
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
@@ -503,20 +601,24 @@ def _flash_bwd_ws_kernel(
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
-        mbarrier.invalidate(ds_ready.index(0))
-        mbarrier.invalidate(ds_ready.index(1))
+        for d in gl.static_range(DS_SLOTS):
+            mbarrier.invalidate(ds_ready.index(d))
+            if DQ_LAG:
+                mbarrier.invalidate(ds_free.index(d))
+        if DQ_LAG:
+            mbarrier.invalidate(lead.index(0))
         mbarrier.invalidate(done.index(0))
         if DQ_WRITER and WITH_DQ:
             mbarrier.invalidate(dq_full.index(0))
@@ -594,10 +696,12 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     table = key_tile_table(sched, causal, ordered)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if ordered else table
     sums = dq_sums if with_dq else dk
+    lag = DQ_LAG and DQ_WRITER and with_dq and dq_cols(dim) < dim
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
                 DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER,
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
-                THREAD_RELEASE=THREAD_RELEASE, num_warps=4)
+                THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
+                STAGGER=STAGGER and lag, num_warps=4)
     args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total)
