@@ -488,7 +488,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False)
+                          STAGGER=False, LEAN_WRITER=False)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
@@ -500,7 +500,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
                           WITH_DQ=with_dq, ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False)
+                          STAGGER=False, LEAN_WRITER=False)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -513,25 +513,33 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=threads, DQ_LAG=False,
-                          STAGGER=False)
+                          STAGGER=False, LEAN_WRITER=False)
         name = (f"flash_gluon_bwd_lse_by_loader{'_thread_release' if threads else ''}_bf16_d{dim}"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
-    # Each step's dQ product the step before's (DQ_LAG), at D 128 on the rows by the loader and thread releases,
-    # and with warpgroup 1 starting half a step behind (STAGGER).
+    # Each step's dQ product the step before's (DQ_LAG), at D 128 on the rows by the loader, thread releases and
+    # the writer on fewer registers (LEAN_WRITER), and with warpgroup 1 starting half a step behind (STAGGER);
+    # the lean writer alone on the default form.
     for (causal, groups), ordered, stagger in itertools.product(((False, 1), (True, 4)), (False, True), (False, True)):
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
-                          ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=True, STAGGER=stagger)
+                          ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=True, STAGGER=stagger,
+                          LEAN_WRITER=True)
         name = (f"flash_gluon_bwd_{'stagger' if stagger else 'dq_lag'}_bf16_d128"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+    for causal, groups in ((False, 1), (True, 4)):
+        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True)
+        yield Build(f"flash_gluon_bwd_lean_writer_bf16_d128{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel,
+                    "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False)
+                          STAGGER=False, LEAN_WRITER=False)
         yield Build(f"flash_gluon_bwd_dkdv_only_m128_bf16_d64{'_causal_gqa' if causal else ''}",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 
@@ -701,10 +709,6 @@ MAX_SPILL_BYTES = 256
 # variant was measured on the H200) spills 112-556 bytes (0.6-1.0 KB before its angles moved to
 # shared memory in session 25).
 HOPPER_MAX_SPILL_BYTES = 1024
-# The flash backward's DQ_LAG candidate (off by default): its causal GQA builds spill 340-350 bytes, most of it
-# once a program (values of the epilogue kept across the loop); its second consumer's loop reloads 20-50 values
-# a step (D 128, session 52). Kept within this until it is timed.
-LAG_MAX_SPILL_BYTES = 512
 MAX_SHARED = 227 * 1024
 MAX_TMEM_COLUMNS = 512
 
@@ -830,9 +834,7 @@ def main(argv=None) -> int:
             held = used.programs_per_sm(compiled.metadata.num_warps, ARCHS[args.arch])
             print(f"{build.name}: {used}, {held} programs per SM")
         if gluon_build:
-            lag = build.name.startswith(("flash_gluon_bwd_dq_lag_", "flash_gluon_bwd_stagger_"))
-            over = used.over_budget(HOPPER_MAX_SPILL_BYTES if hopper else LAG_MAX_SPILL_BYTES if lag
-                                    else MAX_SPILL_BYTES)
+            over = used.over_budget(HOPPER_MAX_SPILL_BYTES if hopper else MAX_SPILL_BYTES)
             if used.registers is None:
                 over.append("ptxas could not report registers")
             if over:

@@ -306,39 +306,43 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
                 flash_bwd.P_BESIDE_DP, flash_persistent.TAKEN[0], not determinism.deterministic_backward(),
                 tuple(sorted(flash_bwd.ORDERED_HEAD_DIMS)), tuple(sorted(flash_bwd.DKDV_ONLY_HEAD_DIMS)),
                 tuple(sorted(flash_bwd.DKDV_ONLY_WIDE_HEAD_DIMS)), flash_bwd.ROWS_BY_LOADER,
-                flash_bwd.THREAD_RELEASE, flash_bwd.DQ_LAG, flash_bwd.STAGGER)
+                flash_bwd.THREAD_RELEASE, flash_bwd.DQ_LAG, flash_bwd.STAGGER, flash_bwd.LEAN_WRITER)
 
     defaults = switches()
-    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False)
+    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False, False)
     rows = {method.name: method for method in ours.GLUON_BACKWARDS + [
         ours.GLUON_FLASH_BY_TILES, ours.TRITON_FAST_BACKWARD, ours.GLUON_DKDV_ONLY_BACKWARD, ours.TRITON_BACKWARD,
         ours.GLUON_DKDV_ONLY_NARROW_BACKWARD]}
     want = {
-        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False),
-        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), False, False, False, False),
-        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), False, False, False, False),
+        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), False, False, False, False, False),
+        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), False, False, False, False, False),
         "triton_flash[gluon_dkdv_m64]": (False, True, True, True, False, True, False, (), (64,), (), False, False, False,
-                                         False),
+                                         False, False),
         "triton_flash[gluon_fast_bwd_rows_by_loader]": (True, True, False, True, False, True, True, (128,), (64,), (64,),
-                                                        True, False, False, False),
+                                                        True, False, False, False, False),
         "triton_flash[gluon_bwd_rows_by_loader]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
-                                                   True, False, False, False),
+                                                   True, False, False, False, False),
         "triton_flash[gluon_fast_bwd_thread_release]": (True, True, False, True, False, True, True, (128,), (64,),
-                                                        (64,), True, True, False, False),
+                                                        (64,), True, True, False, False, False),
         "triton_flash[gluon_bwd_thread_release]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
-                                                   True, True, False, False),
+                                                   True, True, False, False, False),
         "triton_flash[gluon_fast_bwd_dq_lag]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True,
-                                                True, True, False),
+                                                True, True, False, True),
         "triton_flash[gluon_bwd_dq_lag]": (True, True, False, True, False, True, False, (128,), (64,), (64,), True,
-                                           True, True, False),
+                                           True, True, False, True),
         "triton_flash[gluon_fast_bwd_stagger]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True,
-                                                 True, True, True),
+                                                 True, True, True, True),
+        "triton_flash[gluon_fast_bwd_lean_writer]": (True, True, False, True, False, True, True, (128,), (64,), (64,),
+                                                     False, False, False, False, True),
+        "triton_flash[gluon_bwd_lean_writer]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False,
+                                                False, False, False, True),
     }
     assert set(rows) == set(want)
     for name, method in rows.items():

@@ -155,9 +155,14 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     (``cp.async.mbarrier.arrive``; the others have none), at D 128 also with slots released by every consumer
     thread (``THREAD_RELEASE``: ``.noinc`` arrivals, fewer ``bar.sync`` than the elected releases), and on
     those each step's dQ product the step before's (``DQ_LAG``; ``STAGGER``: warpgroup 1 half a step behind),
-    with two more mbarrier waits a step (the dS^T slot free, the step before's halves in)."""
+    with two more mbarrier waits a step (the dS^T slot free, the step before's halves in), and the writer warp
+    on 24 registers (``LEAN_WRITER``: the lag builds, and on its own)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 47 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 49 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    for causal in ("", "_causal_gqa"):  # the writer on fewer registers: consumer 1's on more
+        lean, base = ptx[f"flash_gluon_bwd_lean_writer_bf16_d128{causal}"], ptx[f"flash_gluon_bwd_bf16_d128{causal}"]
+        writer_40 = re.compile(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;")
+        assert writer_40.search(base) and not writer_40.search(lean)
     lagged = [name for name in ptx if name.startswith(("flash_gluon_bwd_dq_lag_", "flash_gluon_bwd_stagger_"))]
     assert len(lagged) == 8
     for name in lagged:

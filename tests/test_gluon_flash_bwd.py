@@ -71,6 +71,7 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
         ROWS_BY_LOADER=rows_by_loader, THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
+        LEAN_WRITER=dq_lag,
     )
     return sums * scale, dk, dv, run, counters
 

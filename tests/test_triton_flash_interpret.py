@@ -612,7 +612,9 @@ def test_gpu_gluon_forward_matches_float64_reference(monkeypatch, case, dtype, o
                             dict(heads=4, kv_heads=4, dim=128, block_size=None, rows_by_loader=True,
                                  thread_release=True, dq_lag=True, stagger=True),
                             dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, dq_lag=True,
-                                 stagger=True)],
+                                 stagger=True),
+                            dict(heads=8, kv_heads=2, dim=128, block_size=None, causal=True, lean_writer=True),
+                            dict(heads=2, kv_heads=2, dim=128, block_size=384, lean_writer=True)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, fast):
     """The fast or deterministic backward with its dK/dV pass by the warp-specialized Gluon kernel
@@ -622,7 +624,8 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
     computed while dP's product runs (``P_BESIDE_DP``); ``rows_by_loader``: each step's lse and delta copied
     by the loader warp (``ROWS_BY_LOADER``); ``thread_release``: the ring's slots released by every consumer
     thread (``THREAD_RELEASE``); ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``);
-    ``stagger``: warpgroup 1 half a step behind (``STAGGER``); ``dkdv_only``: the deterministic backward with
+    ``stagger``: warpgroup 1 half a step behind (``STAGGER``); ``lean_writer``: the writer warp on fewer
+    registers (``LEAN_WRITER``, which ``dq_lag`` takes too); ``dkdv_only``: the deterministic backward with
     the kernel computing dK and dV only, beside the Triton dQ pass (``DKDV_ONLY_TAKEN``, with
     ``ORDERED_HEAD_DIMS`` emptied; the fast one as ``FAST_TAKEN`` takes it), at D 64 over 128 query
     rows a step (``DKDV_ONLY_WIDE_HEAD_DIMS``), ``narrow``: over 64. The deterministic one otherwise has the writer add
@@ -643,6 +646,9 @@ def test_gpu_gluon_backward_matches_float64_reference(monkeypatch, case, dtype, 
         monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", True)
     if case.pop("dq_lag", False):
         monkeypatch.setattr(flash_bwd, "DQ_LAG", True)
+        monkeypatch.setattr(flash_bwd, "LEAN_WRITER", True)
+    if case.pop("lean_writer", False):
+        monkeypatch.setattr(flash_bwd, "LEAN_WRITER", True)
     if case.pop("stagger", False):
         monkeypatch.setattr(flash_bwd, "STAGGER", True)
     launches = []
@@ -715,6 +721,7 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
     monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader in ("thread_release", "dq_lag"))
     monkeypatch.setattr(flash_bwd, "DQ_LAG", rows_by_loader == "dq_lag")
     monkeypatch.setattr(flash_bwd, "STAGGER", rows_by_loader == "dq_lag")
+    monkeypatch.setattr(flash_bwd, "LEAN_WRITER", rows_by_loader == "dq_lag")
     if dkdv_only == "narrow":
         monkeypatch.setattr(flash_bwd, "DKDV_ONLY_WIDE_HEAD_DIMS", frozenset())
 

@@ -341,19 +341,22 @@ TRITON_FAST_BACKWARD = Method(
 
 @contextlib.contextmanager
 def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False,
-                    thread_release: bool = False, dq_lag: bool = False, stagger: bool = False):
+                    thread_release: bool = False, dq_lag: bool = False, stagger: bool = False,
+                    lean_writer: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
     dP's product (``P_BESIDE_DP``); ``rows_by_loader``: lse and delta copied by the loader
     (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``);
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
-    behind (``STAGGER``)."""
+    behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
+    (``LEAN_WRITER``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
             module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
-                         THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger):
+                         THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
+                         LEAN_WRITER=lean_writer):
         yield
 
 
@@ -388,8 +391,8 @@ GLUON_BACKWARDS = [
            description=f"triton_flash with the {mode} backward, its dK/dV pass by the warp-specialized Gluon kernel "
                        "(sm_90; TMA loader warp, two consumer warpgroups over a 128-row key tile) adding dQ's terms "
                        f"{order}, the Gluon forward on every call it admits",
-           context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader, thread_release, *lag))
-    for name, mode, order, fast, writer, early_p, rows_by_loader, thread_release, *lag in (
+           context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader, thread_release, *more))
+    for name, mode, order, fast, writer, early_p, rows_by_loader, thread_release, *more in (
         ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
          "their terms in shared memory and go on)", False, True, False, False, False),
         ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
@@ -412,14 +415,21 @@ GLUON_BACKWARDS = [
          False, True, False, True, True),
         ("triton_flash[gluon_fast_bwd_dq_lag]", "fast", "in any order by TMA reduce-adds from a writer warp, "
          "each step's dQ product the step before's (no meeting of the warpgroups mid-step), lse and delta copied "
-         "by the loader warp, slots released by every consumer thread", True, True, False, True, True, True, False),
+         "by the loader warp, slots released by every consumer thread, the writer warp on fewer registers", True, True,
+         False, True, True, True, False, True),
         ("triton_flash[gluon_bwd_dq_lag]", "deterministic", "in a fixed order from a writer warp, each step's dQ "
          "product the step before's, lse and delta copied by the loader warp, slots released by every consumer "
-         "thread", False, True, False, True, True, True, False),
+         "thread, the writer warp on fewer registers", False, True, False, True, True, True, False, True),
         ("triton_flash[gluon_fast_bwd_stagger]", "fast", "in any order by TMA reduce-adds from a writer warp, "
          "each step's dQ product the step before's, the second consumer warpgroup half a step behind the first, "
-         "lse and delta copied by the loader warp, slots released by every consumer thread", True, True, False,
-         True, True, True, True),
+         "lse and delta copied by the loader warp, slots released by every consumer thread, the writer warp on "
+         "fewer registers", True, True, False, True, True, True, True, True),
+        ("triton_flash[gluon_fast_bwd_lean_writer]", "fast", "in any order by TMA reduce-adds from a writer warp "
+         "on fewer registers (the second consumer warpgroup on as many as the first)", True, True, False, False,
+         False, False, False, True),
+        ("triton_flash[gluon_bwd_lean_writer]", "deterministic", "in a fixed order from a writer warp on fewer "
+         "registers (the second consumer warpgroup on as many as the first)", False, True, False, False, False,
+         False, False, True),
     )
 ]
 

@@ -143,6 +143,12 @@ DQ_LAG = False
 STAGGER = False
 DS_LAG_SLOTS = gl.constexpr(3)
 WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: what it takes, consumer 1 gives
+# Whether the writer warp runs on ``LEAN_WRITER_REGS`` where it only issues TMA adds (D 128: no sum of two terms),
+# so that consumer 1 keeps as many registers as consumer 0 (``LEAN_WRITER``): sm_90 ptxas, D 128, spills 12 -> 4 B,
+# causal GQA 108 -> 40; with the rows by the loader and thread releases 44 -> 4, 76 -> 8 (the writer itself none).
+# A candidate to time (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
+LEAN_WRITER = False
+LEAN_WRITER_REGS = gl.constexpr(24)
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -517,7 +523,7 @@ def _flash_bwd_ws_kernel(
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
-    DQ_LAG: gl.constexpr, STAGGER: gl.constexpr,
+    DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -531,6 +537,8 @@ def _flash_bwd_ws_kernel(
             gl.static_assert(DQ_WRITER and WITH_DQ and DQ_COLS < HEAD_DIM, "DQ_LAG: D 128's writer form")
         if STAGGER:
             gl.static_assert(DQ_LAG, "STAGGER needs DQ_LAG")
+        if LEAN_WRITER:
+            gl.static_assert(DQ_COLS < HEAD_DIM, "LEAN_WRITER: a writer that only issues TMA adds")
         DS_SLOTS: gl.constexpr = DS_LAG_SLOTS if DQ_LAG else 2
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -593,7 +601,7 @@ def _flash_bwd_ws_kernel(
                 (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
                               steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
                               IS_CAUSAL, DETERMINISTIC)),
-            ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, WRITER_REGS])
+            ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LEAN_WRITER_REGS if LEAN_WRITER else WRITER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
@@ -701,7 +709,7 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
                 DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER,
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
-                STAGGER=STAGGER and lag, num_warps=4)
+                STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim, num_warps=4)
     args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total)
