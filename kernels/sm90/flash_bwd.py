@@ -346,14 +346,21 @@ def _lagged_dq(ds_s, ds_ready, j, wait, k_s, w: gl.constexpr, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
-    """``DQ_LAG``: hand step ``j``'s dQ term (its product done) to the writer through ``dq_s.index(w)`` once
-    the writer has read step ``j - 1``'s, and give the step's ``dS^T`` slot back."""
+def _give_dq(dq, dq_s, dq_full, dq_free, j, w: gl.constexpr):
+    """``DQ_WRITER``: hand step ``j``'s dQ term (its product done) to the writer through ``dq_s.index(w)`` once
+    the writer has read step ``j - 1``'s."""
     mbarrier.wait(dq_free, (j & 1) ^ 1)
     dq_s.index(w).store(dq)
     fence_async_shared()  # the writer's TMA adds read it
-    gl.thread_barrier()  # the whole warpgroup's term is in shared memory, its product on the dS^T slot done
+    gl.thread_barrier()  # the whole warpgroup's term is in shared memory
     mbarrier.arrive(dq_full)
+
+
+@gluon.jit
+def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
+    """``DQ_LAG``: ``_give_dq``, then give step ``j``'s ``dS^T`` slot back (the barrier there followed this
+    warpgroup's product on it)."""
+    _give_dq(dq, dq_s, dq_full, dq_free, j, w)
     mbarrier.arrive(ds_free.index(j % DS_LAG_SLOTS))
 
 
@@ -443,50 +450,43 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
+        dv = warpgroup_mma(p16, do, dv, is_async=True)
         if DQ_LAG:
-            dv = warpgroup_mma(p16, do, dv, is_async=True)
             _store_ds_lagged(ds16, ds_s, ds_ready, ds_free, it, w)
             if STAGGER and w == 0:
                 mbarrier.arrive(lead, pred=it == 0)
             # Step it - 1's dQ term (at the first step a product of a slot no step has written yet, dropped:
             # one product a program, where a branch here would move the loop's accumulators into other
-            # registers and spill) goes out while dK's product runs.
+            # registers and spill).
             dq = _lagged_dq(ds_s, ds_ready, it - 1, it > 0, k_s, w, BLOCK_M, DQ_COLS)
-            ds_a = gl.convert_layout(ds16, a_s)
-            dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        elif WITH_DQ:
+            dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
+        ds_a = gl.convert_layout(ds16, a_s)
+        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        if not WITH_DQ:
+            dv, p16, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, p16, dk, ds_a))
+        elif DQ_LAG:
+            # Step it - 1's dQ term goes out while dK's product runs.
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             if it > 0:
                 _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, it - 1, w)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
-            _release(empty, s, THREAD_RELEASE)
+        elif DQ_WRITER:
+            # dQ's term goes out while dK's product runs (products complete in the order issued).
+            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+            _give_dq(dq, dq_s, dq_full, dq_free, it, w)
+            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         else:
-            dv = warpgroup_mma(p16, do, dv, is_async=True)
-            if WITH_DQ:
-                dq = _dq_term(ds16, ds_s.index(b), ds_ready.index(b), it // 2, k_s, w, BLOCK_M, HEAD_DIM, DQ_COLS)
-            ds_a = gl.convert_layout(ds16, a_s)
-            dk = warpgroup_mma(ds_a, q, dk, is_async=True)
-            if not WITH_DQ:
-                dv, p16, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, p16, dk, ds_a))
-            elif DQ_WRITER:
-                # dQ's term goes out while dK's product runs (products complete in the order issued).
-                dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-                mbarrier.wait(dq_free, (it & 1) ^ 1)  # the writer has read the previous step's tile
-                dq_s.index(w).store(dq)
-                fence_async_shared()  # the writer's TMA adds read it
-                gl.thread_barrier()  # the whole warpgroup's term is in shared memory
-                mbarrier.arrive(dq_full)
-                dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+            turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            if DQ_COLS == HEAD_DIM:
+                _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
+                        BLOCK_M, DQ_COLS, DETERMINISTIC)
             else:
-                dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-                turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
-                if DQ_COLS == HEAD_DIM:
-                    _add_dq(DQA, dq, start, n, row, h, 0, stride_qat, stride_qah, Sem, stride_sh, 2 * turn + w, 0,
-                            BLOCK_M, DQ_COLS, DETERMINISTIC)
-                else:
-                    _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
-                            BLOCK_M, DQ_COLS, DETERMINISTIC)
-                dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
-            _release(empty, s, THREAD_RELEASE)
+                _add_dq(DQA, dq, start, n, row, h, w * DQ_COLS, stride_qat, stride_qah, Sem, stride_sh, turn, w,
+                        BLOCK_M, DQ_COLS, DETERMINISTIC)
+            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+        _release(empty, s, THREAD_RELEASE)
     async_copy.wait_group(0)  # the copies past the last step (all masked) are done too
     # Both warpgroups are done with k and v (each one's dQ products read every key row), and with the ring.
     gl.thread_barrier()
