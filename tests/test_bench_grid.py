@@ -139,7 +139,7 @@ def test_table_marks_slower_points():
 
 def test_points_pick_ours_and_the_best_checked_peer():
     summaries = {"p": dict(grid=dict(block=64, dim=64, heads="2x2", rotary="none", causal="no", lengths="prod"),
-                           T=10, fwd_floor_ms=0.5, bwd_floor_ms=1.0)}
+                           T=10, fwd_floor_ms=0.5, bwd_floor_ms=1.0, fwd_flop=1.1e12, bwd_flop=2.5e12)}
     rows = [dict(case="p", method="triton[simple]", kind="ours", status="ok", fwd_ms=0.1, bwd_ms=0.1),
             dict(case="p", method="triton", kind="ours", status="ok", fwd_ms=1.0, bwd_ms=2.0),
             dict(case="p", method="reference", kind="ours", status="ok", fwd_ms=9.0, bwd_ms=9.0),
@@ -150,6 +150,25 @@ def test_points_pick_ours_and_the_best_checked_peer():
     assert p["ours"] == "triton" and p["fwd_x_floor"] == pytest.approx(2.0)
     assert p["fwd_peer"] == "fa2_varlen" and p["fwd_speedup"] == pytest.approx(0.8) and grid.slower(p, "fwd")
     assert p["bwd_peer"] == "fa4_varlen" and p["bwd_speedup"] == pytest.approx(1.5) and not grid.slower(p, "bwd")
+    # ours' rate, and the rate at the target: 1.1 TFLOP in 1.10 x 0.5 ms; 2.5 TFLOP in 1.25 x 1.0 ms
+    assert p["fwd_tflops"] == pytest.approx(1100.0) and p["bwd_tflops"] == pytest.approx(1250.0)
+    assert p["fwd_target_tflops"] == pytest.approx(2000.0) and p["bwd_target_tflops"] == pytest.approx(2000.0)
+
+
+def test_point_flop_counts_the_points_in_block_pairs():
+    """``point_flop`` rebuilds a recorded point's case from its coordinates: the FLOP the bench's
+    summary gives that case, causal halving the pairs; a record of other lengths gets none."""
+    (case,) = grid.cases(dict(grid.DEFAULTS, block=(128,), dim=(96,), heads=((8, 2),), rotary=("none",),
+                              causal=(True,)))
+    s = runner.case_summary(case, torch.bfloat16, 4.27e12)
+    row = dict(case=case.name, **dict(case.coords), T=str(case.total))
+    assert grid.point_flop(row, "fwd") == pytest.approx(s["fwd_flop"])
+    assert grid.point_flop(row, "bwd") == pytest.approx(s["bwd_flop"]) == pytest.approx(2.5 * s["fwd_flop"])
+    full = grid.point_flop(dict(row, causal="no"), "fwd")
+    assert 1.9 < full / s["fwd_flop"] < 2.0  # n^2 against n (n + 1) / 2 per block
+    assert grid.point_flop(dict(row, T="100"), "fwd") is None
+    assert grid.target_tflops(2.2e12, 2.0, "fwd") == pytest.approx(1000.0)
+    assert grid.target_tflops(None, 2.0, "fwd") is None and grid.target_tflops(1.0, 2.0, "fwd+bwd") is None
 
 
 def test_heatmap_from_results(tmp_path, monkeypatch):

@@ -78,6 +78,30 @@ def test_a_new_record_takes_the_slices_columns(tmp_path):
     assert columns[0] == "slice" and "case" in columns and rows[0]["slice"] == "S1"
 
 
+def test_summary_counts_targets_beyond_the_fastest_attention_rate(tmp_path, capsys):
+    """The record's rows (no rate columns) get their target rates from their coordinates; a slice's
+    new rate columns join the record. The b128 D128 8x2 backward needs 2.5 x 4 x pairs x 8 x 128
+    FLOP: over a 1 ms floor at 1.25x that is beyond 521 TFLOP/s, over a 10 ms floor it is not."""
+    stamp = dict(date="d", commit="a", device_name="H200", torch="2.11", triton="3.6", dtype="bfloat16",
+                 bandwidth_bytes_per_s=1.0)
+    (case,) = grid.cases(dict(grid.DEFAULTS, block=(128,), dim=(128,), heads=((8, 2),), rotary=("none",),
+                              causal=(False,)))
+    fast = dict(_point(128, 2.0, 3.0), dim=128, case=case.name, T=case.total, bwd_floor_ms=1.0)
+    slow = dict(fast, case=grid.point_name(128, 128, (8, 2), "none", True, "prod"), causal="yes", bwd_floor_ms=10.0)
+    _write(tmp_path / "record.csv", [dict(fast, slice="S1", **stamp), dict(slow, slice="S1", **stamp)], COLUMNS)
+    new = dict(_point(16, 1.0, 2.0), fwd_tflops=50.0, fwd_target_tflops=600.0, bwd_tflops=40.0,
+               bwd_target_tflops=100.0)
+    slice_csv = grid.write_csv(str(tmp_path / "slice"), [new], stamp)
+    assert grid_merge.main([f"S2={slice_csv}", "--csv", str(tmp_path / "record.csv")]) == 0
+    columns, rows = grid_merge.read_rows(str(tmp_path / "record.csv"))
+    assert columns[:len(COLUMNS)] == COLUMNS and columns[len(COLUMNS):] == [
+        "fwd_tflops", "fwd_target_tflops", "bwd_tflops", "bwd_target_tflops"]
+    assert rows[0]["bwd_target_tflops"] == "" and rows[2]["bwd_target_tflops"] == "100.0"
+    out = capsys.readouterr().out
+    assert "fwd: timed 3" in out and "more than 549 TFLOP/s (the fastest attention measured on the H200) at 1 of 3" in out
+    assert "more than 521 TFLOP/s (the fastest attention measured on the H200) at 1 of 3" in out
+
+
 def test_bad_slice_arguments(tmp_path):
     with pytest.raises(SystemExit):
         grid_merge.main(["no-equals-sign", "--csv", str(tmp_path / "x.csv")])

@@ -50,6 +50,7 @@ import torch
 
 from .common import Case
 from .report import ms_text, ratio_text
+from .runner import FLOP_PER_PAIR, attention_pairs
 
 AXES: Dict[str, Tuple[object, ...]] = {
     "block": (16, 32, 64, 128),
@@ -73,6 +74,10 @@ GPU_METHODS = ("triton", "fa2_varlen", "rope_comp+fa2", "sdpa_cudnn", "rope_comp
 CPU_METHODS = ("reference", "eager")
 # The issue's targets (x floor), shown in the summary line.
 TARGET_X = {"fwd": 1.10, "bwd": 1.25}
+# The fastest attention measured on the H200 (PERFORMANCE.md: FlashAttention-4 varlen, full attention over seed3's
+# 1-3k-token sequences, bf16, the backward's FLOPs counted as 2.5x the forward's), TFLOP/s. A point whose target
+# needs a higher rate asks its block kernel to out-run the strongest long-sequence kernel on this GPU.
+BEST_ATTENTION_TFLOPS = {"fwd": 549.0, "bwd": 521.0}
 _CAUSAL_WORDS = {"no": False, "yes": True, "false": False, "true": True, "0": False, "1": True}
 
 
@@ -174,6 +179,24 @@ def cases(selection: Optional[Dict[str, Tuple[object, ...]]] = None, batch: int 
     return out
 
 
+def point_flop(p: Dict[str, object], mode: str) -> Optional[float]:
+    """FLOP of ``mode`` (``runner.FLOP_PER_PAIR``) at the grid point ``p`` (a ``points`` dict or a
+    record row): its in-block (query, key) pairs at the grid's default lengths x query heads x D;
+    ``None`` where the point's ``T`` is not those lengths' total (a run with other ``--grid-batch`` /
+    ``--grid-max-len``)."""
+    (case,) = cases({axis: (_parse_value(axis, str(p[axis])),) for axis in AXES})
+    if p.get("T") not in (None, "") and int(p["T"]) != case.total:
+        return None
+    return FLOP_PER_PAIR[mode] * attention_pairs(case) * case.num_heads * case.head_dim
+
+
+def target_tflops(flop: Optional[float], floor_ms: Optional[float], mode: str) -> Optional[float]:
+    """TFLOP/s a kernel must sustain to run ``flop`` within ``TARGET_X[mode]`` of a ``floor_ms`` floor."""
+    if not flop or not floor_ms or mode not in TARGET_X:
+        return None
+    return flop / (TARGET_X[mode] * floor_ms * 1e-3) / 1e12
+
+
 def n_points(selection: Optional[Dict[str, Tuple[object, ...]]] = None) -> int:
     sel = dict(DEFAULTS) if selection is None else selection
     return math.prod(len(v) for v in sel.values())
@@ -194,9 +217,10 @@ def _ours(rows: Sequence[Dict[str, object]]) -> Optional[Dict[str, object]]:
 
 def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, object]],
            modes: Sequence[str] = GRID_MODES) -> List[Dict[str, object]]:
-    """One dict per grid point: its coordinates, floors, ours (ms, x floor) and, per mode, the kernel
-    variant ours ran (the summary's ``kernels``, where recorded), the best checked peer (name, ms)
-    and ``speedup = peer ms / ours ms`` (< 1: ours is slower)."""
+    """One dict per grid point: its coordinates, floors, ours (ms, x floor, TFLOP/s) and, per mode, the
+    kernel variant ours ran (the summary's ``kernels``, where recorded), the TFLOP/s the target needs
+    (``target_tflops``), the best checked peer (name, ms) and ``speedup = peer ms / ours ms`` (< 1:
+    ours is slower)."""
     by_case: Dict[str, List[Dict[str, object]]] = {}
     for r in rows:
         by_case.setdefault(str(r["case"]), []).append(r)
@@ -214,6 +238,9 @@ def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, obj
             ms = ours.get(f"{mode}_ms") if ours else None
             p[f"{mode}_ms"] = ms
             p[f"{mode}_x_floor"] = ms / floor if ms and floor else None
+            flop = s.get(f"{mode}_flop")
+            p[f"{mode}_tflops"] = flop / (ms * 1e-3) / 1e12 if ms and flop else None
+            p[f"{mode}_target_tflops"] = target_tflops(flop, floor, mode)
             peers = [r for r in case_rows if r["kind"] == "baseline" and r["status"] == "ok" and r.get(f"{mode}_ms")]
             best = min(peers, key=lambda r: r[f"{mode}_ms"]) if peers else None
             p[f"{mode}_peer"] = best["method"] if best else None

@@ -10,7 +10,10 @@ the issue's bounds (forward <= 1.10x floor, backward <= 1.25x; also 1.5x) and wh
 faster.
 
 A slice's rows carry the kernel variant ours ran per mode (``fwd_variant``, ``bwd_variant``) when
-the bench recorded it; a record column the slice lacks is left empty in its rows.
+the bench recorded it; a record column the slice lacks is left empty in its rows, and a slice column
+the record lacks (ours' TFLOP/s and the rate the target needs, ``fwd_tflops``, ``fwd_target_tflops``
+and the backward's, since session 53) is added, empty in the older rows. The summary also counts the
+points whose target needs more TFLOP/s than the fastest attention measured on the H200.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def as_points(rows: Sequence[Dict[str, str]]) -> List[Dict[str, object]]:
         for c in _INT_COLUMNS:
             p[c] = int(r[c])
         for c, v in r.items():
-            if c.endswith(("_ms", "_x_floor", "_speedup")):
+            if c.endswith(("_ms", "_x_floor", "_speedup", "_tflops")):
                 p[c] = _number(v)
         pts.append(p)
     return pts
@@ -77,8 +80,26 @@ def summary(pts: Sequence[Dict[str, object]]) -> str:
         faster = [str(p["case"]) for p in pts if grid.slower(p, mode)]
         lines.append(f"{mode}: timed {len(xs)}, <= {bound:.2f}x floor at {sum(x <= bound for x in xs)}, "
                      f"<= 1.5x at {sum(x <= 1.5 for x in xs)}; a peer is faster at {len(faster)}"
-                     + (": " + ", ".join(faster) if faster else ""))
+                     + (": " + ", ".join(faster) if faster else "") + "; " + _rate_text(pts, mode))
     return "\n".join(lines)
+
+
+def _rate_text(pts: Sequence[Dict[str, object]], mode: str) -> str:
+    """Where the target needs more TFLOP/s than the fastest attention measured on the H200
+    (``grid.BEST_ATTENTION_TFLOPS``): the target rates of the record's rows are worked out from their
+    coordinates and floors (``grid.point_flop``) when the row does not carry them."""
+    best = grid.BEST_ATTENTION_TFLOPS[mode]
+    need = {}
+    for p in pts:
+        rate = p.get(f"{mode}_target_tflops")
+        if rate is None and p.get(f"{mode}_floor_ms") is not None:
+            rate = grid.target_tflops(grid.point_flop(p, mode), p[f"{mode}_floor_ms"], mode)
+        if rate is not None:
+            need[str(p["case"])] = rate
+    beyond = [name for name, rate in need.items() if rate > best]
+    top = max(need.values(), default=0.0)
+    return (f"the target needs more than {best:.0f} TFLOP/s (the fastest attention measured on the H200) at "
+            f"{len(beyond)} of {len(need)} points (at most {top:.0f})")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -98,6 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         columns, record = read_rows(args.csv)
     else:
         columns, record = ["slice"] + read_rows(args.slices[0].partition("=")[2])[0], []
+    columns += [c for _, slice_rows in slices for c in (slice_rows[0] if slice_rows else {}) if c != "slice"]
+    columns = list(dict.fromkeys(columns))
     rows = merge(record, columns, slices)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
