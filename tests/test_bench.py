@@ -245,20 +245,27 @@ def test_flash_kernels_rows_match_the_oracle_at_a_single_tile_block(recompute):
 def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
     """The opt-in ``flash_kernels[gluon*]`` rows (the persistent Gluon forward called directly at blocks of up to
     128 tokens): GPU rows, named only by ``--backends``, left to ``triton_flash`` at blocks over 128, each with
-    its ``flash_persistent`` options set for its calls and restored after."""
-    from blockattn_layers.kernels.sm90 import flash_persistent
+    its ``flash_persistent`` options (or, for the backward rows, the Gluon backward kernel and the backward's
+    mode) set for its calls and restored after."""
+    from blockattn_layers.determinism import deterministic_backward
+    from blockattn_layers.kernels.sm90 import flash_bwd, flash_persistent
 
     rows = {m.name: m for m in our_methods() if m.name.startswith("flash_kernels[gluon")}
     want = {"flash_kernels[gluon]": (False, False), "flash_kernels[gluon_early_release]": (True, False),
             "flash_kernels[gluon_share_kv]": (True, True)}
-    assert set(rows) == set(want)
+    backward = {"flash_kernels[gluon_fast_bwd]": False, "flash_kernels[gluon_bwd]": True}  # deterministic?
+    assert set(rows) == set(want) | set(backward)
     case = Case("t", "t", torch.tensor([0, 1, 130, 17]), 4, 128, 128, num_kv_heads=1)
     for name, method in rows.items():
         assert method.opt_in and method.gpu_only and name not in [m.name for m in cli.select_methods("ours")]
         assert method.skip(dataclasses.replace(case, block_size=256), None) is not None
         with method.context():
-            assert (flash_persistent.EARLY_RELEASE, flash_persistent.SHARE_KV) == want[name]
+            if name in backward:
+                assert flash_bwd.TAKEN[0] and deterministic_backward() == backward[name]
+            else:
+                assert (flash_persistent.EARLY_RELEASE, flash_persistent.SHARE_KV) == want[name]
         assert not flash_persistent.EARLY_RELEASE and not flash_persistent.SHARE_KV
+        assert not flash_bwd.TAKEN[0] and deterministic_backward()
 
 
 def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 import blockattn_layers
 from blockattn_layers.ops import backends as _backends
 from blockattn_layers._validation import validate_attention_args
+from blockattn_layers.determinism import deterministic_backward
 from blockattn_layers.ops.backends.triton_block import ROTATED_COPIES
 
 from .common import Case, Inputs, Method, Prepared, RunConfig, module_attrs
@@ -440,7 +441,8 @@ class _FlashKernels(torch.autograd.Function):
     ``recompute``, the backward computes them again first, as the ``triton`` backend did where no
     block kernel's backward fits (``one_tile_backward_fits``) until session 23 (it now saves them
     from the simple forward). With ``gluon`` the forward is the warp-specialized Gluon one
-    (``sm90.flash_fwd.flash_attention_fwd_ws``, its persistent form where taken)."""
+    (``sm90.flash_fwd.flash_attention_fwd_ws``, its persistent form where taken). The backward runs
+    in the package's mode (``blockattn_layers.fast_backward``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, block_size, params, recompute, gluon=False):
@@ -469,7 +471,8 @@ class _FlashKernels(torch.autograd.Function):
                                         p.rotary_dim, p.rotary_interleaved, None)
         out, lse = saved
         grads = flash_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, offsets, block_size, p.scale, p.causal,
-                                    p.rope_theta, None, p.rotary_dim, p.rotary_interleaved, None)
+                                    p.rope_theta, None, p.rotary_dim, p.rotary_interleaved, None,
+                                    deterministic=deterministic_backward())
         return (*grads, None, None, None, None, None)
 
 
@@ -532,6 +535,17 @@ FLASH_KERNELS = [
          "after the first Q K^T (flash_persistent.EARLY_RELEASE)", dict(EARLY_RELEASE=True)),
         ("flash_kernels[gluon_share_kv]", "flash_kernels[gluon_early_release] with a block's grouped query heads "
          "reusing one copy of its key tile (flash_persistent.SHARE_KV)", dict(EARLY_RELEASE=True, SHARE_KV=True)),
+    )
+] + [
+    Method(name, "ours", _flash_kernels_setup(False, gluon=True), _attention, skip=_gluon_kernels_skip, gpu_only=True,
+           opt_in="a measurement of the kernels outside the op: run when --backends names it",
+           description=description, context=lambda fast=fast: _gluon_backward(fast))
+    for name, description, fast in (
+        ("flash_kernels[gluon_fast_bwd]", "flash_kernels[gluon] with the fast backward by the warp-specialized Gluon "
+         "kernel (dQ's float32 sums by TMA reduce-adds in any order, a delta pass before and a cast pass after) at "
+         "blocks of up to 128 tokens", True),
+        ("flash_kernels[gluon_bwd]", "flash_kernels[gluon_fast_bwd] with the deterministic backward (the writer's "
+         "adds in a fixed order)", False),
     )
 ]
 
