@@ -32,6 +32,9 @@ CASES = {
     "full-gqa-causal-d128": ([1, 200, 0, 64, 257], 4, 1, 128, 0, True),
     "blocks256-causal-d64": ([300, 5, 513, 0], 2, 1, 64, 256, True),
     "blocks192-gqa-d128": ([191, 192, 193, 400], 4, 2, 128, 192, False),
+    "blocks128-gqa-d128": ([1, 127, 128, 129, 0, 300, 64], 4, 1, 128, 128, False),
+    "blocks100-causal-d128": ([99, 100, 101, 0, 250, 1], 2, 2, 128, 100, True),
+    "blocks64-gqa-causal-d128": ([63, 64, 65, 130, 0, 1], 4, 2, 128, 64, True),
 }
 
 
@@ -44,13 +47,14 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
 
 
 def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
-         block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False, dq_lag=False, stagger=False):
+         block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False, dq_lag=False, stagger=False,
+         dq_store=False):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
     ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``; ``rows_by_loader``: lse and delta
     copied by the loader, ``ROWS_BY_LOADER``; ``thread_release``: slots released by every consumer thread,
     ``THREAD_RELEASE``; ``dq_lag``: each step's dQ product the step before's, ``DQ_LAG``; ``stagger``:
-    ``STAGGER``)."""
+    ``STAGGER``; ``dq_store``: dQ itself stored, ``DQ_STORE``, and returned as the first element)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -59,7 +63,7 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
     delta = (do.double() * o).sum(-1).t().contiguous().float()
     sched = FlashSchedule(offsets, total, block_size, flash_bwd.TILE_N, None, longest_first=block_size == 0)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    sums = torch.zeros(q.shape)
+    sums = torch.full_like(q, float("nan")) if dq_store else torch.zeros(q.shape)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32)
     run = gs.launch(
         flash_bwd._flash_bwd_ws_kernel, (sched.programs * kv_heads,), Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, DQA=sums,
@@ -71,9 +75,9 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
         ROWS_BY_LOADER=rows_by_loader, THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
-        LEAN_WRITER=dq_lag,
+        LEAN_WRITER=dq_lag, DQ_STORE=dq_store,
     )
-    return sums * scale, dk, dv, run, counters
+    return sums if dq_store else sums * scale, dk, dv, run, counters
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
@@ -158,6 +162,35 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
         assert torch.equal(counters, want)
     else:
         assert not counters.any()
+
+
+@pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])
+@pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128", "blocks64-gqa-causal-d128"])
+def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, rows_by_loader):
+    """``DQ_STORE`` (blocks of up to 128 tokens, D 128): dQ, dK and dV against float64, every element of each
+    stored exactly once (dQ in two 64-column halves, one per warpgroup), no counter touched; with the lse and
+    delta rows by the loader and the slots released by every thread too."""
+    lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
+    q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 5)
+    offsets = offsets_from_lengths(lengths)
+    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, rows_by_loader=rows_by_loader,
+                                     thread_release=rows_by_loader, dq_store=True)
+    want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size,
+                                        dim ** -0.5, causal)
+    for got, ref in zip((dq, dk, dv), want):
+        assert rel_err(got, ref) < 5e-3
+    for name_, x in (("DQA", dq), ("DK", dk), ("DV", dv)):
+        assert torch.equal(run.writes(name_), torch.ones_like(x, dtype=torch.int64))
+    assert not counters.any()
+
+
+def test_flash_ws_backward_stores_dq_only_where_one_key_tile_holds_the_block():
+    """``stores_dq``: only while ``DQ_STORE`` is set, on blocks of up to ``TILE_N`` tokens, at D 128."""
+    assert not flash_bwd.stores_dq(128, 128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash_bwd, "DQ_STORE", True)
+        assert flash_bwd.stores_dq(128, 128) and flash_bwd.stores_dq(16, 128)
+        assert not flash_bwd.stores_dq(0, 128) and not flash_bwd.stores_dq(129, 128) and not flash_bwd.stores_dq(64, 64)
 
 
 @pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])

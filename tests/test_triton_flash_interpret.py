@@ -746,6 +746,57 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rows_by_loader", [False, True], ids=["dq-store", "dq-store-rows-by-loader"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size,heads,kv_heads,causal", [(128, 8, 2, False), (100, 2, 2, True),
+                                                              (64, 4, 1, True), (16, 2, 2, False)])
+def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, block_size, heads, kv_heads, causal,
+                                                                 dtype, rows_by_loader):
+    """``DQ_STORE`` (``sm90.flash_bwd``): at blocks one 128-row key tile holds whole, D 128, the Gluon dK/dV pass
+    stores dQ itself (no float32 sums, no cast pass launched), in both modes: gradients within 3x the naive
+    same-dtype error of the float64 oracle (ragged, zero-length and length-1 sequences), the same bits twice,
+    and a NaN sequence's gradients NaN, every other row's finite (``rows_by_loader``: with the rows by the
+    loader and thread releases)."""
+    from blockattn_layers import reference
+    from blockattn_layers.kernels.flash import bwd
+    from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "TAKEN", [True])
+    monkeypatch.setattr(flash_bwd, "DQ_STORE", True)
+    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", rows_by_loader)
+    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader)
+    cast_passes = []
+    store = bwd._launch_dq_store
+    monkeypatch.setattr(bwd, "_launch_dq_store", lambda *a, **kw: cast_passes.append(1) or store(*a, **kw))
+
+    dim, scale = 128, 128 ** -0.5
+    case = dict(heads=heads, kv_heads=kv_heads, dim=dim)
+    _, _, q, k, v, offsets = _gpu_inputs(case, dtype, 13)
+    args = (offsets, block_size, scale, causal, None, None, 0, False, None)
+    out, lse = flash_attention_fwd(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    runs = [bwd.flash_attention_bwd(grad_out, q, k, v, out, lse, *args, deterministic=det) for det in (False, True)]
+    assert not cast_passes
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ref_args = (block_size, scale, causal, None, None, 0, False)
+    oracle = reference.attention_backward(grad_out.double(), *(x.double() for x in (q, k, v)), offsets, *ref_args)
+    naive = reference.attention_backward(grad_out, q, k, v, offsets, *ref_args, dtype=dtype)
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    for name, got, ref, base in zip("qkv", runs[0], oracle, naive):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert rel_err(got, ref) <= max(3 * rel_err(base, ref), 1.5 * floor), f"d{name}"
+    nan_offsets, nq, nk, nv, keep = _nan_sequence_inputs(dim)
+    nq, nk, nv = (x.to(dtype) for x in (nq, nk, nv))
+    nargs = (nan_offsets, block_size, scale, causal, None, None, 0, False, None)
+    nout, nlse = flash_attention_fwd(nq, nk, nv, *nargs)
+    for got in bwd.flash_attention_bwd(torch.randn_like(nq), nq, nk, nv, nout, nlse, *nargs, deterministic=False):
+        assert torch.isnan(got[~keep]).all() and torch.isfinite(got[keep]).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_gpu_default_backward_repeats_bitwise_on_long_sequences(dim, causal):

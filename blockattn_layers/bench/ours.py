@@ -343,7 +343,7 @@ TRITON_FAST_BACKWARD = Method(
 @contextlib.contextmanager
 def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False,
                     thread_release: bool = False, dq_lag: bool = False, stagger: bool = False,
-                    lean_writer: bool = False):
+                    lean_writer: bool = False, dq_store: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
@@ -351,13 +351,13 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
     (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``);
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
     behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
-    (``LEAN_WRITER``)."""
+    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
             module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
                          THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
-                         LEAN_WRITER=lean_writer):
+                         LEAN_WRITER=lean_writer, DQ_STORE=dq_store):
         yield
 
 
@@ -539,13 +539,18 @@ FLASH_KERNELS = [
 ] + [
     Method(name, "ours", _flash_kernels_setup(False, gluon=True), _attention, skip=_gluon_kernels_skip, gpu_only=True,
            opt_in="a measurement of the kernels outside the op: run when --backends names it",
-           description=description, context=lambda fast=fast: _gluon_backward(fast))
-    for name, description, fast in (
+           description=description, context=functools.partial(_gluon_backward, **options))
+    for name, description, options in (
         ("flash_kernels[gluon_fast_bwd]", "flash_kernels[gluon] with the fast backward by the warp-specialized Gluon "
          "kernel (dQ's float32 sums by TMA reduce-adds in any order, a delta pass before and a cast pass after) at "
-         "blocks of up to 128 tokens", True),
+         "blocks of up to 128 tokens", dict(fast=True)),
         ("flash_kernels[gluon_bwd]", "flash_kernels[gluon_fast_bwd] with the deterministic backward (the writer's "
-         "adds in a fixed order)", False),
+         "adds in a fixed order)", dict(fast=False)),
+        ("flash_kernels[gluon_fast_bwd_dq_store]", "flash_kernels[gluon_fast_bwd] with dQ stored by the kernel, no "
+         "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE; D 128)", dict(fast=True, dq_store=True)),
+        ("flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]", "flash_kernels[gluon_fast_bwd_dq_store] with the "
+         "lse and delta rows by the loader and slots released by every consumer thread",
+         dict(fast=True, dq_store=True, rows_by_loader=True, thread_release=True)),
     )
 ]
 

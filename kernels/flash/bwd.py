@@ -398,8 +398,9 @@ def flash_attention_bwd(
     if gluon_adds_dq or not deterministic:
         ws = None if gluon is None else functools.partial(
             gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
+        stores_dq = ws is not None and gluon_adds_dq and gluon.stores_dq(block_size, head_dim)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-                         log2_theta, pass_meta, ws)
+                         log2_theta, pass_meta, ws, stores_dq)
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
     meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
@@ -468,15 +469,20 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-              log2_theta, pass_meta, ws=None):
+              log2_theta, pass_meta, ws=None, stores_dq=False):
     """The fast backward: delta, then the dK/dV pass (``ws``: by the Gluon kernel) adding dQ's terms
-    to float32 sums, then dQ from them."""
+    to float32 sums, then dQ from them; ``stores_dq`` (``sm90.flash_bwd.stores_dq``): the Gluon kernel
+    stores dQ itself, no sums."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
                       INT64=needs_int64(o, do), num_warps=4)
     _launch_delta((triton.cdiv(total, 64), num_heads), (
         o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)), delta_meta, q)
+    if stores_dq:
+        dq = q.new_empty(q.shape)
+        ws(lse, delta, dk, dv, None, dq=dq)
+        return dq, dk, dv
     sums = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if ws is not None:
         ws(lse, delta, dk, dv, sums)

@@ -30,6 +30,9 @@ diagonal on). Three partitions (four with the dQ writer) share the program's sha
   waited for until written, then counting this one, so the float32 sums, and dQ, are bitwise the
   same run to run. Without the writer each consumer adds its term itself by ``atomic_add``
   (ordered: per column half, or per warpgroup at D 64).
+- ``DQ_STORE`` (a candidate, D 128, blocks one key tile holds whole): a query row's dQ is then this program's
+  term alone, so each consumer scales its column half, casts it and stores it by TMA (``_store_dq``): no
+  sums, no writer, no cast pass after.
 
 Padding key rows (a block ending inside the key tile) read zero k and v: their ``dS`` meets a zero
 k row in ``dS K``, and their dK, dV rows lie past the tensor maps' rows, where TMA stores drop
@@ -149,6 +152,14 @@ WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: w
 # A candidate to time (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
 LEAN_WRITER = False
 LEAN_WRITER_REGS = gl.constexpr(24)
+# Whether dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up to ``TILE_N``
+# tokens, D 128): each query row's dQ is then this program's term alone, and each warpgroup's term (its column half
+# over all the block's keys) is the row's whole dQ for those columns. The consumer scales it, casts it to dQ's dtype
+# and stores it by TMA through a shared tile of its own (two, alternating by step): no float32 sums to zero, add to
+# and cast back in a pass after, no writer partition; the same in both modes (no adds, so no order). Session 43 had
+# the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving 2-3x the floor's
+# bytes. A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store]``).
+DQ_STORE = False
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -357,6 +368,18 @@ def _give_dq(dq, dq_s, dq_full, dq_free, j, w: gl.constexpr):
 
 
 @gluon.jit
+def _store_dq(dq, tile, dq_map, row, col):
+    """``DQ_STORE``: this warpgroup's finished dQ columns (scaled, float32) to ``dq_map`` at ``[row, col]`` through
+    the shared ``tile``, once the tile's store of two steps before has read it (rows past the block dropped)."""
+    tma.store_wait(1)
+    gl.thread_barrier()  # the issuing thread's wait is everyone's before the tile is written again
+    tile.store(dq.to(tile.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's rows are in shared memory for the TMA store
+    tma.async_copy_shared_to_global(dq_map, [row, col], tile)
+
+
+@gluon.jit
 def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
     """``DQ_LAG``: ``_give_dq``, then give step ``j``'s ``dS^T`` slot back (the barrier there followed this
     warpgroup's product on it)."""
@@ -398,7 +421,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
-              THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead):
+              THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead,
+              DQ_STORE: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
@@ -406,7 +430,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     copied by the loader (shared by both warpgroups), else copied by this warpgroup one step ahead;
     ``THREAD_RELEASE``: each thread hands the step's slot back itself; ``DQ_LAG``: the dQ product of the step
     before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
-    starts once warpgroup 0's first dS^T half is in (``lead``)."""
+    starts once warpgroup 0's first dS^T half is in (``lead``); ``DQ_STORE``: its dQ columns stored into
+    ``DQA`` (dQ itself, rows of ``stride_qat``) through ``dq_s.index(2 * w + it % 2)``."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -418,6 +443,9 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
+    if DQ_STORE:
+        dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, kv_heads * GROUPS * HEAD_DIM],
+                                            [stride_qat, 1], [BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
@@ -471,6 +499,11 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             if it > 0:
                 _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, it - 1, w)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
+        elif DQ_STORE:
+            # dQ's columns go out while dK's product runs.
+            dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
+            _store_dq(dq * scale, dq_s.index(2 * w + it % 2), dq_map, row, h * HEAD_DIM + w * DQ_COLS)
+            dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
@@ -523,7 +556,7 @@ def _flash_bwd_ws_kernel(
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
-    DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr,
+    DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr, DQ_STORE: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -541,6 +574,12 @@ def _flash_bwd_ws_kernel(
             gl.static_assert(DQ_COLS < HEAD_DIM, "LEAN_WRITER: a writer that only issues TMA adds")
         DS_SLOTS: gl.constexpr = DS_LAG_SLOTS if DQ_LAG else 2
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
+        if DQ_STORE:
+            gl.static_assert(WITH_DQ and not DQ_WRITER and not DQ_LAG and DQ_COLS < HEAD_DIM,
+                             "DQ_STORE: D 128's column halves, stored by the consumers")
+            dq_store_s = gl.allocate_shared_memory(dtype, [4, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+        else:
+            dq_store_s = ds_s
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         # Per consumer, two slots; ROWS_BY_LOADER: one copy in the ring's slots, both consumers read it.
         gl.static_assert(not ROWS_BY_LOADER or STAGES == 2, "the rows' slots are the ring's")
@@ -588,13 +627,13 @@ def _flash_bwd_ws_kernel(
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
@@ -604,18 +643,18 @@ def _flash_bwd_ws_kernel(
             ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LEAN_WRITER_REGS if LEAN_WRITER else WRITER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
-                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, ds_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE)),
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0))),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
@@ -669,6 +708,12 @@ def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
     return taken(deterministic, block_size, head_dim) or dkdv_only(deterministic, block_size, head_dim)
 
 
+def stores_dq(block_size: int, head_dim: int) -> bool:
+    """Whether the kernel stores dQ itself (``DQ_STORE``) for a call of these facts (``block_size`` 0: full
+    attention): while ``DQ_STORE`` is set, on blocks one key tile holds whole, at head dims of column halves."""
+    return DQ_STORE and 0 < block_size <= TILE_N and dq_cols(head_dim) < head_dim
+
+
 def query_rows(head_dim: int, with_dq: bool) -> int:
     """Query rows per step (``BLOCK_M``): 128 in the pass without dQ's terms at the head dims of
     ``DKDV_ONLY_WIDE_HEAD_DIMS``, else ``TILE_M``."""
@@ -692,24 +737,27 @@ def key_tile_table(sched, causal: bool, deterministic: bool) -> torch.Tensor:
 
 
 def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, causal: bool,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, dq=None) -> None:
     """The dK/dV pass by this kernel: dK, dV written and dQ's terms added to ``dq_sums`` (float32
     ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``dq_sums=None``: no dQ term
-    (``WITH_DQ`` off: a dQ pass of its own computes dQ). ``sched``: the flash schedule of
-    ``TILE_N``-row key tiles."""
+    (``WITH_DQ`` off: a dQ pass of its own computes dQ). ``dq`` (q's shape and dtype, with ``dq_sums``
+    None; where :func:`stores_dq`): dQ itself stored there (``DQ_STORE``). ``sched``: the flash schedule
+    of ``TILE_N``-row key tiles."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
-    with_dq = dq_sums is not None
-    ordered = deterministic and with_dq
+    store = dq is not None
+    with_dq = dq_sums is not None or store
+    ordered = deterministic and with_dq and not store
     table = key_tile_table(sched, causal, ordered)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if ordered else table
-    sums = dq_sums if with_dq else dk
-    lag = DQ_LAG and DQ_WRITER and with_dq and dq_cols(dim) < dim
+    sums = dq if store else dq_sums if with_dq else dk
+    lag = DQ_LAG and DQ_WRITER and with_dq and dq_cols(dim) < dim and not store
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
-                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER,
+                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER and not store,
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
-                STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim, num_warps=4)
+                STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim and not store,
+                DQ_STORE=store, num_warps=4)
     args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total)
