@@ -534,14 +534,16 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True, DQ_STORE=False)
         yield Build(f"flash_gluon_bwd_lean_writer_bf16_d128{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel,
                     "bf16", constexprs, dict(num_warps=4))
-    # dQ stored by the consumers where one key tile holds a whole block (DQ_STORE), D 128: no writer partition; also
-    # with the rows by the loader and thread releases (_by_loader).
-    for (causal, groups), by_loader in itertools.product(((False, 1), (True, 4)), (False, True)):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
-                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
-                          ROWS_BY_LOADER=by_loader, THREAD_RELEASE=by_loader, DQ_LAG=False, STAGGER=False,
-                          LEAN_WRITER=False, DQ_STORE=True)
-        yield Build(f"flash_gluon_bwd_dq_store{'_by_loader' if by_loader else ''}_bf16_d128"
+    # dQ stored where one key tile holds a whole block (DQ_STORE): by the consumers at D 128 (no writer partition;
+    # also with the rows by the loader and thread releases, _by_loader), the terms' sum by the writer at D 64.
+    for dim, (causal, groups), by_loader in itertools.product((64, 128), ((False, 1), (True, 4)), (False, True)):
+        if by_loader and dim == 64:
+            continue
+        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=dq_cols(dim) == dim, P_BESIDE_DP=False,
+                          WITH_DQ=True, ROWS_BY_LOADER=by_loader, THREAD_RELEASE=by_loader, DQ_LAG=False,
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=True)
+        yield Build(f"flash_gluon_bwd_dq_store{'_by_loader' if by_loader else ''}_bf16_d{dim}"
                     f"{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):

@@ -35,6 +35,8 @@ CASES = {
     "blocks128-gqa-d128": ([1, 127, 128, 129, 0, 300, 64], 4, 1, 128, 128, False),
     "blocks100-causal-d128": ([99, 100, 101, 0, 250, 1], 2, 2, 128, 100, True),
     "blocks64-gqa-causal-d128": ([63, 64, 65, 130, 0, 1], 4, 2, 128, 64, True),
+    "blocks128-gqa-causal-d64": ([1, 127, 128, 129, 0, 300, 64], 4, 1, 64, 128, True),
+    "blocks48-d64": ([47, 48, 49, 0, 100, 1], 2, 2, 64, 48, False),
 }
 
 
@@ -165,16 +167,18 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
 
 
 @pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])
-@pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128", "blocks64-gqa-causal-d128"])
+@pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128", "blocks64-gqa-causal-d128",
+                                  "blocks128-gqa-causal-d64", "blocks48-d64"])
 def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, rows_by_loader):
-    """``DQ_STORE`` (blocks of up to 128 tokens, D 128): dQ, dK and dV against float64, every element of each
-    stored exactly once (dQ in two 64-column halves, one per warpgroup), no counter touched; with the lse and
-    delta rows by the loader and the slots released by every thread too."""
+    """``DQ_STORE`` (blocks of up to 128 tokens): dQ, dK and dV against float64, every element of each stored
+    exactly once (dQ at D 128 in two 64-column halves, one per warpgroup; at D 64 the two warpgroups' terms
+    summed by the writer), no counter touched; with the lse and delta rows by the loader and the slots
+    released by every thread too."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 5)
     offsets = offsets_from_lengths(lengths)
-    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, rows_by_loader=rows_by_loader,
-                                     thread_release=rows_by_loader, dq_store=True)
+    dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, writer=dim == 64,
+                                     rows_by_loader=rows_by_loader, thread_release=rows_by_loader, dq_store=True)
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size,
                                         dim ** -0.5, causal)
     for got, ref in zip((dq, dk, dv), want):
@@ -185,12 +189,12 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, ro
 
 
 def test_flash_ws_backward_stores_dq_only_where_one_key_tile_holds_the_block():
-    """``stores_dq``: only while ``DQ_STORE`` is set, on blocks of up to ``TILE_N`` tokens, at D 128."""
+    """``stores_dq``: only while ``DQ_STORE`` is set, on blocks of up to ``TILE_N`` tokens."""
     assert not flash_bwd.stores_dq(128, 128)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(flash_bwd, "DQ_STORE", True)
-        assert flash_bwd.stores_dq(128, 128) and flash_bwd.stores_dq(16, 128)
-        assert not flash_bwd.stores_dq(0, 128) and not flash_bwd.stores_dq(129, 128) and not flash_bwd.stores_dq(64, 64)
+        assert flash_bwd.stores_dq(128, 128) and flash_bwd.stores_dq(16, 128) and flash_bwd.stores_dq(64, 64)
+        assert not flash_bwd.stores_dq(0, 128) and not flash_bwd.stores_dq(129, 128)
 
 
 @pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])

@@ -750,15 +750,16 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
                     reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("rows_by_loader", [False, True], ids=["dq-store", "dq-store-rows-by-loader"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size,heads,kv_heads,causal", [(128, 8, 2, False), (100, 2, 2, True),
                                                               (64, 4, 1, True), (16, 2, 2, False)])
 def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, block_size, heads, kv_heads, causal,
-                                                                 dtype, rows_by_loader):
-    """``DQ_STORE`` (``sm90.flash_bwd``): at blocks one 128-row key tile holds whole, D 128, the Gluon dK/dV pass
-    stores dQ itself (no float32 sums, no cast pass launched), in both modes: gradients within 3x the naive
-    same-dtype error of the float64 oracle (ragged, zero-length and length-1 sequences), the same bits twice,
-    and a NaN sequence's gradients NaN, every other row's finite (``rows_by_loader``: with the rows by the
-    loader and thread releases)."""
+                                                                 dim, dtype, rows_by_loader):
+    """``DQ_STORE`` (``sm90.flash_bwd``): at blocks one 128-row key tile holds whole the Gluon dK/dV pass stores
+    dQ itself (D 128: each consumer its column half; D 64: the writer the warpgroups' terms' sum; no float32
+    sums, no cast pass launched), in both modes: gradients within 3x the naive same-dtype error of the float64
+    oracle (ragged, zero-length and length-1 sequences), the same bits twice, and a NaN sequence's gradients
+    NaN, every other row's finite (``rows_by_loader``: with the rows by the loader and thread releases)."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.flash import bwd
     from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
@@ -772,7 +773,7 @@ def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, blo
     store = bwd._launch_dq_store
     monkeypatch.setattr(bwd, "_launch_dq_store", lambda *a, **kw: cast_passes.append(1) or store(*a, **kw))
 
-    dim, scale = 128, 128 ** -0.5
+    scale = dim ** -0.5
     case = dict(heads=heads, kv_heads=kv_heads, dim=dim)
     _, _, q, k, v, offsets = _gpu_inputs(case, dtype, 13)
     args = (offsets, block_size, scale, causal, None, None, 0, False, None)

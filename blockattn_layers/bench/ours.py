@@ -547,7 +547,7 @@ FLASH_KERNELS = [
         ("flash_kernels[gluon_bwd]", "flash_kernels[gluon_fast_bwd] with the deterministic backward (the writer's "
          "adds in a fixed order)", dict(fast=False)),
         ("flash_kernels[gluon_fast_bwd_dq_store]", "flash_kernels[gluon_fast_bwd] with dQ stored by the kernel, no "
-         "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE; D 128)", dict(fast=True, dq_store=True)),
+         "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE)", dict(fast=True, dq_store=True)),
         ("flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]", "flash_kernels[gluon_fast_bwd_dq_store] with the "
          "lse and delta rows by the loader and slots released by every consumer thread",
          dict(fast=True, dq_store=True, rows_by_loader=True, thread_release=True)),

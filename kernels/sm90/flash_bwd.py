@@ -30,9 +30,9 @@ diagonal on). Three partitions (four with the dQ writer) share the program's sha
   waited for until written, then counting this one, so the float32 sums, and dQ, are bitwise the
   same run to run. Without the writer each consumer adds its term itself by ``atomic_add``
   (ordered: per column half, or per warpgroup at D 64).
-- ``DQ_STORE`` (a candidate, D 128, blocks one key tile holds whole): a query row's dQ is then this program's
-  term alone, so each consumer scales its column half, casts it and stores it by TMA (``_store_dq``): no
-  sums, no writer, no cast pass after.
+- ``DQ_STORE`` (a candidate, blocks one key tile holds whole): a query row's dQ is then this program's term
+  alone, so at D 128 each consumer scales its column half, casts it and stores it by TMA (``_store_dq``, no
+  writer), at D 64 the writer stores the two terms' sum so: no float32 sums, no cast pass after.
 
 Padding key rows (a block ending inside the key tile) read zero k and v: their ``dS`` meets a zero
 k row in ``dS K``, and their dK, dV rows lie past the tensor maps' rows, where TMA stores drop
@@ -153,10 +153,11 @@ WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: w
 LEAN_WRITER = False
 LEAN_WRITER_REGS = gl.constexpr(24)
 # Whether dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up to ``TILE_N``
-# tokens, D 128): each query row's dQ is then this program's term alone, and each warpgroup's term (its column half
-# over all the block's keys) is the row's whole dQ for those columns. The consumer scales it, casts it to dQ's dtype
-# and stores it by TMA through a shared tile of its own (two, alternating by step): no float32 sums to zero, add to
-# and cast back in a pass after, no writer partition; the same in both modes (no adds, so no order). Session 43 had
+# tokens): each query row's dQ is then this program's term alone. At D 128 each warpgroup's term (its column half
+# over all the block's keys) is the row's whole dQ for those columns: the consumer scales it, casts it to dQ's dtype
+# and stores it by TMA through a shared tile of its own (two, alternating by step), with no writer partition; at
+# D 64 (each term over the warpgroup's own keys, every column) the writer sums the two and stores the sum so. No
+# float32 sums to zero, add to and cast back in a pass after; the same in both modes (no adds, so no order). Session 43 had
 # the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving 2-3x the floor's
 # bytes. A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store]``).
 DQ_STORE = False
@@ -249,7 +250,8 @@ def _dq_layout():
 @gluon.jit
 def _dq_writer(dq_s, dq_full, dq_free, DQA, Sem, start, n, tile_row, hk, heads, first, steps, stride_qat, stride_qah,
                stride_sh, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, out_s, scale,
+               DQ_STORE: gl.constexpr):
     """Writer partition (``DQ_WRITER``, one warp): each step's dQ terms from ``dq_s`` (``[2, BLOCK_M,
     DQ_COLS]`` float32: the warpgroups' column halves, or, where ``DQ_COLS == HEAD_DIM``, their terms
     over their own keys) added to the float32 sums; the tile is free again (``dq_free``) once read.
@@ -258,42 +260,60 @@ def _dq_writer(dq_s, dq_full, dq_free, DQA, Sem, start, n, tile_row, hk, heads, 
     reduce-adds (the two terms summed into the first tile first where each covers every column),
     after the query tile's counter (slot 0) has counted the key tiles before this one in ``_turn``'s
     order, each waited for until its writes are done (``tma_add.wait_adds_done``), then counting
-    this one, as FlashAttention-3's deterministic dQ warp orders its adds."""
+    this one, as FlashAttention-3's deterministic dQ warp orders its adds. ``DQ_STORE`` (where each term covers
+    every column): the two terms' sum, scaled and cast, stored by TMA through ``out_s`` into ``DQA``, dQ itself."""
     CHUNK: gl.constexpr = 8  # rows: one period of the tile's 128-byte swizzle
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // DQ_COLS, DQ_COLS // 4], [1, 1], [1, 0])
     token = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))  # one register per lane
-    dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
-                                        [BLOCK_M, DQ_COLS], _dq_layout())
+    if DQ_STORE:
+        out_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
+                                             [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
+    else:
+        dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
+                                            [BLOCK_M, DQ_COLS], _dq_layout())
     for it in range(GROUPS * steps):
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
         mbarrier.wait(dq_full, it & 1)
-        if DETERMINISTIC and DQ_COLS == HEAD_DIM:
-            # Both terms cover every column: their sum, added once (before the turn comes).
+        if DQ_STORE:
+            tma.store_wait(0)  # the step before's store has read out_s
+            gl.thread_barrier()
             for r in gl.static_range(0, BLOCK_M, CHUNK):
                 both = dq_s.index(0).slice(r, CHUNK).load(layout) + dq_s.index(1).slice(r, CHUNK).load(layout)
-                dq_s.index(0).slice(r, CHUNK).store(both)
+                out_s.slice(r, CHUNK).store((both * scale).to(out_s.dtype))
             fence_async_shared()
-            gl.thread_barrier()  # the sum is in shared memory for the TMA add
-        if DETERMINISTIC:
-            counter = Sem + h * stride_sh + (start + row) * 2
-            turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
-            while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != turn:
-                pass
-            after_turn(token)
-            async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
-            if DQ_COLS != HEAD_DIM:
-                async_add_shared_to_global(dq_map, [row, h * HEAD_DIM + DQ_COLS], dq_s.index(1))
-            wait_adds_done(token)
-            gl.thread_barrier()  # the adds' writes are done before the tile goes back and the count
+            gl.thread_barrier()  # out_s written, dq_s read
             mbarrier.arrive(dq_free)
-            gl.atomic_add(counter, 1, sem="release", scope="gpu")
+            tma.async_copy_shared_to_global(out_map, [row, h * HEAD_DIM], out_s)
         else:
-            second_col = h * HEAD_DIM + (0 if DQ_COLS == HEAD_DIM else DQ_COLS)
-            async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
-            async_add_shared_to_global(dq_map, [row, second_col], dq_s.index(1))
-            tma.store_wait(0)  # both tiles read
-            mbarrier.arrive(dq_free)
+            if DETERMINISTIC and DQ_COLS == HEAD_DIM:
+                # Both terms cover every column: their sum, added once (before the turn comes).
+                for r in gl.static_range(0, BLOCK_M, CHUNK):
+                    both = dq_s.index(0).slice(r, CHUNK).load(layout) + dq_s.index(1).slice(r, CHUNK).load(layout)
+                    dq_s.index(0).slice(r, CHUNK).store(both)
+                fence_async_shared()
+                gl.thread_barrier()  # the sum is in shared memory for the TMA add
+            if DETERMINISTIC:
+                counter = Sem + h * stride_sh + (start + row) * 2
+                turn = _turn(row, tile_row, BLOCK_M, BLOCK_N, IS_CAUSAL)
+                while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") != turn:
+                    pass
+                after_turn(token)
+                async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
+                if DQ_COLS != HEAD_DIM:
+                    async_add_shared_to_global(dq_map, [row, h * HEAD_DIM + DQ_COLS], dq_s.index(1))
+                wait_adds_done(token)
+                gl.thread_barrier()  # the adds' writes are done before the tile goes back and the count
+                mbarrier.arrive(dq_free)
+                gl.atomic_add(counter, 1, sem="release", scope="gpu")
+            else:
+                second_col = h * HEAD_DIM + (0 if DQ_COLS == HEAD_DIM else DQ_COLS)
+                async_add_shared_to_global(dq_map, [row, h * HEAD_DIM], dq_s.index(0))
+                async_add_shared_to_global(dq_map, [row, second_col], dq_s.index(1))
+                tma.store_wait(0)  # both tiles read
+                mbarrier.arrive(dq_free)
+    if DQ_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -499,7 +519,7 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             if it > 0:
                 _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, it - 1, w)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
-        elif DQ_STORE:
+        elif DQ_STORE and not DQ_WRITER:
             # dQ's columns go out while dK's product runs.
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             _store_dq(dq * scale, dq_s.index(2 * w + it % 2), dq_map, row, h * HEAD_DIM + w * DQ_COLS)
@@ -575,9 +595,13 @@ def _flash_bwd_ws_kernel(
         DS_SLOTS: gl.constexpr = DS_LAG_SLOTS if DQ_LAG else 2
         ds_s = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N, BLOCK_M], _smem_layout(BLOCK_M))
         if DQ_STORE:
-            gl.static_assert(WITH_DQ and not DQ_WRITER and not DQ_LAG and DQ_COLS < HEAD_DIM,
-                             "DQ_STORE: D 128's column halves, stored by the consumers")
-            dq_store_s = gl.allocate_shared_memory(dtype, [4, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+            gl.static_assert(WITH_DQ and not DQ_LAG and not DETERMINISTIC, "DQ_STORE: no adds to order")
+            gl.static_assert(DQ_WRITER == (DQ_COLS == HEAD_DIM),
+                             "DQ_STORE: column halves stored by the consumers, else the terms' sum by the writer")
+            if DQ_WRITER:
+                dq_store_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
+            else:
+                dq_store_s = gl.allocate_shared_memory(dtype, [4, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -639,7 +663,7 @@ def _flash_bwd_ws_kernel(
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
                 (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
                               steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
-                              IS_CAUSAL, DETERMINISTIC)),
+                              IS_CAUSAL, DETERMINISTIC, dq_store_s, scale, DQ_STORE)),
             ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LEAN_WRITER_REGS if LEAN_WRITER else WRITER_REGS])
         else:
             gl.warp_specialize([
@@ -710,8 +734,8 @@ def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
 
 def stores_dq(block_size: int, head_dim: int) -> bool:
     """Whether the kernel stores dQ itself (``DQ_STORE``) for a call of these facts (``block_size`` 0: full
-    attention): while ``DQ_STORE`` is set, on blocks one key tile holds whole, at head dims of column halves."""
-    return DQ_STORE and 0 < block_size <= TILE_N and dq_cols(head_dim) < head_dim
+    attention): while ``DQ_STORE`` is set, on blocks one key tile holds whole."""
+    return DQ_STORE and 0 < block_size <= TILE_N
 
 
 def query_rows(head_dim: int, with_dq: bool) -> int:
@@ -753,7 +777,8 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     sums = dq if store else dq_sums if with_dq else dk
     lag = DQ_LAG and DQ_WRITER and with_dq and dq_cols(dim) < dim and not store
     meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
-                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=DQ_WRITER and not store,
+                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered,
+                DQ_WRITER=dq_cols(dim) == dim if store else DQ_WRITER,
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
                 STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim and not store,
