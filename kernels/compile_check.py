@@ -488,7 +488,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
@@ -500,7 +500,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
                           WITH_DQ=with_dq, ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -513,7 +513,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=threads, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
         name = (f"flash_gluon_bwd_lse_by_loader{'_thread_release' if threads else ''}_bf16_d{dim}"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -524,33 +524,37 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=True, STAGGER=stagger,
-                          LEAN_WRITER=True, DQ_STORE=False)
+                          LEAN_WRITER=True, DQ_STORE=False, DELTA_IN_KERNEL=False)
         name = (f"flash_gluon_bwd_{'stagger' if stagger else 'dq_lag'}_bf16_d128"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
-                          ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True, DQ_STORE=False)
+                          ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True,
+                          DQ_STORE=False, DELTA_IN_KERNEL=False)
         yield Build(f"flash_gluon_bwd_lean_writer_bf16_d128{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel,
                     "bf16", constexprs, dict(num_warps=4))
     # dQ stored where one key tile holds a whole block (DQ_STORE): by the consumers at D 128 (no writer partition;
-    # also with the rows by the loader and thread releases, _by_loader), the terms' sum by the writer at D 64.
-    for dim, (causal, groups), by_loader in itertools.product((64, 128), ((False, 1), (True, 4)), (False, True)):
-        if by_loader and dim == 64:
+    # also with the rows by the loader and thread releases, _by_loader), the terms' sum by the writer at D 64; and
+    # with the delta rows computed in the kernel (DELTA_IN_KERNEL, _delta).
+    for dim, (causal, groups), form in itertools.product((64, 128), ((False, 1), (True, 4)), ("", "_by_loader",
+                                                                                            "_delta")):
+        if form == "_by_loader" and dim == 64:
             continue
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=dq_cols(dim) == dim, P_BESIDE_DP=False,
-                          WITH_DQ=True, ROWS_BY_LOADER=by_loader, THREAD_RELEASE=by_loader, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=True)
-        yield Build(f"flash_gluon_bwd_dq_store{'_by_loader' if by_loader else ''}_bf16_d{dim}"
-                    f"{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+                          WITH_DQ=True, ROWS_BY_LOADER=form == "_by_loader", THREAD_RELEASE=form == "_by_loader",
+                          DQ_LAG=False, STAGGER=False, LEAN_WRITER=False, DQ_STORE=True,
+                          DELTA_IN_KERNEL=form == "_delta")
+        yield Build(f"flash_gluon_bwd_dq_store{form}_bf16_d{dim}{'_causal_gqa' if causal else ''}",
+                    _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
         yield Build(f"flash_gluon_bwd_dkdv_only_m128_bf16_d64{'_causal_gqa' if causal else ''}",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 

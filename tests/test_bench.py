@@ -255,7 +255,8 @@ def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
             "flash_kernels[gluon_share_kv]": (True, True)}
     backward = {"flash_kernels[gluon_fast_bwd]": False, "flash_kernels[gluon_bwd]": True,  # deterministic?
                 "flash_kernels[gluon_fast_bwd_dq_store]": False,
-                "flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]": False}
+                "flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]": False,
+                "flash_kernels[gluon_fast_bwd_dq_store_delta]": False}
     assert set(rows) == set(want) | set(backward)
     case = Case("t", "t", torch.tensor([0, 1, 130, 17]), 4, 128, 128, num_kv_heads=1)
     for name, method in rows.items():
@@ -265,10 +266,12 @@ def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
             if name in backward:
                 assert flash_bwd.TAKEN[0] and deterministic_backward() == backward[name]
                 assert flash_bwd.DQ_STORE == ("_dq_store" in name)
+                assert flash_bwd.DELTA_IN_KERNEL == name.endswith("_delta]")
             else:
                 assert (flash_persistent.EARLY_RELEASE, flash_persistent.SHARE_KV) == want[name]
         assert not flash_persistent.EARLY_RELEASE and not flash_persistent.SHARE_KV
         assert not flash_bwd.TAKEN[0] and deterministic_backward() and not flash_bwd.DQ_STORE
+        assert not flash_bwd.DELTA_IN_KERNEL
 
 
 def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(monkeypatch):

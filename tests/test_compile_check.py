@@ -158,19 +158,24 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     with two more mbarrier waits a step (the dS^T slot free, the step before's halves in), and the writer warp
     on 24 registers (``LEAN_WRITER``: the lag builds, and on its own); dQ stored where one key tile holds the
     block (``DQ_STORE``: no reduce-adds; at D 128 a TMA store by each consumer beside dK's and dV's and no
-    writer, at D 64 the writer's)."""
+    writer, at D 64 the writer's), with the delta rows computed in the kernel (``DELTA_IN_KERNEL``: O's tile one
+    more TMA copy a step)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 55 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 59 and sum(name.endswith("_deterministic") for name in ptx) == 21
     stored = [name for name in ptx if name.startswith("flash_gluon_bwd_dq_store_")]
-    assert len(stored) == 6
-    for name in stored:  # dQ stored by TMA beside dK and dV, no reduce-adds: by each consumer at D 128 (no
-        text = ptx.pop(name)  # writer), by the writer at D 64
+    assert len(stored) == 10
+    loads = "cp.async.bulk.tensor.2d.shared::cluster.global"
+    stored = {name: ptx.pop(name) for name in stored}
+    for name, text in stored.items():  # dQ stored by TMA beside dK and dV, no reduce-adds: by each consumer at
+        # D 128 (no writer), by the writer at D 64
         assert "cp.reduce.async.bulk" not in text and "atom.global" not in text, name
         d128 = "_d128" in name
         assert text.count("cp.async.bulk.tensor.2d.global.shared") == (6 if d128 else 5), name
         assert bool(re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", text)) != d128, name
         by_loader = "_by_loader_" in name
         assert ("cp.async.mbarrier.arrive" in text) == ("cp.async.mbarrier.arrive.noinc" in text) == by_loader, name
+        if "_delta_" in name:  # O's rows copied into the ring beside q and dO
+            assert text.count(loads) > stored[name.replace("_delta_", "_")].count(loads), name
     for causal in ("", "_causal_gqa"):  # the writer on fewer registers: consumer 1's on more
         lean, base = ptx[f"flash_gluon_bwd_lean_writer_bf16_d128{causal}"], ptx[f"flash_gluon_bwd_bf16_d128{causal}"]
         writer_40 = re.compile(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;")

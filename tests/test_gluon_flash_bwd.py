@@ -50,26 +50,31 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
 
 def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
          block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False, dq_lag=False, stagger=False,
-         dq_store=False):
+         dq_store=False, delta_in_kernel=False):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
     ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``; ``rows_by_loader``: lse and delta
     copied by the loader, ``ROWS_BY_LOADER``; ``thread_release``: slots released by every consumer thread,
     ``THREAD_RELEASE``; ``dq_lag``: each step's dQ product the step before's, ``DQ_LAG``; ``stagger``:
-    ``STAGGER``; ``dq_store``: dQ itself stored, ``DQ_STORE``, and returned as the first element)."""
+    ``STAGGER``; ``dq_store``: dQ itself stored, ``DQ_STORE``, and returned as the first element;
+    ``delta_in_kernel``: the delta rows computed from O in the kernel, ``DELTA_IN_KERNEL``, the delta tensor NaN)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
     d = [x.double() for x in (q, k, v)]
     o, lse = reference.attention_forward_lse(*d, offsets, block_size or None, scale, causal)
     delta = (do.double() * o).sum(-1).t().contiguous().float()
+    if delta_in_kernel:
+        delta = torch.full_like(delta, float("nan"))  # never read
+    out = o.to(q.dtype)
     sched = FlashSchedule(offsets, total, block_size, flash_bwd.TILE_N, None, longest_first=block_size == 0)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     sums = torch.full_like(q, float("nan")) if dq_store else torch.zeros(q.shape)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32)
     run = gs.launch(
         flash_bwd._flash_bwd_ws_kernel, (sched.programs * kv_heads,), Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, DQA=sums,
-        Sem=counters, stride_sh=2 * total, DETERMINISTIC=deterministic, Lse=lse, Delta=delta,
+        Sem=counters, stride_sh=2 * total, DETERMINISTIC=deterministic, Lse=lse, Delta=delta, O=out,
+        stride_ot=out.stride(0), DELTA_IN_KERNEL=delta_in_kernel,
         Table=flash_bwd.key_tile_table(sched, causal, deterministic), slots=sched.programs, heads=heads,
         kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
@@ -166,19 +171,23 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
         assert not counters.any()
 
 
-@pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])
+@pytest.mark.parametrize("form", ["consumers-copy-rows", "loader-copies-rows", "delta-in-kernel",
+                                  "delta-in-kernel-loader-copies-rows"])
 @pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128", "blocks64-gqa-causal-d128",
                                   "blocks128-gqa-causal-d64", "blocks48-d64"])
-def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, rows_by_loader):
+def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, form):
     """``DQ_STORE`` (blocks of up to 128 tokens): dQ, dK and dV against float64, every element of each stored
     exactly once (dQ at D 128 in two 64-column halves, one per warpgroup; at D 64 the two warpgroups' terms
     summed by the writer), no counter touched; with the lse and delta rows by the loader and the slots
-    released by every thread too."""
+    released by every thread too; ``delta-in-kernel``: the delta rows computed from O's tiles in the ring
+    (``DELTA_IN_KERNEL``; the delta tensor NaN, never read)."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 5)
     offsets = offsets_from_lengths(lengths)
+    by_loader = form.endswith("loader-copies-rows")
     dq, dk, dv, run, counters = _run(q, k, v, do, offsets, block_size, causal, writer=dim == 64,
-                                     rows_by_loader=rows_by_loader, thread_release=rows_by_loader, dq_store=True)
+                                     rows_by_loader=by_loader, thread_release=by_loader, dq_store=True,
+                                     delta_in_kernel=form.startswith("delta-in-kernel"))
     want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size,
                                         dim ** -0.5, causal)
     for got, ref in zip((dq, dk, dv), want):

@@ -748,18 +748,19 @@ def test_gpu_gluon_backward_keeps_a_nan_in_its_sequence(monkeypatch, dim, writer
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("rows_by_loader", [False, True], ids=["dq-store", "dq-store-rows-by-loader"])
+@pytest.mark.parametrize("form", ["dq-store", "dq-store-rows-by-loader", "dq-store-delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size,heads,kv_heads,causal", [(128, 8, 2, False), (100, 2, 2, True),
                                                               (64, 4, 1, True), (16, 2, 2, False)])
 def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, block_size, heads, kv_heads, causal,
-                                                                 dim, dtype, rows_by_loader):
+                                                                 dim, dtype, form):
     """``DQ_STORE`` (``sm90.flash_bwd``): at blocks one 128-row key tile holds whole the Gluon dK/dV pass stores
     dQ itself (D 128: each consumer its column half; D 64: the writer the warpgroups' terms' sum; no float32
     sums, no cast pass launched), in both modes: gradients within 3x the naive same-dtype error of the float64
     oracle (ragged, zero-length and length-1 sequences), the same bits twice, and a NaN sequence's gradients
-    NaN, every other row's finite (``rows_by_loader``: with the rows by the loader and thread releases)."""
+    NaN, every other row's finite (``dq-store-rows-by-loader``: with the rows by the loader and thread releases;
+    ``dq-store-delta``: the delta rows computed in the kernel, ``DELTA_IN_KERNEL``, no delta pass launched)."""
     from blockattn_layers import reference
     from blockattn_layers.kernels.flash import bwd
     from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
@@ -767,11 +768,14 @@ def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, blo
 
     monkeypatch.setattr(flash_bwd, "TAKEN", [True])
     monkeypatch.setattr(flash_bwd, "DQ_STORE", True)
-    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", rows_by_loader)
-    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", rows_by_loader)
-    cast_passes = []
-    store = bwd._launch_dq_store
-    monkeypatch.setattr(bwd, "_launch_dq_store", lambda *a, **kw: cast_passes.append(1) or store(*a, **kw))
+    by_loader = form == "dq-store-rows-by-loader"
+    monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", by_loader)
+    monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", by_loader)
+    monkeypatch.setattr(flash_bwd, "DELTA_IN_KERNEL", form == "dq-store-delta")
+    passes = []
+    store, delta = bwd._launch_dq_store, bwd._launch_delta
+    monkeypatch.setattr(bwd, "_launch_dq_store", lambda *a, **kw: passes.append("cast") or store(*a, **kw))
+    monkeypatch.setattr(bwd, "_launch_delta", lambda *a, **kw: passes.append("delta") or delta(*a, **kw))
 
     scale = dim ** -0.5
     case = dict(heads=heads, kv_heads=kv_heads, dim=dim)
@@ -780,7 +784,7 @@ def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, blo
     out, lse = flash_attention_fwd(q, k, v, *args)
     grad_out = torch.randn_like(q)
     runs = [bwd.flash_attention_bwd(grad_out, q, k, v, out, lse, *args, deterministic=det) for det in (False, True)]
-    assert not cast_passes
+    assert passes == ([] if form == "dq-store-delta" else ["delta", "delta"])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     ref_args = (block_size, scale, causal, None, None, 0, False)
     oracle = reference.attention_backward(grad_out.double(), *(x.double() for x in (q, k, v)), offsets, *ref_args)

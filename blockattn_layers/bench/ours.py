@@ -343,7 +343,7 @@ TRITON_FAST_BACKWARD = Method(
 @contextlib.contextmanager
 def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False,
                     thread_release: bool = False, dq_lag: bool = False, stagger: bool = False,
-                    lean_writer: bool = False, dq_store: bool = False):
+                    lean_writer: bool = False, dq_store: bool = False, delta_in_kernel: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
@@ -351,13 +351,14 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
     (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``);
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
     behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
-    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``)."""
+    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``);
+    ``delta_in_kernel``: with it, the delta rows computed in the kernel (``DELTA_IN_KERNEL``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
             module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
                          THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
-                         LEAN_WRITER=lean_writer, DQ_STORE=dq_store):
+                         LEAN_WRITER=lean_writer, DQ_STORE=dq_store, DELTA_IN_KERNEL=delta_in_kernel):
         yield
 
 
@@ -551,6 +552,9 @@ FLASH_KERNELS = [
         ("flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]", "flash_kernels[gluon_fast_bwd_dq_store] with the "
          "lse and delta rows by the loader and slots released by every consumer thread",
          dict(fast=True, dq_store=True, rows_by_loader=True, thread_release=True)),
+        ("flash_kernels[gluon_fast_bwd_dq_store_delta]", "flash_kernels[gluon_fast_bwd_dq_store] with the delta rows "
+         "computed in the kernel from O's tiles, no delta pass (sm90.flash_bwd.DELTA_IN_KERNEL)",
+         dict(fast=True, dq_store=True, delta_in_kernel=True)),
     )
 ]
 

@@ -399,8 +399,9 @@ def flash_attention_bwd(
         ws = None if gluon is None else functools.partial(
             gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
         stores_dq = ws is not None and gluon_adds_dq and gluon.stores_dq(block_size, head_dim)
+        own_delta = stores_dq and gluon.computes_delta(block_size, head_dim)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-                         log2_theta, pass_meta, ws, stores_dq)
+                         log2_theta, pass_meta, ws, stores_dq, own_delta)
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
     meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
@@ -469,12 +470,17 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
-              log2_theta, pass_meta, ws=None, stores_dq=False):
+              log2_theta, pass_meta, ws=None, stores_dq=False, own_delta=False):
     """The fast backward: delta, then the dK/dV pass (``ws``: by the Gluon kernel) adding dQ's terms
     to float32 sums, then dQ from them; ``stores_dq`` (``sm90.flash_bwd.stores_dq``): the Gluon kernel
-    stores dQ itself, no sums."""
+    stores dQ itself, no sums; ``own_delta`` (``sm90.flash_bwd.computes_delta``): and computes delta
+    itself from ``o``, no delta pass."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
+    if own_delta:
+        dq = q.new_empty(q.shape)
+        ws(lse, delta, dk, dv, None, dq=dq, o=o)
+        return dq, dk, dv
     delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
                       INT64=needs_int64(o, do), num_warps=4)
     _launch_delta((triton.cdiv(total, 64), num_heads), (

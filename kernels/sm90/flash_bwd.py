@@ -157,10 +157,17 @@ LEAN_WRITER_REGS = gl.constexpr(24)
 # over all the block's keys) is the row's whole dQ for those columns: the consumer scales it, casts it to dQ's dtype
 # and stores it by TMA through a shared tile of its own (two, alternating by step), with no writer partition; at
 # D 64 (each term over the warpgroup's own keys, every column) the writer sums the two and stores the sum so. No
-# float32 sums to zero, add to and cast back in a pass after; the same in both modes (no adds, so no order). Session 43 had
-# the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving 2-3x the floor's
-# bytes. A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store]``).
+# float32 sums to zero, add to and cast back in a pass after; the same in both modes (no adds, so no order).
+# Session 43 had the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving
+# 2-3x the floor's bytes. A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store]``).
 DQ_STORE = False
+# Whether, with ``DQ_STORE``, the program computes each step's delta rows itself (``DELTA_IN_KERNEL``: the loader
+# copies the step's O rows into the ring beside q and dO, each consumer sums ``O * dO`` over the head's channels into
+# a row vector of its own), so that no delta pass reads O and dO before the kernel: at blocks one key tile holds whole
+# each (query head, row) meets one program, so nothing is computed twice. The ring's slots grow by O's tile (32 KB
+# more at D 128), so the consumers' dQ staging tiles go from two to one each (``tma.store_wait(0)`` before each
+# store). A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store_delta]``).
+DELTA_IN_KERNEL = False
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -182,14 +189,18 @@ def query_steps(n, tile_row, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
 def _loader(k_s, v_s, q_s, do_s, lse_s, delta_s, kv_bar, ready, empty, Q, K, V, DO, Lse, Delta, start, n, tile_row,
             hk, heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, stride_lh,
             GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            ROWS_BY_LOADER: gl.constexpr):
+            ROWS_BY_LOADER: gl.constexpr, o_s, O, stride_ot, DELTA_IN_KERNEL: gl.constexpr):
     """Loader partition: the key tile's k and v, then each step's q and dO into the ring
-    (``ROWS_BY_LOADER``: and its lse and delta rows, into ``lse_s`` / ``delta_s``'s slot of the step)."""
+    (``ROWS_BY_LOADER``: and its lse and delta rows, into ``lse_s`` / ``delta_s``'s slot of the step;
+    ``DELTA_IN_KERNEL``: its O rows into ``o_s``'s slot too, and no delta rows)."""
     k_map = block_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM)
     v_map = block_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM)
     q_map = block_map(Q, start, n, heads, stride_qt, BLOCK_M, HEAD_DIM)
     do_map = block_map(DO, start, n, heads, stride_dot, BLOCK_M, HEAD_DIM)
+    if DELTA_IN_KERNEL:
+        o_map = block_map(O, start, n, heads, stride_ot, BLOCK_M, HEAD_DIM)
     nbytes: gl.constexpr = HEAD_DIM * k_s.dtype.primitive_bitwidth // 8
+    TILES: gl.constexpr = 3 if DELTA_IN_KERNEL else 2
     mbarrier.expect(kv_bar, 2 * BLOCK_N * nbytes)
     tma.async_copy_global_to_shared(k_map, [tile_row, hk * HEAD_DIM], kv_bar, k_s)
     tma.async_copy_global_to_shared(v_map, [tile_row, hk * HEAD_DIM], kv_bar, v_s)
@@ -201,11 +212,14 @@ def _loader(k_s, v_s, q_s, do_s, lse_s, delta_s, kv_bar, ready, empty, Q, K, V, 
         bar = ready.index(s)
         if ROWS_BY_LOADER:
             # Before the expect's arrival: the slot's phase cannot complete before these copies land.
-            _load_rows(lse_s.index(s), delta_s.index(s), Lse, Delta, h * stride_lh + start + row, n - row, BLOCK_M)
+            _load_rows(lse_s.index(s), delta_s.index(s), Lse, Delta, h * stride_lh + start + row, n - row, BLOCK_M,
+                       not DELTA_IN_KERNEL)
             async_copy.mbarrier_arrive(bar)
-        mbarrier.expect(bar, 2 * BLOCK_M * nbytes)
+        mbarrier.expect(bar, TILES * BLOCK_M * nbytes)
         tma.async_copy_global_to_shared(q_map, [row, h * HEAD_DIM], bar, q_s.index(s))
         tma.async_copy_global_to_shared(do_map, [row, h * HEAD_DIM], bar, do_s.index(s))
+        if DELTA_IN_KERNEL:
+            tma.async_copy_global_to_shared(o_map, [row, h * HEAD_DIM], bar, o_s.index(s))
 
 
 @gluon.jit
@@ -388,10 +402,11 @@ def _give_dq(dq, dq_s, dq_full, dq_free, j, w: gl.constexpr):
 
 
 @gluon.jit
-def _store_dq(dq, tile, dq_map, row, col):
+def _store_dq(dq, tile, dq_map, row, col, PENDING: gl.constexpr):
     """``DQ_STORE``: this warpgroup's finished dQ columns (scaled, float32) to ``dq_map`` at ``[row, col]`` through
-    the shared ``tile``, once the tile's store of two steps before has read it (rows past the block dropped)."""
-    tma.store_wait(1)
+    the shared ``tile``, once at most ``PENDING`` of its stores are still reading (its tiles alternating by step:
+    the tile's store of the step before last has read it); rows past the block dropped."""
+    tma.store_wait(PENDING)
     gl.thread_barrier()  # the issuing thread's wait is everyone's before the tile is written again
     tile.store(dq.to(tile.dtype))
     fence_async_shared()
@@ -409,8 +424,8 @@ def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
 
 @gluon.jit
 def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stride_lh, GROUPS: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """Start copying ``lse`` and ``delta`` of step ``it``'s query rows into slot ``it % 2`` by
+                BLOCK_M: gl.constexpr, WITH_DELTA: gl.constexpr):
+    """Start copying ``lse`` and (``WITH_DELTA``) ``delta`` of step ``it``'s query rows into slot ``it % 2`` by
     ``cp.async`` (one commit group; rows past the block, and every row of a step past the last,
     read as zeros: those query rows' q and dO are zero, so their columns add nothing)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -418,20 +433,36 @@ def _fetch_rows(lse_s, delta_s, Lse, Delta, it, hk, first, steps, start, n, stri
     off = (hk * GROUPS + it // steps) * stride_lh + start + cols
     ok = (cols < n) & (it < GROUPS * steps)
     async_copy.async_copy_global_to_shared(lse_s.index(it % 2), Lse + off, mask=ok)
-    async_copy.async_copy_global_to_shared(delta_s.index(it % 2), Delta + off, mask=ok)
+    if WITH_DELTA:
+        async_copy.async_copy_global_to_shared(delta_s.index(it % 2), Delta + off, mask=ok)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _load_rows(lse_s, delta_s, Lse, Delta, off, rows_left, BLOCK_M: gl.constexpr):
-    """Copy ``lse`` and ``delta`` of a step's ``BLOCK_M`` query rows (from element ``off``; rows from
-    ``rows_left`` on, past the block, read as zeros) into ``lse_s`` / ``delta_s`` by ``cp.async``, by one
+def _load_rows(lse_s, delta_s, Lse, Delta, off, rows_left, BLOCK_M: gl.constexpr, WITH_DELTA: gl.constexpr):
+    """Copy ``lse`` and (``WITH_DELTA``) ``delta`` of a step's ``BLOCK_M`` query rows (from element ``off``; rows
+    from ``rows_left`` on, past the block, read as zeros) into ``lse_s`` / ``delta_s`` by ``cp.async``, by one
     warp (``ROWS_BY_LOADER``)."""
     layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=layout)
     ok = rows < rows_left
     async_copy.async_copy_global_to_shared(lse_s, Lse + off + rows, mask=ok)
-    async_copy.async_copy_global_to_shared(delta_s, Delta + off + rows, mask=ok)
+    if WITH_DELTA:
+        async_copy.async_copy_global_to_shared(delta_s, Delta + off + rows, mask=ok)
+
+
+@gluon.jit
+def _step_delta(o_t, do_t, dl_s, out_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """``DELTA_IN_KERNEL``: ``rowsum(O * dO)`` (float32) of a step's query rows from their shared tiles, 8 rows at a
+    time through this warpgroup's row vector ``dl_s``, in ``out_layout``."""
+    CHUNK: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 16], [2, 16], [4, 1], [1, 0])
+    for r in gl.static_range(0, BLOCK_M, CHUNK):
+        o = o_t.slice(r, CHUNK).load(layout).to(gl.float32)
+        do = do_t.slice(r, CHUNK).load(layout).to(gl.float32)
+        dl_s.slice(r, CHUNK).store(gl.sum(o * do, axis=1))
+    gl.thread_barrier()  # every chunk's sums are in
+    return dl_s.load(out_layout)
 
 
 @gluon.jit
@@ -442,7 +473,7 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
               THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead,
-              DQ_STORE: gl.constexpr):
+              DQ_STORE: gl.constexpr, o_s, dl_s, DELTA_IN_KERNEL: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
@@ -451,7 +482,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     ``THREAD_RELEASE``: each thread hands the step's slot back itself; ``DQ_LAG``: the dQ product of the step
     before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
     starts once warpgroup 0's first dS^T half is in (``lead``); ``DQ_STORE``: its dQ columns stored into
-    ``DQA`` (dQ itself, rows of ``stride_qat``) through ``dq_s.index(2 * w + it % 2)``."""
+    ``DQA`` (dQ itself, rows of ``stride_qat``) through ``dq_s.index(2 * w + it % 2)`` (``DELTA_IN_KERNEL``:
+    ``dq_s.index(w)``); ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``)."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -467,7 +499,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, kv_heads * GROUPS * HEAD_DIM],
                                             [stride_qat, 1], [BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
     if not ROWS_BY_LOADER:
-        _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+        _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
+                    not DELTA_IN_KERNEL)
     mbarrier.wait(kv_bar, 0)
     if STAGGER and w == 1:
         mbarrier.wait(lead, 0)
@@ -477,7 +510,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         s = it % STAGES
         b = it % 2  # with ROWS_BY_LOADER also the step's ring slot (STAGES is 2), where the loader put its rows
         if not ROWS_BY_LOADER:
-            _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M)
+            _fetch_rows(rows_s, rows_d, Lse, Delta, it + 1, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
+                        not DELTA_IN_KERNEL)
             async_copy.wait_group(1)
             gl.thread_barrier()  # step it's rows, copied by every thread of the warpgroup, have landed
         cols = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_s))
@@ -495,7 +529,10 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         pt = _probs(st, lse, keys, cols, qk_scale, row < tile_row + BLOCK_N, IS_CAUSAL)
         if P_BESIDE_DP:
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-        delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
+        if DELTA_IN_KERNEL:
+            delta = _step_delta(o_s.index(s), do, dl_s, gl.SliceLayout(0, acc_s), BLOCK_M, HEAD_DIM)
+        else:
+            delta = rows_d.index(b).load(gl.SliceLayout(0, acc_s))
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         p16 = gl.convert_layout(pt.to(dtype), a_s)
         dv = warpgroup_mma(p16, do, dv, is_async=True)
@@ -522,7 +559,10 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         elif DQ_STORE and not DQ_WRITER:
             # dQ's columns go out while dK's product runs.
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-            _store_dq(dq * scale, dq_s.index(2 * w + it % 2), dq_map, row, h * HEAD_DIM + w * DQ_COLS)
+            if DELTA_IN_KERNEL:
+                _store_dq(dq * scale, dq_s.index(w), dq_map, row, h * HEAD_DIM + w * DQ_COLS, 0)
+            else:
+                _store_dq(dq * scale, dq_s.index(2 * w + it % 2), dq_map, row, h * HEAD_DIM + w * DQ_COLS, 1)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
@@ -571,12 +611,13 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
 
 @gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "qk_scale", "scale", "stride_lh", "stride_sh"])
 def _flash_bwd_ws_kernel(
-    Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, Table, slots, heads, kv_heads, qk_scale, scale, stride_qt, stride_kt,
-    stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh,
+    Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, O, Table, slots, heads, kv_heads, qk_scale, scale, stride_qt,
+    stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, stride_ot,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
     DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr, DQ_STORE: gl.constexpr,
+    DELTA_IN_KERNEL: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -601,9 +642,19 @@ def _flash_bwd_ws_kernel(
             if DQ_WRITER:
                 dq_store_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
             else:
-                dq_store_s = gl.allocate_shared_memory(dtype, [4, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+                STORE_TILES: gl.constexpr = 2 if DELTA_IN_KERNEL else 4  # per warpgroup one, or two alternating
+                dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
+        if DELTA_IN_KERNEL:
+            gl.static_assert(DQ_STORE, "DELTA_IN_KERNEL: where one key tile holds the block (DQ_STORE)")
+            o_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+            dl_0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            dl_1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            o_s = q_s
+            dl_0 = ds_s
+            dl_1 = ds_s
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         # Per consumer, two slots; ROWS_BY_LOADER: one copy in the ring's slots, both consumers read it.
         gl.static_assert(not ROWS_BY_LOADER or STAGES == 2, "the rows' slots are the ring's")
@@ -651,16 +702,19 @@ def _flash_bwd_ws_kernel(
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_0,
+                             DELTA_IN_KERNEL)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_1,
+                             DELTA_IN_KERNEL)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
-                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
+                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
+                           O, stride_ot, DELTA_IN_KERNEL)),
                 (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
                               steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
                               IS_CAUSAL, DETERMINISTIC, dq_store_s, scale, DQ_STORE)),
@@ -672,16 +726,19 @@ def _flash_bwd_ws_kernel(
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
+                             DELTA_IN_KERNEL)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE)),
+                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_1,
+                             DELTA_IN_KERNEL)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
-                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER)),
+                           stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
+                           O, stride_ot, DELTA_IN_KERNEL)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         for d in gl.static_range(DS_SLOTS):
@@ -732,6 +789,11 @@ def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
     return taken(deterministic, block_size, head_dim) or dkdv_only(deterministic, block_size, head_dim)
 
 
+def computes_delta(block_size: int, head_dim: int) -> bool:
+    """Whether the kernel computes the delta rows itself (``DELTA_IN_KERNEL``, where :func:`stores_dq`)."""
+    return DELTA_IN_KERNEL and stores_dq(block_size, head_dim)
+
+
 def stores_dq(block_size: int, head_dim: int) -> bool:
     """Whether the kernel stores dQ itself (``DQ_STORE``) for a call of these facts (``block_size`` 0: full
     attention): while ``DQ_STORE`` is set, on blocks one key tile holds whole."""
@@ -761,12 +823,13 @@ def key_tile_table(sched, causal: bool, deterministic: bool) -> torch.Tensor:
 
 
 def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, causal: bool,
-                 deterministic: bool = False, dq=None) -> None:
+                 deterministic: bool = False, dq=None, o=None) -> None:
     """The dK/dV pass by this kernel: dK, dV written and dQ's terms added to ``dq_sums`` (float32
     ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``dq_sums=None``: no dQ term
     (``WITH_DQ`` off: a dQ pass of its own computes dQ). ``dq`` (q's shape and dtype, with ``dq_sums``
-    None; where :func:`stores_dq`): dQ itself stored there (``DQ_STORE``). ``sched``: the flash schedule
-    of ``TILE_N``-row key tiles."""
+    None; where :func:`stores_dq`): dQ itself stored there (``DQ_STORE``); ``o`` (the forward's output, q's
+    layout; with ``dq``, where :func:`computes_delta`): the delta rows computed from it (``DELTA_IN_KERNEL``),
+    ``delta`` not read. ``sched``: the flash schedule of ``TILE_N``-row key tiles."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     store = dq is not None
@@ -782,8 +845,12 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
                 STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim and not store,
-                DQ_STORE=store, num_warps=4)
-    args = (q, k, v, do, dk, dv, sums, counters, lse, delta, table, sched.programs, heads, kv_heads, scale * LOG2E,
+                DQ_STORE=store, DELTA_IN_KERNEL=o is not None, num_warps=4)
+    if o is not None and (not store or o.dtype != q.dtype or o.stride(2) != 1 or o.stride(1) != dim):
+        raise ValueError("the delta rows are computed in the kernel only with dQ stored, from O of q's dtype and "
+                         "rows of H * D contiguous elements")
+    o = q if o is None else o  # (read only with DELTA_IN_KERNEL)
+    args = (q, k, v, do, dk, dv, sums, counters, lse, delta, o, table, sched.programs, heads, kv_heads, scale * LOG2E,
             scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
-            sums.stride(0), sums.stride(1), 2 * total)
+            sums.stride(0), sums.stride(1), 2 * total, o.stride(0))
     launch_bwd((sched.programs * kv_heads,), args, meta, q)
