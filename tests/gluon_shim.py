@@ -42,7 +42,9 @@ What it models:
   pays them; more bytes than announced, too many arrivals, use before ``init`` or after
   ``invalidate`` raise), and waits time out (a deadlock fails instead of hanging); TMA copies
   move a box at once, zero-filled outside the descriptor's shape, TMA stores (and TMA reduce-adds,
-  ``sm90.tma_add``, added lane by lane as atomics) drop what lies outside it; :func:`launch`
+  ``sm90.tma_add``, added lane by lane as atomics) drop what lies outside it; a TMA store reads its
+  shared tile only when a ``store_wait`` retires it (or its partition or program ends), so a staging
+  tile written again before that wait stores the later data; :func:`launch`
   checks that a program invalidated every barrier it initialized, and invalidating one mid-phase
   (arrivals or bytes still due) raises;
 - Blackwell: tensor memory is a float32 torch tensor (:class:`TensorMemory`, NaN when allocated,
@@ -52,8 +54,8 @@ What it models:
   ``TensorMemoryLayout`` and ``get_tmem_reg_layout`` are inert layouts.
 
 What it does not model: timing, and concurrency inside a program beyond that one order of turns (no warps
-or threads within a partition; the async copies and TMA are synchronous, so a missing
-``wait_group``, fence, barrier or ``thread_barrier`` goes unnoticed, as do a register operand of
+or threads within a partition; TMA copies and reduce-adds are synchronous, so a missing
+fence, barrier or ``thread_barrier`` goes unnoticed, as do a register operand of
 an asynchronous ``warpgroup_mma`` changed before its wait and races between programs), layouts
 and their conversions (every layout argument is accepted), register or shared-memory limits, the accuracy of ``sin/cos.approx`` or of low-precision accumulation, and
 integer ``//`` and ``%`` of negative operands (torch floors, Gluon truncates; the kernels' index
@@ -863,9 +865,30 @@ def _tma_load(tensor_desc: _TensorDescriptor, coord, barrier: SharedTile, result
     _tma_bytes(barrier, result.data.numel() * result.data.element_size())
 
 
+# TMA stores of this thread (a program, or a partition of one) not yet retired, oldest first: each reads its
+# shared tile only when a ``store_wait`` retires it (or its partition or program ends), the latest a GPU may read
+# it, so a tile written again before that wait stores what was written last.
+_STORES = threading.local()
+
+
+def _stores() -> list:
+    if not hasattr(_STORES, "pending"):
+        _STORES.pending = []
+    return _STORES.pending
+
+
 def _tma_store(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
     ptrs, inside = tensor_desc.box(coord)
-    _store(ptrs, src.data, inside)
+    _stores().append((ptrs, inside, src))
+
+
+def _store_wait(pendings=0) -> None:
+    """Retire this thread's TMA stores but the ``pendings`` newest: each stores its tile as it is now."""
+    pending = _stores()
+    keep = int(pendings)
+    while len(pending) > keep:
+        ptrs, inside, src = pending.pop(0)
+        _store(ptrs, src.data, inside)
 
 
 def _tma_add(tensor_desc: _TensorDescriptor, coord, src: SharedTile) -> None:
@@ -954,6 +977,7 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) -> N
                 _STATE.cond.notify_all()
                 turns.await_turn()
             fn(*args)
+            _store_wait(0)  # a partition's stores land by its end
         except _Aborted:
             pass
         except BaseException as error:  # handed to the default partition's thread
@@ -1029,7 +1053,7 @@ mbarrier = _namespace(
 )
 tma = _namespace(
     "gluon_shim.tma", make_tensor_descriptor=_make_tensor_descriptor, async_copy_global_to_shared=_tma_load,
-    async_copy_shared_to_global=_tma_store, store_wait=_nothing,
+    async_copy_shared_to_global=_tma_store, store_wait=_store_wait,
 )
 
 blackwell = _namespace(
@@ -1171,6 +1195,7 @@ def launch(kernel, grid: Sequence[int], **values) -> Launch:
     for pid in itertools.product(*[range(int(g)) for g in grid]):
         with program(pid, grid):
             fn(*call)
+            _store_wait(0)  # and a program's by its end
             live = [key for key, state in _STATE.barriers.items() if state.valid]
             if live:
                 raise RuntimeError(f"program {pid} left {len(live)} mbarriers initialized (not invalidated)")

@@ -1,7 +1,8 @@
 """CPU tests of ``tests/gluon_shim.py``'s model of warp specialization: partitions run one at a time and hand
 the turn over at barrier operations, so a buffer released before its last read is refilled before that read
 (the bug shows in the result every time), and a program whose partitions all wait raises at once. And of its
-``cp.async`` copies: a tile holds a copy's data only once a ``wait_group`` has retired the copy's group."""
+``cp.async`` copies: a tile holds a copy's data only once a ``wait_group`` has retired the copy's group; and
+of its TMA stores: a store reads its tile when a ``store_wait`` retires it."""
 from __future__ import annotations
 
 import os
@@ -136,3 +137,28 @@ def test_a_copy_lands_when_a_wait_retires_its_group(waited, landed):
     for r, done in enumerate(landed):
         want = src[r * 32:(r + 1) * 32] if done else torch.zeros(32)
         assert torch.equal(out[r * 32:(r + 1) * 32], want), r
+
+
+@gluon.jit
+def _staged_stores_kernel(Out, N: gl.constexpr, WAITED: gl.constexpr):
+    """Stage row 0 (ones) in a shared tile and TMA-store it to ``Out``'s row 0, wait for all but ``WAITED`` of
+    this program's stores, then write twos into the same tile and store it to row 1."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    tile = gl.allocate_shared_memory(gl.float32, [1, N], smem)
+    out_map = tma.make_tensor_descriptor(Out, [2, N], [N, 1], [1, N], smem)
+    for r in gl.static_range(2):
+        if r == 1:
+            tma.store_wait(WAITED)
+        tile.store(gl.full([1, N], r + 1.0, gl.float32, layout))
+        tma.async_copy_shared_to_global(out_map, [r, 0], tile)
+    tma.store_wait(0)
+
+
+@pytest.mark.parametrize("waited,first", [(0, 1.0), (1, 2.0)])
+def test_a_tma_store_reads_its_tile_when_a_wait_retires_it(waited, first):
+    """A TMA store reads its shared tile at the ``store_wait`` that retires it, the latest a GPU may: a staging
+    tile written again before that wait (``WAITED`` 1) stores the later data twice."""
+    out = torch.full((2, 32), float("nan"))
+    gs.launch(_staged_stores_kernel, (1,), Out=out, N=32, WAITED=waited)
+    assert torch.equal(out[0], torch.full((32,), first)) and torch.equal(out[1], torch.full((32,), 2.0))
