@@ -454,7 +454,8 @@ def _load_rows(lse_s, delta_s, Lse, Delta, off, rows_left, BLOCK_M: gl.constexpr
 @gluon.jit
 def _step_delta(o_t, do_t, dl_s, out_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """``DELTA_IN_KERNEL``: ``rowsum(O * dO)`` (float32) of a step's query rows from their shared tiles, 8 rows at a
-    time through this warpgroup's row vector ``dl_s``, in ``out_layout``."""
+    time through this warpgroup's row vector ``dl_s``, in ``out_layout`` (the step's later warpgroup barriers, the
+    dS^T tile's and the dQ store's, keep the next step's writes after every warp's read of this one)."""
     CHUNK: gl.constexpr = 8
     layout: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 16], [2, 16], [4, 1], [1, 0])
     for r in gl.static_range(0, BLOCK_M, CHUNK):
