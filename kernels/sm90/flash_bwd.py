@@ -126,12 +126,15 @@ P_BESIDE_DP = False
 # step's ring slot, which its ready barrier then waits for too, as FlashAttention-3's producer loads them beside
 # q and dO) instead of each consumer warpgroup copying its own ahead (a copy wait and a warpgroup barrier every
 # step: ncu of the fast backward, seed3, H100, session 50, has 31 % of the consumers' cycles between issues
-# waiting at barriers). A candidate to time (``triton_flash[gluon_fast_bwd_rows_by_loader]``).
+# waiting at barriers). GPU tests pass (H100, 2026-12-07). A candidate to time
+# (``triton_flash[gluon_fast_bwd_rows_by_loader]``; with thread releases: ``THREAD_RELEASE``).
 ROWS_BY_LOADER = False
 # Whether the consumers hand the ring's slots back by every thread's own arrival (``THREAD_RELEASE``:
 # ``persistent.release_slot``'s ``BY_THREADS``, the ring counting each consumer's 128 threads) instead of a
 # warpgroup barrier and one elected arrival: one of the six warpgroup barriers of a step less. Without
-# ``ROWS_BY_LOADER`` a thread's arrival also waits for its copies of the next step's rows. A candidate to time
+# ``ROWS_BY_LOADER`` a thread's arrival also waits for its copies of the next step's rows. GPU tests pass (H100,
+# 2026-12-07, with ``ROWS_BY_LOADER``'s). First timing (H100, bf16, seed3, fast backward, one run): 3.012 ms against
+# the default's 3.114 (3 %); to confirm, and on the H200, before it is taken
 # (``triton_flash[gluon_fast_bwd_thread_release]``, with the rows by the loader).
 THREAD_RELEASE = False
 # Whether each step's dQ product is the previous step's (``DQ_LAG``, D 128 with the writer): a consumer stores its
@@ -140,8 +143,9 @@ THREAD_RELEASE = False
 # meeting: ncu of the fast backward, seed3, H100, session 50, 31 % of the consumers' issue gaps at barriers); a
 # slot is written again once both warpgroups' products on it are done (``ds_free``). ``STAGGER`` (with
 # ``DQ_LAG``): warpgroup 1 starts once warpgroup 0 has stored its first dS^T half, so that one warpgroup's
-# exponentials may run beside the other's products. Candidates to time (``triton_flash[gluon_fast_bwd_dq_lag]``,
-# ``[gluon_fast_bwd_stagger]``).
+# exponentials may run beside the other's products. GPU tests pass (H100, 2026-12-07). H100, bf16, seed3, fast
+# backward ms, the default / ``DQ_LAG`` / with ``STAGGER`` (two runs): 3.089, 3.114 / 3.033, 3.066 / 3.071: 1-2 %,
+# the stagger nothing more; not taken (``triton_flash[gluon_fast_bwd_dq_lag]``, ``[gluon_fast_bwd_stagger]``).
 DQ_LAG = False
 STAGGER = False
 DS_LAG_SLOTS = gl.constexpr(3)
@@ -149,7 +153,8 @@ WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: w
 # Whether the writer warp runs on ``LEAN_WRITER_REGS`` where it only issues TMA adds (D 128: no sum of two terms),
 # so that consumer 1 keeps as many registers as consumer 0 (``LEAN_WRITER``): sm_90 ptxas, D 128, spills 12 -> 4 B,
 # causal GQA 108 -> 40; with the rows by the loader and thread releases 44 -> 4, 76 -> 8 (the writer itself none).
-# A candidate to time (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
+# GPU tests pass (H100, 2026-12-07); seed3 fast backward 3.064 ms against 3.089 (one run, 1 %): not taken
+# (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
 LEAN_WRITER = False
 LEAN_WRITER_REGS = gl.constexpr(24)
 # Whether dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up to ``TILE_N``
@@ -159,14 +164,21 @@ LEAN_WRITER_REGS = gl.constexpr(24)
 # D 64 (each term over the warpgroup's own keys, every column) the writer sums the two and stores the sum so. No
 # float32 sums to zero, add to and cast back in a pass after; the same in both modes (no adds, so no order).
 # Session 43 had the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving
-# 2-3x the floor's bytes. A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store]``).
+# 2-3x the floor's bytes. Its GPU tests pass (H100, 2026-12-07: blocks of 16 / 64 / 100 / 128, GQA, causal, D 64
+# / 128, bf16 / fp16, every form). H100, bf16, grid lengths, block 128, backward ms, the block kernels (the op's
+# choice) / this kernel with float32 sums / with ``DQ_STORE``: D 128 4x1 3.33 / 5.56 / 2.66, causal 3.40 / - /
+# 2.69, 8x2 6.60 / - / 5.26, causal 6.76 / - / 5.35 (1.25-1.26x the block kernels); D 128 2x2 1.41 / 3.77 / 2.38,
+# D 64 2x2 0.92 / 2.43 / 1.85, D 64 4x1 1.59 / 3.20 / 1.97 (slower: two steps a program, or D 64). Off until the
+# op routes those backwards here (``flash_kernels[gluon_fast_bwd_dq_store]`` times it).
 DQ_STORE = False
 # Whether, with ``DQ_STORE``, the program computes each step's delta rows itself (``DELTA_IN_KERNEL``: the loader
 # copies the step's O rows into the ring beside q and dO, each consumer sums ``O * dO`` over the head's channels into
 # a row vector of its own), so that no delta pass reads O and dO before the kernel: at blocks one key tile holds whole
 # each (query head, row) meets one program, so nothing is computed twice. The ring's slots grow by O's tile (32 KB
 # more at D 128), so the consumers' dQ staging tiles go from two to one each (``tma.store_wait(0)`` before each
-# store). A candidate to time (``flash_kernels[gluon_fast_bwd_dq_store_delta]``).
+# store). GPU tests pass (H100, 2026-12-07). H100, bf16, block 128, backward ms with / without it: D 128 4x1 2.56 /
+# 2.66-2.67, 8x2 5.08 / 5.26, causal 4x1 2.75 / 2.69, causal 8x2 5.46 / 5.35, 2x2 2.43 / 2.38, D 64 1.93-2.00 /
+# 1.85-1.97: a gain only without causal masks at grouped heads; off (``flash_kernels[gluon_fast_bwd_dq_store_delta]``).
 DELTA_IN_KERNEL = False
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
