@@ -146,6 +146,7 @@ def test_points_pick_ours_and_the_best_checked_peer():
             dict(case="p", method="wrong", kind="baseline", status="FAILED", fwd_ms=0.01, bwd_ms=0.01),
             dict(case="p", method="fa2_varlen", kind="baseline", status="ok", fwd_ms=0.8, bwd_ms=4.0),
             dict(case="p", method="fa4_varlen", kind="baseline", status="ok", fwd_ms=0.9, bwd_ms=3.0)]
+    runner.finalize(rows, summaries)
     (p,) = grid.points(rows, summaries)
     assert p["ours"] == "triton" and p["fwd_x_floor"] == pytest.approx(2.0)
     assert p["fwd_peer"] == "fa2_varlen" and p["fwd_speedup"] == pytest.approx(0.8) and grid.slower(p, "fwd")

@@ -238,9 +238,8 @@ def points(rows: Sequence[Dict[str, object]], summaries: Dict[str, Dict[str, obj
             ms = ours.get(f"{mode}_ms") if ours else None
             p[f"{mode}_ms"] = ms
             p[f"{mode}_x_floor"] = ms / floor if ms and floor else None
-            flop = s.get(f"{mode}_flop")
-            p[f"{mode}_tflops"] = flop / (ms * 1e-3) / 1e12 if ms and flop else None
-            p[f"{mode}_target_tflops"] = target_tflops(flop, floor, mode)
+            p[f"{mode}_tflops"] = ours.get(f"{mode}_tflops") if ours else None  # (``runner.finalize``'s)
+            p[f"{mode}_target_tflops"] = target_tflops(s.get(f"{mode}_flop"), floor, mode)
             peers = [r for r in case_rows if r["kind"] == "baseline" and r["status"] == "ok" and r.get(f"{mode}_ms")]
             best = min(peers, key=lambda r: r[f"{mode}_ms"]) if peers else None
             p[f"{mode}_peer"] = best["method"] if best else None

@@ -477,17 +477,14 @@ def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv
     itself from ``o``, no delta pass."""
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    if own_delta:
-        dq = q.new_empty(q.shape)
-        ws(lse, delta, dk, dv, None, dq=dq, o=o)
-        return dq, dk, dv
-    delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
-                      INT64=needs_int64(o, do), num_warps=4)
-    _launch_delta((triton.cdiv(total, 64), num_heads), (
-        o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)), delta_meta, q)
+    if not own_delta:
+        delta_meta = dict(HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_D=triton.next_power_of_2(head_dim),
+                          INT64=needs_int64(o, do), num_warps=4)
+        _launch_delta((triton.cdiv(total, 64), num_heads), (
+            o, do, delta, total, *o.stride(), *do.stride(), delta.stride(0)), delta_meta, q)
     if stores_dq:
         dq = q.new_empty(q.shape)
-        ws(lse, delta, dk, dv, None, dq=dq)
+        ws(lse, delta, dk, dv, None, dq=dq, o=o if own_delta else None)
         return dq, dk, dv
     sums = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if ws is not None:

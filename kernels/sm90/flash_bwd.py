@@ -292,8 +292,7 @@ def _dq_writer(dq_s, dq_full, dq_free, DQA, Sem, start, n, tile_row, hk, heads, 
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // DQ_COLS, DQ_COLS // 4], [1, 1], [1, 0])
     token = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))  # one register per lane
     if DQ_STORE:
-        out_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
-                                             [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
+        out_map = block_map(DQA, start, n, heads, stride_qat, BLOCK_M, HEAD_DIM)
     else:
         dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, heads * HEAD_DIM], [stride_qat, 1],
                                             [BLOCK_M, DQ_COLS], _dq_layout())
@@ -413,6 +412,13 @@ def _give_dq(dq, dq_s, dq_full, dq_free, j, w: gl.constexpr):
     mbarrier.arrive(dq_full)
 
 
+@gluon.constexpr_function
+def _dq_store_tiles(delta_in_kernel):
+    """``DQ_STORE`` at D 128: each consumer's dQ staging tiles, two alternating by step, or one where O's tiles in
+    the ring (``DELTA_IN_KERNEL``) leave no room for a second."""
+    return 1 if delta_in_kernel else 2
+
+
 @gluon.jit
 def _store_dq(dq, tile, dq_map, row, col, PENDING: gl.constexpr):
     """``DQ_STORE``: this warpgroup's finished dQ columns (scaled, float32) to ``dq_map`` at ``[row, col]`` through
@@ -495,8 +501,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     ``THREAD_RELEASE``: each thread hands the step's slot back itself; ``DQ_LAG``: the dQ product of the step
     before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
     starts once warpgroup 0's first dS^T half is in (``lead``); ``DQ_STORE``: its dQ columns stored into
-    ``DQA`` (dQ itself, rows of ``stride_qat``) through ``dq_s.index(2 * w + it % 2)`` (``DELTA_IN_KERNEL``:
-    ``dq_s.index(w)``); ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``)."""
+    ``DQA`` (dQ itself, rows of ``stride_qat``) through its ``_dq_store_tiles`` tiles of ``dq_s``, in turn;
+    ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``)."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -508,9 +514,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
-    if DQ_STORE:
-        dq_map = tma.make_tensor_descriptor(DQA + start * stride_qat, [n, kv_heads * GROUPS * HEAD_DIM],
-                                            [stride_qat, 1], [BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+    if DQ_STORE:  # (each head's row as HEAD_DIM // DQ_COLS pieces of DQ_COLS columns)
+        dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // DQ_COLS), stride_qat, BLOCK_M, DQ_COLS)
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
                     not DELTA_IN_KERNEL)
@@ -572,10 +577,9 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         elif DQ_STORE and not DQ_WRITER:
             # dQ's columns go out while dK's product runs.
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
-            if DELTA_IN_KERNEL:
-                _store_dq(dq * scale, dq_s.index(w), dq_map, row, h * HEAD_DIM + w * DQ_COLS, 0)
-            else:
-                _store_dq(dq * scale, dq_s.index(2 * w + it % 2), dq_map, row, h * HEAD_DIM + w * DQ_COLS, 1)
+            TILES: gl.constexpr = _dq_store_tiles(DELTA_IN_KERNEL)
+            _store_dq(dq * scale, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS,
+                      TILES - 1)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
@@ -655,7 +659,7 @@ def _flash_bwd_ws_kernel(
             if DQ_WRITER:
                 dq_store_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
             else:
-                STORE_TILES: gl.constexpr = 2 if DELTA_IN_KERNEL else 4  # per warpgroup one, or two alternating
+                STORE_TILES: gl.constexpr = 2 * _dq_store_tiles(DELTA_IN_KERNEL)
                 dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
