@@ -168,10 +168,14 @@ def _lse_builds(capability: int) -> Iterator[Build]:
     Rotary with grouped query heads on sm_90 only: on sm_100 Triton 3.6 builds those dots without
     tcgen05 products (the simple forward without the store too; kernels/PERF_NOTES.md, session 23).
     On sm_90 also the hopper twin, which auto takes there for one query head per kv head (bf16 and
-    fp16, D 192 / 256, causal or not, one or two query heads per kv head; no rotary past D128)."""
+    fp16, D 192 / 256, causal or not, one or two query heads per kv head; no rotary past D128), and
+    for grouped query heads at D 128 (four a group, registers capped)."""
     if capability // 10 == 9 and gluon_import_error() is None:
         for dtype, dim, causal, groups in itertools.product(("bf16", "fp16"), (192, 256), (False, True), (1, 2)):
             yield _hopper_build("fwd_lse", dtype, 128, dim, False, causal, groups, False)
+        # Grouped query heads at D 128 (their backward: the flash kernel with dQ stored), its registers capped.
+        for dtype, causal in itertools.product(("bf16", "fp16"), (False, True)):
+            yield _hopper_build("fwd_lse", dtype, 128, 128, False, causal, 4, False)
     for dtype, dim, rotary, causal, groups in itertools.product(
         ("bf16", "fp16"), (192, 256), (False, True), (False, True), (1, 4),
     ):
@@ -214,7 +218,7 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
     constexprs.update(BLOCK_D=tile_extent(head_dim), INT64=int64, INTERLEAVED=interleaved)
     constexprs["HEAD_LOOP"] = forward and head_loop(constexprs, variant.name)
     options = dict(num_warps=block // 16, num_stages=1)
-    regs = max_registers(constexprs, variant, kind == "bwd", 9, 2)
+    regs = max_registers(constexprs, variant, kind == "bwd", 9, 2, kind == "fwd_lse")
     if regs:
         options["maxnreg"] = regs
     if forward:

@@ -260,10 +260,12 @@ def test_register_caps():
     the rotary backward at D64, the plain backward at D128 and the plain forward at D64; the hopper
     forward of grouped query heads on 128-row tiles of D <= 64, and its backward of one query head per
     kv head there at D32 and at D64 with rotary; the hopper rotary forward of grouped query heads at
-    D128, and of one query head per kv head on 128-row tiles (not D64 causal)."""
+    D128, and of one query head per kv head on 128-row tiles (not D64 causal); the hopper forward
+    that stores the logsumexp on 128-row tiles of D128 without rotary."""
     from blockattn_layers.kernels.block.plan import (
         HEAD_LOOP_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG, HOPPER_ROTARY_GROUP_FWD_MAXNREG,
-        HOPPER_TILE128_BWD_MAXNREG, HOPPER_TILE128_ROTARY_FWD_MAXNREG, max_registers as caps,
+        HOPPER_TILE128_BWD_MAXNREG, HOPPER_TILE128_LSE_FWD_MAXNREG, HOPPER_TILE128_ROTARY_FWD_MAXNREG,
+        max_registers as caps,
     )
     from blockattn_layers.kernels.block.variants import VARIANTS
 
@@ -295,6 +297,12 @@ def test_register_caps():
         assert max_registers(meta(rot, d, 128), "hopper", True, 9, 2) == HOPPER_TILE128_BWD_MAXNREG
     for causal in (False, True):
         assert max_registers(meta(64, 64, groups=4, causal=causal), "hopper", False, 9, 2) == 128
+    # The forward that also stores the logsumexp on 128-row tiles of D 65-128 without rotary; not the one without.
+    for groups, causal in ((4, False), (4, True), (1, False)):
+        lse_tile = meta(0, 128, 128, groups=groups, causal=causal)
+        assert max_registers(lse_tile, "hopper", False, 9, 2, True) == HOPPER_TILE128_LSE_FWD_MAXNREG
+        assert max_registers(lse_tile, "hopper", False, 9, 2) is None
+    assert max_registers(meta(0, 256, 128, groups=4), "hopper", False, 9, 2, True) is None
     for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
                  (meta(64, 64, 128, causal=True), "hopper", False, 9, 2),
                  (meta(128, 128, groups=4), "hopper", True, 9, 2), (meta(0, 64, groups=4), "hopper", False, 9, 2),

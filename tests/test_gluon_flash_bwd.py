@@ -198,12 +198,17 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, fo
 
 
 def test_flash_ws_backward_stores_dq_only_where_one_key_tile_holds_the_block():
-    """``stores_dq``: only while ``DQ_STORE`` is set, on blocks of up to ``TILE_N`` tokens."""
-    assert not flash_bwd.stores_dq(128, 128)
+    """``stores_dq``: on blocks of up to ``TILE_N`` tokens at the head dims of ``DQ_STORE_HEAD_DIMS`` (D 128 by
+    default), where :func:`taken` then hands the call to the kernel in both modes."""
+    assert flash_bwd.stores_dq(128, 128) and flash_bwd.stores_dq(16, 128) and not flash_bwd.stores_dq(64, 64)
+    assert not flash_bwd.stores_dq(0, 128) and not flash_bwd.stores_dq(129, 128)
+    assert flash_bwd.taken(True, 100, 128) and flash_bwd.taken(False, 128, 128)
+    assert not flash_bwd.taken(True, 64, 64) and not flash_bwd.taken(True, 256, 128)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash_bwd, "DQ_STORE", True)
-        assert flash_bwd.stores_dq(128, 128) and flash_bwd.stores_dq(16, 128) and flash_bwd.stores_dq(64, 64)
-        assert not flash_bwd.stores_dq(0, 128) and not flash_bwd.stores_dq(129, 128)
+        mp.setattr(flash_bwd, "DQ_STORE_HEAD_DIMS", frozenset({64, 128}))
+        assert flash_bwd.stores_dq(64, 64) and flash_bwd.taken(True, 64, 64) and not flash_bwd.stores_dq(65, 96)
+        mp.setattr(flash_bwd, "DQ_STORE_HEAD_DIMS", frozenset())
+        assert not flash_bwd.stores_dq(128, 128) and not flash_bwd.taken(True, 128, 128)
 
 
 @pytest.mark.parametrize("rows_by_loader", [False, True], ids=["consumers-copy-rows", "loader-copies-rows"])

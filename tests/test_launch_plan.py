@@ -94,7 +94,7 @@ def test_block_plan_key_follows_tf32_and_variant():
         torch.backends.cuda.matmul.allow_tf32 = before
     assert (tf32[0]["PRECISION"], ieee[0]["PRECISION"]) == ("tf32", "ieee") and tf32[2] != ieee[2]
     hopper = _plan(*args, variant=variants.HOPPER)
-    assert hopper[2] != ieee[2] and hopper[2][-1] == "hopper"
+    assert hopper[2] != ieee[2] and hopper[2][-2:] == ("hopper", False)
 
 
 def test_plans_hold_only_the_kernels_own_constexprs():

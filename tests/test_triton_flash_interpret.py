@@ -767,7 +767,7 @@ def test_gpu_gluon_backward_stores_dq_at_blocks_of_one_key_tile(monkeypatch, blo
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     monkeypatch.setattr(flash_bwd, "TAKEN", [True])
-    monkeypatch.setattr(flash_bwd, "DQ_STORE", True)
+    monkeypatch.setattr(flash_bwd, "DQ_STORE_HEAD_DIMS", frozenset({64, 128}))
     by_loader = form == "dq-store-rows-by-loader"
     monkeypatch.setattr(flash_bwd, "ROWS_BY_LOADER", by_loader)
     monkeypatch.setattr(flash_bwd, "THREAD_RELEASE", by_loader)

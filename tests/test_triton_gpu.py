@@ -356,15 +356,16 @@ def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary)
 
 
-def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, variant=None):
+def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, variant=None, interleaved=False):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients
-    (``rotary``: a bool, or the rotary_dim), with ``variant`` forced (checked to run the backward),
-    or with None whatever the environment forces."""
+    (``rotary``: a bool, or the rotary_dim; ``interleaved``: its pairs interleaved), with ``variant``
+    forced (checked to run the backward), or with None whatever the environment forces."""
     lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
     q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
     token = 3 + block_size + 2  # inside the second block of the second sequence
     rot = (dim if rotary is True else rotary) or 0
-    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rot else None, rotary_dim=rot or None)
+    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rot else None, rotary_dim=rot or None,
+              rotary_interleaved=interleaved)
 
     def run(poison):
         xs = [x.clone() for x in (q, k, v)]
@@ -378,7 +379,7 @@ def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, var
 
     with contextlib.nullcontext() if variant is None else variants.forced_variant(variant):
         if variant is not None:
-            facts = variants.call_facts(q, k, block_size, rot, False, False, backward=True)
+            facts = variants.call_facts(q, k, block_size, rot, interleaved, False, backward=True)
             assert variants.choose(facts, q, (q, k, v)).name == variant
         clean, poisoned = run(False), run(True)
     block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
@@ -638,10 +639,11 @@ def test_hopper_kernels_forced(monkeypatch, case, table):
 
 @SM90
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,causal", [
-    (2, 2, 256, 128, True), (4, 2, 192, 100, False), (2, 1, 144, 128, False), (8, 2, 256, 128, True)])
+    (2, 2, 256, 128, True), (4, 2, 192, 100, False), (2, 1, 144, 128, False), (8, 2, 256, 128, True),
+    (8, 2, 128, 128, False), (4, 1, 128, 100, True)])
 def test_hopper_forward_stores_the_logsumexp(heads, kv_heads, dim, block_size, causal):
-    """The hopper forward that stores each row's logsumexp (blocks over 64 at D > 128, whose
-    backward runs the flash kernels on it) is taken there and matches the float64 oracle's, as the
+    """The hopper forward that stores each row's logsumexp (blocks over 64 at D > 128, and grouped query
+    heads there at D 128, whose backward runs the flash kernels on it) is taken there and matches the float64 oracle's, as the
     simple kernels' does, output included."""
     from blockattn_layers.kernels.block.fwd import block_attention_fwd_lse
 
@@ -819,6 +821,86 @@ def test_hopper_heads_backward(monkeypatch, case, table):
             assert variants.choose(facts, q, (q, k, v)).name == "hopper_heads"
             for _ in range(2):
                 check_against_oracle(q, k, v, offsets, **case)
+
+
+STORED_DQ_CASES = [
+    # Grouped query heads on blocks of 65-128 tokens at D 128: four and two query heads a group, MQA, causal,
+    # a block of 100 (padding key rows in the tile) and of 65; interleaved rotary, whose backward auto runs as
+    # the rotation pass (session 28), reaching the flash kernel without rotary on the rotated copies.
+    dict(heads=8, kv_heads=2, dim=128, block_size=128),
+    dict(heads=4, kv_heads=1, dim=128, block_size=128, causal=True),
+    dict(heads=6, kv_heads=3, dim=128, block_size=100, causal=True),
+    dict(heads=4, kv_heads=2, dim=128, block_size=65),
+    dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True, rope_theta=1e4, rotary_interleaved=True),
+]
+
+
+def _stored_dq_spy(monkeypatch) -> list:
+    """Calls of the Gluon flash backward, each True where it stored dQ itself; the block kernels' backward
+    made to fail."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+    from blockattn_layers.ops.backends import triton_block
+
+    calls = []
+    real = flash_bwd.dkdv_pass_ws
+    monkeypatch.setattr(flash_bwd, "dkdv_pass_ws",
+                        lambda *a, dq=None, **kw: calls.append(dq is not None) or real(*a, dq=dq, **kw))
+
+    def no_block_kernels(*args, **kwargs):
+        raise AssertionError("the block kernels' backward ran")
+
+    monkeypatch.setattr(triton_block, "block_attention_bwd", no_block_kernels)
+    return calls
+
+
+@SM90
+@pytest.mark.parametrize("fast", [False, True], ids=["deterministic", "fast"])
+@pytest.mark.parametrize("case", STORED_DQ_CASES, ids=_case_id)
+def test_grouped_d128_backward_runs_the_flash_kernel_with_dq_stored(monkeypatch, case, fast):
+    """Grouped query heads on blocks of 65-128 tokens at D 128 (``saves_lse``): auto runs the backward on the
+    flash kernel with dQ stored (the block kernels' backward not at all), in both modes, and it matches the
+    float64 oracle, bf16 and fp16, on lengths around the block size (empty, 1-token and ragged blocks); the
+    same bits twice."""
+    calls = _stored_dq_spy(monkeypatch)
+    case = dict(case)
+    heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    with variants.forced_variant("auto"), bl.fast_backward(fast):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=heads + case["block_size"])
+            calls.clear()
+            check_against_oracle(q, k, v, offsets, **case)
+            assert calls == [True]
+            grads = []
+            for _ in range(2):
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = bl.block_attention(*leaves, offsets, backend="triton", **case)
+                grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+            assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@SM90
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_grouped_d128_flash_backward_keeps_a_nan_in_its_block(monkeypatch, rotary):
+    """Where the flash kernel with dQ stored runs the backward (interleaved rotary: through the rotation pass),
+    a NaN in one token's q, k, v reaches only its own block's outputs and gradients."""
+    calls = _stored_dq_spy(monkeypatch)
+    with variants.forced_variant("auto"):
+        _assert_nan_stays_in_its_block(8, 2, 128, 128, rotary, interleaved=rotary)
+    assert calls and all(calls)
+
+
+@SM90
+def test_a_forced_variant_keeps_the_grouped_d128_backward_on_the_block_kernels(monkeypatch):
+    """A forced variant computes the backward the flash kernel with dQ stored would take under auto."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    calls = []
+    real = flash_bwd.dkdv_pass_ws
+    monkeypatch.setattr(flash_bwd, "dkdv_pass_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, offsets = _around_the_blocks({}, 8, 2, 128, torch.bfloat16, seed=1)
+    with variants.forced_variant("hopper"):
+        check_against_oracle(q, k, v, offsets, block_size=128)
+    assert calls == []
 
 
 @SM90

@@ -77,6 +77,31 @@ def test_wide_heads_in_long_blocks_take_the_flash_backward(monkeypatch):
         _check([5, 70], 1, 1, 144, torch.float16, block_size=64)
 
 
+def test_grouped_heads_at_d128_save_the_logsumexp_the_block_kernels_leave_unread(monkeypatch):
+    """Grouped query heads on 16-bit blocks over 64 tokens at D 128 (``saves_lse``: for sm_90's flash kernel
+    with dQ stored): the forward stores each row's logsumexp, as the reference computes it; off sm_90 (here
+    the interpreter) the block kernels run the backward, the flash kernels not at all, and it matches the
+    oracle; one query head per kv head saves none."""
+    from blockattn_layers.ops.backends import triton_block
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the flash backward ran")
+
+    monkeypatch.setattr(triton_block, "flash_attention_bwd", refuse)
+    lengths = [0, 1, 71, 72, 73, 5]
+    q, k, v = _inputs(lengths, 4, 2, 128, torch.float16, 5)
+    offsets = _offsets(lengths)
+    args = (72, 0.09, True, None, None, 0, False, None, None)
+    out, lse = torch.ops.blockattn.attention_fwd(q, k, v, offsets, *args, "triton")
+    want, want_lse = torch.ops.blockattn.attention_fwd(q.double(), k.double(), v.double(), offsets, *args,
+                                                       "reference")
+    assert lse.shape == (4, sum(lengths)) and rel_err(out, want) < 3e-3 and rel_err(lse, want_lse) < 1e-4
+    _check(lengths, 4, 2, 128, torch.float16, block_size=72, causal=True)
+    _, none = torch.ops.blockattn.attention_fwd(q, k[:, :1].repeat(1, 4, 1), v[:, :1].repeat(1, 4, 1), offsets,
+                                                *args, "triton")
+    assert none.shape == (4, 0)
+
+
 @pytest.mark.parametrize("dim,block_size", [(128, 128), (256, 64)])
 def test_float32_tiles_over_shared_memory_take_the_flash_kernels(monkeypatch, dim, block_size):
     """float32 blocks whose tile would not fit a program's shared memory on the GPU (128 x 128 and

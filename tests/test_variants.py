@@ -11,6 +11,7 @@ import blockattn_layers as bl
 from blockattn_layers.dispatch import AttentionRequest, explain_variants
 from blockattn_layers.kernels.block import plan, variants
 from blockattn_layers.kernels.common.meta import sm_count
+from blockattn_layers.ops.backends import triton_block
 
 
 def _facts(device="cuda", major=9, dtype=torch.bfloat16, head_dim=128, groups=1, block_size=64, rot=0,
@@ -113,7 +114,21 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert a100["backward: flash"] == [] and a100["backward: hopper_wide"][0] == "needs an sm_90 GPU"
     assert bl.dispatch.describe(dataclasses.replace(wide, capability=(8, 0)), "triton") == (
         "triton, simple kernels (backward: flash kernels)")
-    assert "backward: flash" not in explain_variants(dataclasses.replace(wide, head_dim=128))["triton"]
+    # Grouped query heads at D 128 there: the block kernels' backward fits, but on sm_90 the flash kernel with dQ
+    # stored runs it (the forward saves out and lse for it); not off sm_90, with a forced variant, with rotary
+    # (whose choice here is hopper_heads, no rotation pass), or with one query head per kv head.
+    d128 = dataclasses.replace(wide, head_dim=128)
+    reasons = explain_variants(d128)["triton"]
+    assert reasons["backward: flash"] == [] and reasons["hopper"] == []
+    assert all(why[-1] == triton_block._STORED_DQ for name, why in reasons.items()
+               if name.startswith("backward: ") and name != "backward: flash")
+    assert bl.dispatch.describe(d128, "triton") == "triton, hopper kernels (backward: flash kernels)"
+    assert "backward: flash" not in explain_variants(dataclasses.replace(d128, capability=(8, 0)))["triton"]
+    assert "backward: flash" not in explain_variants(dataclasses.replace(d128, num_heads=2))["triton"]
+    assert "backward: flash" not in explain_variants(dataclasses.replace(d128, block_size=64))["triton"]
+    assert "backward: flash" not in explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
+    with variants.forced_variant("hopper"):
+        assert "backward: flash" not in explain_variants(d128)["triton"]
     # One query head per kv head: hopper_wide's backward, rotary or not. There the
     # forward with gradients stores the logsumexp: hopper has such a kernel, so the forward with
     # gradients takes the same variant as the one without.
@@ -384,7 +399,7 @@ def test_plans_of_the_sm90_variants():
         launcher = variants.HOPPER.kernels()[backward]
         meta, loop, key = plan.block_plan(q, q, 16, 0, False, False, False, backward, 512, False, variants.HOPPER,
                                           launcher)
-        assert meta["BLOCK_M"] == 64 and not loop and key[-1] == "hopper"
+        assert meta["BLOCK_M"] == 64 and not loop and key[-2:] == ("hopper", False)
         assert meta.get("maxnreg") == plan.HOPPER_MAXNREG.get((backward, 64, False))
         assert plan.block_grid(10, 2, q.device, backward, variants.HOPPER, 64) == (10, 2)
     for causal in (False, True):
@@ -553,6 +568,41 @@ def test_the_flash_backward_runs_without_a_variant_choice_where_it_is_fixed(monk
             with variants.forced_variant(name):
                 assert backward(torch.bfloat16, 4, 1, 256, 128, True) == ["choice", "flash"]
         assert backward(torch.float32, 4, 1, 128, 64, True)[0] == "choice"  # float32 64 x 128 tiles fit
+
+
+def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_variant_is_forced(monkeypatch):
+    """Grouped query heads on blocks of 65-128 tokens at D 128: the backward runs on the flash kernel with dQ
+    stored where the forward saved out and lse (``saves_lse``), the kernel takes the call
+    (``stored_dq_takes``, stubbed here: CPU tensors) and no variant is forced; else the variant choice
+    decides. A rotary call reaches it through the rotation pass, where the choice takes that pass."""
+    ran = []
+    monkeypatch.setattr(triton_block, "flash_attention_bwd", lambda *a, **kw: ran.append("flash") or (a[1], a[2], a[3]))
+    monkeypatch.setattr(triton_block, "block_attention_bwd", lambda *a, **kw: ran.append("block") or a[1:4])
+    takes = []
+    monkeypatch.setattr(triton_block, "stored_dq_takes",
+                        lambda do, q, k, v, block, rope: takes.append(rope) or rope is None)
+    monkeypatch.setattr(triton_block, "backward_variant", lambda *a: ran.append("choice") or chosen[0])
+    monkeypatch.setattr(triton_block, "rotated_backward", lambda inner, q, k, *rotate: inner(q, k))
+    chosen = [variants.HOPPER]
+    q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
+
+    def backward(lse_rows, rope=None):
+        ran.clear()
+        lse = torch.zeros(4, lse_rows)
+        triton_block._backward(q, q, k, k, q, lse, torch.tensor([0, 10]), 128, 0.1, False, rope, None, 128, False,
+                               None, None)
+        return ran
+
+    with variants.forced_variant("auto"):
+        assert backward(10) == ["flash"]
+        assert backward(0) == ["choice", "block"]
+        assert backward(10, rope=1e4) == ["choice", "block"]
+        chosen[0] = variants.ROTATED
+        assert backward(10, rope=1e4) == ["choice", "flash"] and takes[-2:] == [1e4, None]
+    with variants.forced_variant("hopper"):
+        chosen[0] = variants.HOPPER
+        assert backward(10) == ["choice", "block"]
 
 
 def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):

@@ -351,14 +351,16 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
     (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``);
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
     behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
-    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``);
+    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``, at
+    D 64 and 128; without it the float32 sums at every head dim: ``DQ_STORE_HEAD_DIMS``);
     ``delta_in_kernel``: with it, the delta rows computed in the kernel (``DELTA_IN_KERNEL``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     with blockattn_layers.fast_backward(fast), _taken(flash_bwd, True), _unverified_kernels(), \
             module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
                          THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
-                         LEAN_WRITER=lean_writer, DQ_STORE=dq_store, DELTA_IN_KERNEL=delta_in_kernel):
+                         LEAN_WRITER=lean_writer, DELTA_IN_KERNEL=delta_in_kernel,
+                         DQ_STORE_HEAD_DIMS=frozenset({64, 128}) if dq_store else frozenset()):
         yield
 
 
@@ -548,7 +550,7 @@ FLASH_KERNELS = [
         ("flash_kernels[gluon_bwd]", "flash_kernels[gluon_fast_bwd] with the deterministic backward (the writer's "
          "adds in a fixed order)", dict(fast=False)),
         ("flash_kernels[gluon_fast_bwd_dq_store]", "flash_kernels[gluon_fast_bwd] with dQ stored by the kernel, no "
-         "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE)", dict(fast=True, dq_store=True)),
+         "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE, at D 64 too)", dict(fast=True, dq_store=True)),
         ("flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]", "flash_kernels[gluon_fast_bwd_dq_store] with the "
          "lse and delta rows by the loader and slots released by every consumer thread",
          dict(fast=True, dq_store=True, rows_by_loader=True, thread_release=True)),

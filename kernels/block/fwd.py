@@ -374,7 +374,7 @@ def _plan(variant, q, k, programs, block_size, rot, interleaved, has_pos, causal
     also stores the logsumexp)."""
     launcher = variant.lse_forward() if lse else variant.kernels()[0]
     meta, loop, key = block_plan(q, k, block_size, rot, interleaved, has_pos, causal, False, inline_seqs, int64,
-                                 variant, launcher)
+                                 variant, launcher, lse)
     grid = block_grid(programs, grid_heads(meta, loop, k.shape[1]), q.device, False, variant, meta["BLOCK_D"],
                       meta.get("SLOT", 0))
     return launcher, meta, key, grid

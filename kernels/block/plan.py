@@ -56,6 +56,11 @@ HOPPER_ROTARY_GROUP_FWD_MAXNREG = {64: 168, 128: 128}
 # H200, bf16, grid lengths, 2x2 heads, ms uncapped -> capped (session 25): D32 0.389 -> 0.285, D64
 # 0.500 -> 0.412, D128 0.967 -> 0.700; D64 causal 0.525 -> 0.580 (slower: not capped).
 HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
+# The hopper forward that also stores the logsumexp on 128-row tiles of D 65-128 without rotary (grouped query
+# heads there save it for the flash backward with dQ stored): ptxas sm_90 takes 157-186 registers against the
+# forward's 122 without it, one 8-warp program per SM instead of two (H100, bf16, block 128 D128, grid lengths, ms
+# with / without the store: 8x2 3.37 / 2.10, 4x1 1.68 / 1.06); capped at 128: 0-32 bytes spilled, two.
+HOPPER_TILE128_LSE_FWD_MAXNREG = 128
 # The hopper forward of grouped query heads on 64-row tiles (the group's loop in one program), keyed
 # (BLOCK_D, causal, rotary; with rotary at D128 ``HOPPER_ROTARY_GROUP_FWD_MAXNREG`` applies). ptxas sm_90,
 # bf16, without rotary: D32 80 registers (6 programs of 4 warps per SM), causal 96 (5); D64 94 (5), causal 102
@@ -137,8 +142,10 @@ def head_loop(meta: dict, variant: str) -> bool:
             and (variant == "simple" or (variant == "hopper" and meta["GROUPS"] == 1)))
 
 
-def max_registers(meta: dict, variant: Variant, backward: bool, major: int, itemsize: int) -> Optional[int]:
-    """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice."""
+def max_registers(meta: dict, variant: Variant, backward: bool, major: int, itemsize: int,
+                  stores_lse: bool = False) -> Optional[int]:
+    """The ``maxnreg`` launch option of a block kernel, or None for ptxas's own choice (``stores_lse``: the
+    forward that also stores the logsumexp)."""
     if variant.maxnreg is not None:
         return variant.maxnreg
     if variant.name == "hopper_packed":
@@ -157,6 +164,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
             if rotary_fwd and meta["GROUPS"] == 1 and meta["BLOCK_D"] <= 128:
                 slower = meta["BLOCK_D"] == 64 and meta["IS_CAUSAL"]
                 return None if slower else HOPPER_TILE128_ROTARY_FWD_MAXNREG
+            if stores_lse and not backward and meta["BLOCK_D"] == 128 and meta["ROT_DIM"] == 0:
+                return HOPPER_TILE128_LSE_FWD_MAXNREG
             if meta["BLOCK_D"] > 64:
                 return None
             if backward:
@@ -294,9 +303,10 @@ _PLANS = HostCache("block_plans")
 
 def block_plan(
     q: torch.Tensor, k: torch.Tensor, block_size: int, rot: int, interleaved: bool, has_pos: bool,
-    causal: bool, backward: bool, inline_seqs: int, int64: bool, variant: Variant, launcher,
+    causal: bool, backward: bool, inline_seqs: int, int64: bool, variant: Variant, launcher, stores_lse: bool = False,
 ) -> tuple:
-    """``(meta, head_loop, key)`` of a block-kernel launch, built once per ``key``.
+    """``(meta, head_loop, key)`` of a block-kernel launch, built once per ``key`` (``stores_lse``: the
+    forward that also stores the logsumexp, ``launcher`` its kernel's).
 
     ``meta``: the constexprs of ``launcher``'s kernel and the launch options (``rot`` is the
     rotary dim, 0 without rotary); ``head_loop``: the forward's ``HEAD_LOOP`` (a grid of one kv
@@ -306,7 +316,7 @@ def block_plan(
     batches pay for.
     """
     key = (q.dtype, q.device, q.shape[2], q.shape[1] // k.shape[1], block_size, rot, interleaved, has_pos,
-           causal, backward, inline_seqs, int64, input_precision(q.dtype), variant.name)
+           causal, backward, inline_seqs, int64, input_precision(q.dtype), variant.name, stores_lse)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.put(key, _build(key, variant, launcher))
@@ -315,7 +325,7 @@ def block_plan(
 
 def _build(key: tuple, variant: Variant, launcher) -> tuple:
     (dtype, device, head_dim, groups, block_size, rot, interleaved, has_pos, causal, backward, inline_seqs,
-     int64, precision, _) = key
+     int64, precision, _, stores_lse) = key
     on_cuda = device.type == "cuda"
     meta = dict(static_meta(block_size, head_dim, rot, interleaved, has_pos, causal, on_cuda, precision, backward))
     meta.update(INT64=int64, GROUPS=groups, INLINE_SEQS=inline_seqs)
@@ -340,7 +350,7 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
         meta["num_warps"] = simple_backward_warps(meta)
     elif backward and variant.name == "keys":
         meta.update(keys_backward_options(meta, dtype, on_cuda))
-    regs = max_registers(meta, variant, backward, major, dtype.itemsize)
+    regs = max_registers(meta, variant, backward, major, dtype.itemsize, stores_lse)
     if regs:
         meta["maxnreg"] = regs
     taken = set(launcher.constexpr_names()) | set(_LAUNCH_OPTIONS)

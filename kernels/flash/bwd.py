@@ -469,6 +469,43 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
     return flash_bwd, flash_bwd.taken(deterministic, block_size, q.shape[-1])
 
 
+def stored_dq_reasons(major: Optional[int], dtype: torch.dtype, block_size: int, head_dim: int, rotary: bool,
+                      int64: bool) -> list:
+    """Why the warp-specialized Gluon backward with dQ stored (``sm90.flash_bwd.stores_dq``: blocks one key tile
+    holds whole) cannot take calls of these facts (empty: it can; ``major`` the CUDA device's compute-capability
+    major, None off CUDA; ``int64``: 64-bit offsets). Its tensors' layout is :func:`stored_dq_takes`' to check."""
+    from ..block import variants
+
+    error = variants.gluon_import_error()
+    if error is not None:
+        return [f"the sm_90 Gluon kernels ({error})"]
+    from ..sm90 import flash_bwd
+    from ..sm90.flash_fwd import flash_ws_fact_reasons
+
+    reasons = flash_ws_fact_reasons(major, dtype, head_dim, rotary)
+    if not flash_bwd.stores_dq(block_size, head_dim):
+        reasons.append(f"blocks of 1-{flash_bwd.TILE_N} tokens at head dims {sorted(flash_bwd.DQ_STORE_HEAD_DIMS)}")
+    if int64:
+        reasons.append("32-bit offsets")
+    if major is not None and major not in flash_bwd.VERIFIED_ON and not variants.unverified_allowed():
+        reasons.append("a GPU its tests passed on (unverified kernels allowed)")
+    return reasons
+
+
+def stored_dq_takes(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
+                    rope_theta: Optional[float]) -> bool:
+    """Whether :func:`flash_attention_bwd` of this call runs the Gluon backward with dQ stored: its facts
+    (:func:`stored_dq_reasons`) and its tensors' layout (``sm90.flash_bwd.flash_ws_bwd_reasons``)."""
+    if not q.is_cuda:
+        return False
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if stored_dq_reasons(major, q.dtype, block_size, q.shape[-1], rope_theta is not None, False):
+        return False
+    from ..sm90 import flash_bwd
+
+    return not flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta)
+
+
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
               log2_theta, pass_meta, ws=None, stores_dq=False, own_delta=False):
     """The fast backward: delta, then the dK/dV pass (``ws``: by the Gluon kernel) adding dQ's terms

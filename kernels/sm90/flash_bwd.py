@@ -30,7 +30,7 @@ diagonal on). Three partitions (four with the dQ writer) share the program's sha
   waited for until written, then counting this one, so the float32 sums, and dQ, are bitwise the
   same run to run. Without the writer each consumer adds its term itself by ``atomic_add``
   (ordered: per column half, or per warpgroup at D 64).
-- ``DQ_STORE`` (a candidate, blocks one key tile holds whole): a query row's dQ is then this program's term
+- ``DQ_STORE`` (blocks one key tile holds whole, ``DQ_STORE_HEAD_DIMS``): a query row's dQ is then this program's term
   alone, so at D 128 each consumer scales its column half, casts it and stores it by TMA (``_store_dq``, no
   writer), at D 64 the writer stores the two terms' sum so: no float32 sums, no cast pass after.
 
@@ -157,20 +157,22 @@ WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: w
 # (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
 LEAN_WRITER = False
 LEAN_WRITER_REGS = gl.constexpr(24)
-# Whether dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up to ``TILE_N``
-# tokens): each query row's dQ is then this program's term alone. At D 128 each warpgroup's term (its column half
-# over all the block's keys) is the row's whole dQ for those columns: the consumer scales it, casts it to dQ's dtype
-# and stores it by TMA through a shared tile of its own (two, alternating by step), with no writer partition; at
-# D 64 (each term over the warpgroup's own keys, every column) the writer sums the two and stores the sum so. No
-# float32 sums to zero, add to and cast back in a pass after; the same in both modes (no adds, so no order).
-# Session 43 had the flash backward at blocks of 128 slower than the block kernels, its sums and passes moving
-# 2-3x the floor's bytes. Its GPU tests pass (H100, 2026-12-07: blocks of 16 / 64 / 100 / 128, GQA, causal, D 64
-# / 128, bf16 / fp16, every form). H100, bf16, grid lengths, block 128, backward ms, the block kernels (the op's
-# choice) / this kernel with float32 sums / with ``DQ_STORE``: D 128 4x1 3.33 / 5.56 / 2.66, causal 3.40 / - /
-# 2.69, 8x2 6.60 / - / 5.26, causal 6.76 / - / 5.35 (1.25-1.26x the block kernels); D 128 2x2 1.41 / 3.77 / 2.38,
-# D 64 2x2 0.92 / 2.43 / 1.85, D 64 4x1 1.59 / 3.20 / 1.97 (slower: two steps a program, or D 64). Off until the
-# op routes those backwards here (``flash_kernels[gluon_fast_bwd_dq_store]`` times it).
-DQ_STORE = False
+# The head dims at which dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up
+# to ``TILE_N`` tokens; :func:`stores_dq`): each query row's dQ is then this program's term alone. At D 128 each
+# warpgroup's term (its column half over all the block's keys) is the row's whole dQ for those columns: the consumer
+# scales it, casts it to dQ's dtype and stores it by TMA through a shared tile of its own (two, alternating by
+# step), with no writer partition; at D 64 (each term over the warpgroup's own keys, every column) the writer sums
+# the two and stores the sum so. No float32 sums to zero, add to and cast back in a pass after; the same in both
+# modes (no adds, so no order), so :func:`taken` hands such calls to this kernel in both. Session 43 had the flash
+# backward at blocks of 128 slower than the block kernels, its sums and passes moving 2-3x the floor's bytes. Its GPU
+# tests pass (H100, 2026-12-07: blocks of 16 / 64 / 100 / 128, GQA, causal, D 64 / 128, bf16 / fp16, every form).
+# H100, bf16, grid lengths, block 128, backward ms, the block kernels / this kernel with float32 sums / with
+# ``DQ_STORE``: D 128 4x1 3.33 / 5.56 / 2.66, causal 3.40 / - / 2.69, 8x2 6.60 / - / 5.26, causal 6.76 / - / 5.35
+# (1.25-1.26x the block kernels; again 2026-12-07: 3.32 / - / 2.65, 6.57 / - / 5.23); D 128 2x2 1.41 / 3.77 / 2.38,
+# D 64 2x2 0.92 / 2.43 / 1.85, D 64 4x1 1.59 / 3.20 / 1.97 (slower: two steps a program, or D 64). So D 128: the
+# ``triton`` backend runs the backward of grouped query heads on blocks of 65-128 tokens at D 128 here (the op saves
+# out and lse for them: ``ops.library.saves_lse``). ``flash_kernels[gluon_fast_bwd_dq_store]`` times it at D 64 too.
+DQ_STORE_HEAD_DIMS = frozenset({128})
 # Whether, with ``DQ_STORE``, the program computes each step's delta rows itself (``DELTA_IN_KERNEL``: the loader
 # copies the step's O rows into the ring beside q and dO, each consumer sums ``O * dO`` over the head's channels into
 # a row vector of its own), so that no delta pass reads O and dO before the kernel: at blocks one key tile holds whole
@@ -785,7 +787,9 @@ def taken(deterministic: bool, block_size: int, head_dim: int) -> bool:
     """Whether the switches hand the dK/dV pass of a backward of this mode and these facts
     (``block_size`` 0: full attention) to this kernel with dQ's terms: ``TAKEN`` (both modes),
     ``FAST_TAKEN`` (the fast one at full attention with the head dims of ``FAST_HEAD_DIMS``),
-    ``ORDERED_HEAD_DIMS`` (the deterministic one at full attention)."""
+    ``ORDERED_HEAD_DIMS`` (the deterministic one at full attention), :func:`stores_dq` (both modes)."""
+    if stores_dq(block_size, head_dim):
+        return True
     if deterministic:
         return TAKEN[0] or (block_size == 0 and head_dim in ORDERED_HEAD_DIMS)
     return TAKEN[0] or (FAST_TAKEN[0] and block_size == 0 and head_dim in FAST_HEAD_DIMS)
@@ -813,8 +817,8 @@ def computes_delta(block_size: int, head_dim: int) -> bool:
 
 def stores_dq(block_size: int, head_dim: int) -> bool:
     """Whether the kernel stores dQ itself (``DQ_STORE``) for a call of these facts (``block_size`` 0: full
-    attention): while ``DQ_STORE`` is set, on blocks one key tile holds whole."""
-    return DQ_STORE and 0 < block_size <= TILE_N
+    attention): on blocks one key tile holds whole, at the head dims of ``DQ_STORE_HEAD_DIMS``."""
+    return 0 < block_size <= TILE_N and head_dim in DQ_STORE_HEAD_DIMS
 
 
 def query_rows(head_dim: int, with_dq: bool) -> int:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ... import reference
 from ...dispatch import BackendSpec, register_backend
-from ..library import saves_lse
+from ..library import call_saves_lse
 
 _FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
@@ -37,7 +37,7 @@ def _forward(
     args = (q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
             rotary_interleaved, cpu_offsets, max_seqlen)
     with _autocast_off(q.device.type):
-        if saves_lse(block_size, q.shape[2], q.dtype):
+        if call_saves_lse(q, k, block_size):
             return reference.attention_forward_lse(*args)
         return reference.attention_forward(*args), None
 

@@ -10,7 +10,11 @@ blocks over 64 rows with head dims over 128; the op layer's ``saves_lse``), the 
 each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``), and the backward
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
 backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, grouped
-query heads one by one, which needs neither). A rotary backward the choice runs as a rotation pass
+query heads one by one, which needs neither). Grouped query heads on 16-bit blocks of 65-128 tokens
+at D 128 (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``) store them too, and on sm_90 their backward
+runs on the warp-specialized flash kernel with dQ stored (``kernels.flash.bwd.stored_dq_takes``: one
+key tile per block, measured faster than the block kernels there), unless a variant is forced;
+elsewhere the block kernels run it and leave them unread. A rotary backward the choice runs as a rotation pass
 (``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
 rotary on rotated copies of q and k and rotates dq and dk back. Without gradients (``forward_inference``)
 it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
@@ -33,20 +37,21 @@ from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attent
 from blockattn_layers.kernels.block.plan import float32_tile_fits
 from blockattn_layers.kernels.block.rotation import rotated_backward
 from blockattn_layers.kernels.common.meta import MAX_TILE
-from blockattn_layers.kernels.flash.bwd import flash_attention_bwd
+from blockattn_layers.kernels.flash.bwd import flash_attention_bwd, stored_dq_reasons, stored_dq_takes
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from .. import library
-from ..library import SINGLE_TILE_MAX, saves_lse
+from ..library import SINGLE_TILE_MAX, call_saves_lse, saves_lse
 
 assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
-assert all(saves_lse(block, dim, dtype) != one_tile_backward_fits(block, dim, dtype)
+assert all(saves_lse(block, dim, dtype, 1) != one_tile_backward_fits(block, dim, dtype)
            and library.float32_tile_fits(block, dim, dtype) == float32_tile_fits(block, dim, dtype)
            for block in (1, 16, 17, 32, 64, 65, 128) for dim in (16, 64, 128, 144, 256)
            for dtype in (torch.bfloat16, torch.float32)), \
-    "the op layer must save lse exactly where the block kernels' backward does not fit one program"
+    "with one query head per kv head the op layer must save lse exactly where the block kernels' backward does " \
+    "not fit one program"
 
 
 def _forward(
@@ -58,7 +63,7 @@ def _forward(
             cpu_offsets)
     if not float32_tile_fits(block_size, q.shape[2], q.dtype):
         return flash_attention_fwd(*args)
-    if saves_lse(block_size, q.shape[2], q.dtype):
+    if call_saves_lse(q, k, block_size):
         return block_attention_fwd_lse(*args)
     return block_attention_fwd(*args), None
 
@@ -95,8 +100,11 @@ def _backward(
     max_seqlen: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     rot = rotary_dim if rope_theta is not None else 0
-    past_one_tile = saves_lse(block_size, q.shape[2], q.dtype)
+    past_one_tile = not one_tile_backward_fits(block_size, q.shape[2], q.dtype)
     if past_one_tile and _flash_backward_fixed(q.dtype, block_size, q.shape[2]):
+        return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                               rotary_dim, rotary_interleaved, cpu_offsets)
+    if _stored_dq_backward(grad_out, q, k, v, lse, block_size, rope_theta):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
     variant = backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None)
@@ -121,6 +129,25 @@ def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) ->
     own for those calls nor a rotation pass (the flash kernels, as before it was forced; no warning
     that it cannot compute the call)."""
     return not float32_tile_fits(block_size, head_dim, dtype) or forced_without_wide_backward()
+
+
+def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Optional[Tensor], block_size: int,
+                        rope_theta: Optional[float]) -> bool:
+    """Whether a backward whose block kernels fit one program runs on the flash kernel with dQ stored instead:
+    where the forward saved out and lse for it (grouped query heads at D 128, ``saves_lse``), no variant is
+    forced, and the kernel takes the call (``stored_dq_takes``: sm_90, no rotary, its layout). A rotary call
+    reaches it as the rotation pass's inner backward, where the choice takes that pass."""
+    if lse is None or lse.shape[-1] == 0 or variants.forced() is not None:
+        return False
+    return stored_dq_takes(grad_out, q, k, v, block_size, rope_theta)
+
+
+def _stored_dq_facts(facts: variants.CallFacts) -> bool:
+    """:func:`_stored_dq_backward` of calls of these (forward) facts, short of their layout."""
+    if variants.forced() is not None or not saves_lse(facts.block_size, facts.head_dim, facts.dtype, facts.groups):
+        return False
+    major = facts.major if facts.device_type == "cuda" else None
+    return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, facts.rot > 0, facts.int64)
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
@@ -149,6 +176,8 @@ ROTATED_COPIES = "backward on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
+_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 128 on sm_90: the flash kernel runs the backward "
+              "(one key tile per block, dQ stored), on the forward's output and logsumexp")
 # Every variant's reason for a full-attention call (the backend refuses it too).
 FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
                   "tokens (triton_flash serves full attention)")
@@ -179,7 +208,7 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     if not float32_tile_fits(block_size, req.head_dim, req.dtype):
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
-    if not one_tile_backward_fits(block_size, req.head_dim, req.dtype):
+    if saves_lse(block_size, req.head_dim, req.dtype, groups):
         training = variants.explain(facts._replace(stores_lse=True))
     backward = _backward_reasons(facts)
     reasons = dict(forward)
@@ -196,9 +225,12 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
 
 def _backward_reasons(facts: variants.CallFacts) -> Dict[str, List[str]]:
     """Each variant's reasons not to run the backward of a call with these (forward) facts, and
-    ``flash``'s where no block kernel's backward fits one program."""
+    ``flash``'s where no block kernel's backward fits one program or the flash kernel with dQ stored
+    takes it (``_stored_dq_facts``)."""
     explained = variants.explain(facts._replace(backward=True))
     if one_tile_backward_fits(facts.block_size, facts.head_dim, facts.dtype):
+        if _stored_dq_facts(facts):
+            return {**{name: why + [_STORED_DQ] for name, why in explained.items()}, FLASH: []}
         return explained
     backward = {name: why if variants.VARIANTS[name].wide_backward or variants.VARIANTS[name].rotation_pass
                 else why + [_NO_ONE_TILE_BACKWARD] for name, why in explained.items()}
