@@ -356,16 +356,15 @@ def test_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary):
     _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary)
 
 
-def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, variant=None, interleaved=False):
+def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, variant=None):
     """A NaN in one token's q, k and v reaches only its own block's outputs and gradients
-    (``rotary``: a bool, or the rotary_dim; ``interleaved``: its pairs interleaved), with ``variant``
-    forced (checked to run the backward), or with None whatever the environment forces."""
+    (``rotary``: a bool, or the rotary_dim), with ``variant`` forced (checked to run the backward),
+    or with None whatever the environment forces."""
     lengths = [3, block_size * 2 + 5, 0, 1, block_size + 1]
     q, k, v, offsets = make_inputs(lengths, heads, kv_heads, dim, torch.bfloat16)
     token = 3 + block_size + 2  # inside the second block of the second sequence
     rot = (dim if rotary is True else rotary) or 0
-    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rot else None, rotary_dim=rot or None,
-              rotary_interleaved=interleaved)
+    kw = dict(block_size=block_size, causal=True, rope_theta=1e4 if rot else None, rotary_dim=rot or None)
 
     def run(poison):
         xs = [x.clone() for x in (q, k, v)]
@@ -379,7 +378,7 @@ def _assert_nan_stays_in_its_block(heads, kv_heads, dim, block_size, rotary, var
 
     with contextlib.nullcontext() if variant is None else variants.forced_variant(variant):
         if variant is not None:
-            facts = variants.call_facts(q, k, block_size, rot, interleaved, False, backward=True)
+            facts = variants.call_facts(q, k, block_size, rot, False, False, backward=True)
             assert variants.choose(facts, q, (q, k, v)).name == variant
         clean, poisoned = run(False), run(True)
     block = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
@@ -643,8 +642,8 @@ def test_hopper_kernels_forced(monkeypatch, case, table):
     (8, 2, 128, 128, False), (4, 1, 128, 100, True)])
 def test_hopper_forward_stores_the_logsumexp(heads, kv_heads, dim, block_size, causal):
     """The hopper forward that stores each row's logsumexp (blocks over 64 at D > 128, and grouped query
-    heads there at D 128, whose backward runs the flash kernels on it) is taken there and matches the float64 oracle's, as the
-    simple kernels' does, output included."""
+    heads there at D 128, whose backward runs the flash kernels on it) is taken there and matches the
+    float64 oracle's, as the simple kernels' does, output included."""
     from blockattn_layers.kernels.block.fwd import block_attention_fwd_lse
 
     q, k, v, offsets = make_inputs(EDGE_LENGTHS + LENGTHS_AROUND_128, heads, kv_heads, dim, torch.bfloat16)
@@ -824,14 +823,12 @@ def test_hopper_heads_backward(monkeypatch, case, table):
 
 
 STORED_DQ_CASES = [
-    # Grouped query heads on blocks of 65-128 tokens at D 128: four and two query heads a group, MQA, causal,
-    # a block of 100 (padding key rows in the tile) and of 65; interleaved rotary, whose backward auto runs as
-    # the rotation pass (session 28), reaching the flash kernel without rotary on the rotated copies.
+    # Grouped query heads on blocks of 65-128 tokens at D 128 without rotary: four and two query heads a group,
+    # MQA, causal, a block of 100 (padding key rows in the tile) and of 65.
     dict(heads=8, kv_heads=2, dim=128, block_size=128),
     dict(heads=4, kv_heads=1, dim=128, block_size=128, causal=True),
     dict(heads=6, kv_heads=3, dim=128, block_size=100, causal=True),
     dict(heads=4, kv_heads=2, dim=128, block_size=65),
-    dict(heads=8, kv_heads=2, dim=128, block_size=128, causal=True, rope_theta=1e4, rotary_interleaved=True),
 ]
 
 
@@ -879,14 +876,29 @@ def test_grouped_d128_backward_runs_the_flash_kernel_with_dq_stored(monkeypatch,
 
 
 @SM90
-@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_grouped_d128_flash_backward_keeps_a_nan_in_its_block(monkeypatch, rotary):
-    """Where the flash kernel with dQ stored runs the backward (interleaved rotary: through the rotation pass),
-    a NaN in one token's q, k, v reaches only its own block's outputs and gradients."""
+def test_grouped_d128_flash_backward_keeps_a_nan_in_its_block(monkeypatch):
+    """Where the flash kernel with dQ stored runs the backward, a NaN in one token's q, k, v reaches only its own
+    block's outputs and gradients."""
     calls = _stored_dq_spy(monkeypatch)
     with variants.forced_variant("auto"):
-        _assert_nan_stays_in_its_block(8, 2, 128, 128, rotary, interleaved=rotary)
+        _assert_nan_stays_in_its_block(8, 2, 128, 128, False)
     assert calls and all(calls)
+
+
+@SM90
+def test_grouped_d128_rotary_backward_keeps_the_block_kernels(monkeypatch):
+    """With rotary (split halves: hopper_heads; interleaved: the rotation pass) the forward saves no lse, and the
+    block kernels compute the backward, the flash kernel not at all."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    calls = []
+    real = flash_bwd.dkdv_pass_ws
+    monkeypatch.setattr(flash_bwd, "dkdv_pass_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, offsets = _around_the_blocks({}, 8, 2, 128, torch.bfloat16, seed=2)
+    with variants.forced_variant("auto"):
+        for interleaved in (False, True):
+            check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, rotary_interleaved=interleaved)
+    assert calls == []
 
 
 @SM90

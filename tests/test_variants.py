@@ -127,6 +127,9 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, num_heads=2))["triton"]
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, block_size=64))["triton"]
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
+    interleaved = explain_variants(dataclasses.replace(d128, num_heads=8, rotary=True, rotary_interleaved=True))
+    assert interleaved["triton"]["backward: rotated"] == [] and not any(
+        "flash" in name for name in interleaved["triton"])
     with variants.forced_variant("hopper"):
         assert "backward: flash" not in explain_variants(d128)["triton"]
     # One query head per kv head: hopper_wide's backward, rotary or not. There the
@@ -572,16 +575,18 @@ def test_the_flash_backward_runs_without_a_variant_choice_where_it_is_fixed(monk
 
 def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_variant_is_forced(monkeypatch):
     """Grouped query heads on blocks of 65-128 tokens at D 128: the backward runs on the flash kernel with dQ
-    stored where the forward saved out and lse (``saves_lse``), the kernel takes the call
+    stored where the forward saved out and lse (``saves_lse``: not with rotary), the kernel takes the call
     (``stored_dq_takes``, stubbed here: CPU tensors) and no variant is forced; else the variant choice
-    decides. A rotary call reaches it through the rotation pass, where the choice takes that pass."""
+    decides (a rotary call, with no lse saved, even through the rotation pass)."""
     ran = []
     monkeypatch.setattr(triton_block, "flash_attention_bwd", lambda *a, **kw: ran.append("flash") or (a[1], a[2], a[3]))
     monkeypatch.setattr(triton_block, "block_attention_bwd", lambda *a, **kw: ran.append("block") or a[1:4])
     takes = []
     monkeypatch.setattr(triton_block, "stored_dq_takes",
                         lambda do, q, k, v, block, rope: takes.append(rope) or rope is None)
-    monkeypatch.setattr(triton_block, "backward_variant", lambda *a: ran.append("choice") or chosen[0])
+    monkeypatch.setattr(triton_block, "backward_variant",
+                        lambda do, q, k, v, block, rot, *rest: ran.append("choice") or (chosen[0] if rot else
+                                                                                         variants.HOPPER))
     monkeypatch.setattr(triton_block, "rotated_backward", lambda inner, q, k, *rotate: inner(q, k))
     chosen = [variants.HOPPER]
     q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
@@ -597,9 +602,9 @@ def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_va
     with variants.forced_variant("auto"):
         assert backward(10) == ["flash"]
         assert backward(0) == ["choice", "block"]
-        assert backward(10, rope=1e4) == ["choice", "block"]
+        assert backward(10, rope=1e4) == ["choice", "block"] and takes[-1] == 1e4
         chosen[0] = variants.ROTATED
-        assert backward(10, rope=1e4) == ["choice", "flash"] and takes[-2:] == [1e4, None]
+        assert backward(0, rope=1e4) == ["choice", "choice", "block"]
     with variants.forced_variant("hopper"):
         chosen[0] = variants.HOPPER
         assert backward(10) == ["choice", "block"]

@@ -12,7 +12,7 @@ The forward returns ``(out, lse)``. Kinds whose backward may run the multi-tile 
 ``ONE_PROGRAM_BACKWARD_MAX`` tokens with heads over ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` wide,
 float32 blocks whose tile exceeds ``FLOAT32_TILE_MAX`` elements, and 16-bit blocks over
 ``ONE_PROGRAM_BACKWARD_MAX`` tokens with grouped query heads at the head dims of
-``GROUPED_SAVES_LSE_HEAD_DIMS``) return the logsumexp of each query row's scaled scores,
+``GROUPED_SAVES_LSE_HEAD_DIMS``, without rotary) return the logsumexp of each query row's scaled scores,
 ``lse [H, T]`` float32, which that backward reads with ``out``; every backend returns the same
 quantity there (a backend whose backward does not read them leaves them unread). The other kinds
 recompute everything from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only
@@ -66,27 +66,35 @@ def _extent(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-# 16-bit blocks over ``ONE_PROGRAM_BACKWARD_MAX`` tokens with grouped query heads at these head dims save out and
-# lse too: on sm_90 the ``triton`` backend runs their backward on the warp-specialized flash kernel, one key tile
-# per block with dQ stored (``kernels.sm90.flash_bwd.DQ_STORE_HEAD_DIMS``), measured 1.25-1.3x faster there than
-# the block kernels, which need neither (H100, block 128: 8x2 6.57 against 5.23 ms, 4x1 3.32 against 2.65).
+# 16-bit blocks over ``ONE_PROGRAM_BACKWARD_MAX`` tokens with grouped query heads at these head dims, without
+# rotary, save out and lse too: on sm_90 the ``triton`` backend runs their backward on the warp-specialized flash
+# kernel, one key tile per block with dQ stored (``kernels.sm90.flash_bwd.DQ_STORE_HEAD_DIMS``), measured faster
+# there than the block kernels, which need neither (H100, bf16, block 128 D128, grid lengths, ms, forward with
+# the lse store + backward against the forward without it + the block kernels' backward: 8x2 2.31 + 5.24 against
+# 2.10 + 6.58, 4x1 1.16 + 2.67 against 1.06 + 3.33; 1.14-1.15x). Rotary calls keep the block kernels: the
+# rotary forward with the store spills more (ptxas, 128-row tiles capped at 128 registers: 468 bytes against
+# 156), and the rotation pass the flash kernel would need runs only where the choice takes it (interleaved;
+# split halves run hopper_heads). Interleaved, the backward was 1.16x faster on it (8x2 8.98 against 10.4 ms),
+# but the forward without the store was not timed beside it.
 GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({128})
 
 
-def saves_lse(block_size: int, head_dim: int, dtype: torch.dtype, groups: int) -> bool:
-    """Whether the forward of this kind (``groups`` query heads per kv head) returns (and autograd
-    saves) ``out`` and ``lse`` for its backward: where the backward may run the multi-tile kernels."""
+def saves_lse(block_size: int, head_dim: int, dtype: torch.dtype, groups: int, rotary: bool) -> bool:
+    """Whether the forward of this kind (``groups`` query heads per kv head, ``rotary`` or not) returns
+    (and autograd saves) ``out`` and ``lse`` for its backward: where the backward may run the
+    multi-tile kernels."""
     if block_size == 0 or block_size > SINGLE_TILE_MAX or not float32_tile_fits(block_size, head_dim, dtype):
         return True
     if block_size <= ONE_PROGRAM_BACKWARD_MAX:
         return False
-    grouped = groups > 1 and head_dim in GROUPED_SAVES_LSE_HEAD_DIMS and dtype != torch.float32
+    grouped = groups > 1 and head_dim in GROUPED_SAVES_LSE_HEAD_DIMS and dtype != torch.float32 and not rotary
     return head_dim > ONE_PROGRAM_BACKWARD_HEAD_DIM or grouped
 
 
-def call_saves_lse(q: Tensor, k: Tensor, block_size: int) -> bool:
-    """:func:`saves_lse` of a call on these tensors (``q [T, H, D]``, ``k [T, H_kv, D]``)."""
-    return saves_lse(block_size, q.shape[2], q.dtype, q.shape[1] // max(1, k.shape[1]))
+def call_saves_lse(q: Tensor, k: Tensor, block_size: int, rope_theta: Optional[float]) -> bool:
+    """:func:`saves_lse` of a call on these tensors (``q [T, H, D]``, ``k [T, H_kv, D]``; ``rope_theta``
+    None without rotary)."""
+    return saves_lse(block_size, q.shape[2], q.dtype, q.shape[1] // max(1, k.shape[1]), rope_theta is not None)
 
 
 def op_backend(backend: str, q: Tensor, k: Tensor, block_size: int, causal: bool,
@@ -124,8 +132,8 @@ def attention_bwd(
 
 
 @attention_fwd.register_fake
-def _fwd_fake(q, k, v, offsets, block_size, *args):
-    lse_rows = q.shape[0] if call_saves_lse(q, k, block_size) else 0
+def _fwd_fake(q, k, v, offsets, block_size, scale, causal, rope_theta, *args):
+    lse_rows = q.shape[0] if call_saves_lse(q, k, block_size, rope_theta) else 0
     return q.new_empty(q.shape), q.new_empty((q.shape[1], lse_rows), dtype=torch.float32)
 
 
@@ -139,7 +147,7 @@ def _setup_context(ctx, inputs, output) -> None:
      cpu_offsets, max_seqlen, backend) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    keep = call_saves_lse(q, k, block_size)
+    keep = call_saves_lse(q, k, block_size, rope_theta)
     ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out if keep else None, lse if keep else None)
     ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend)
 

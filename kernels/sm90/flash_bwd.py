@@ -170,8 +170,9 @@ LEAN_WRITER_REGS = gl.constexpr(24)
 # ``DQ_STORE``: D 128 4x1 3.33 / 5.56 / 2.66, causal 3.40 / - / 2.69, 8x2 6.60 / - / 5.26, causal 6.76 / - / 5.35
 # (1.25-1.26x the block kernels; again 2026-12-07: 3.32 / - / 2.65, 6.57 / - / 5.23); D 128 2x2 1.41 / 3.77 / 2.38,
 # D 64 2x2 0.92 / 2.43 / 1.85, D 64 4x1 1.59 / 3.20 / 1.97 (slower: two steps a program, or D 64). So D 128: the
-# ``triton`` backend runs the backward of grouped query heads on blocks of 65-128 tokens at D 128 here (the op saves
-# out and lse for them: ``ops.library.saves_lse``). ``flash_kernels[gluon_fast_bwd_dq_store]`` times it at D 64 too.
+# ``triton`` backend runs the backward of grouped query heads on blocks of 65-128 tokens at D 128 without rotary
+# here (the op saves out and lse for them: ``ops.library.saves_lse``; through the op, forward + backward, 1.14-1.15x
+# the block kernels'). ``flash_kernels[gluon_fast_bwd_dq_store]`` times it at D 64 too.
 DQ_STORE_HEAD_DIMS = frozenset({128})
 # Whether, with ``DQ_STORE``, the program computes each step's delta rows itself (``DELTA_IN_KERNEL``: the loader
 # copies the step's O rows into the ring beside q and dO, each consumer sums ``O * dO`` over the head's channels into

@@ -11,11 +11,11 @@ each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``),
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
 backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, grouped
 query heads one by one, which needs neither). Grouped query heads on 16-bit blocks of 65-128 tokens
-at D 128 (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``) store them too, and on sm_90 their backward
-runs on the warp-specialized flash kernel with dQ stored (``kernels.flash.bwd.stored_dq_takes``: one
-key tile per block, measured faster than the block kernels there), unless a variant is forced;
-elsewhere the block kernels run it and leave them unread. A rotary backward the choice runs as a rotation pass
-(``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
+at D 128 without rotary (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``) store them too, and on sm_90
+their backward runs on the warp-specialized flash kernel with dQ stored
+(``kernels.flash.bwd.stored_dq_takes``: one key tile per block, measured faster than the block kernels
+there), unless a variant is forced; elsewhere the block kernels run it and leave them unread. A rotary
+backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
 rotary on rotated copies of q and k and rotates dq and dk back. Without gradients (``forward_inference``)
 it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
 compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
@@ -46,7 +46,7 @@ from .. import library
 from ..library import SINGLE_TILE_MAX, call_saves_lse, saves_lse
 
 assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
-assert all(saves_lse(block, dim, dtype, 1) != one_tile_backward_fits(block, dim, dtype)
+assert all(saves_lse(block, dim, dtype, 1, False) != one_tile_backward_fits(block, dim, dtype)
            and library.float32_tile_fits(block, dim, dtype) == float32_tile_fits(block, dim, dtype)
            for block in (1, 16, 17, 32, 64, 65, 128) for dim in (16, 64, 128, 144, 256)
            for dtype in (torch.bfloat16, torch.float32)), \
@@ -63,7 +63,7 @@ def _forward(
             cpu_offsets)
     if not float32_tile_fits(block_size, q.shape[2], q.dtype):
         return flash_attention_fwd(*args)
-    if call_saves_lse(q, k, block_size):
+    if call_saves_lse(q, k, block_size, rope_theta):
         return block_attention_fwd_lse(*args)
     return block_attention_fwd(*args), None
 
@@ -134,9 +134,8 @@ def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) ->
 def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Optional[Tensor], block_size: int,
                         rope_theta: Optional[float]) -> bool:
     """Whether a backward whose block kernels fit one program runs on the flash kernel with dQ stored instead:
-    where the forward saved out and lse for it (grouped query heads at D 128, ``saves_lse``), no variant is
-    forced, and the kernel takes the call (``stored_dq_takes``: sm_90, no rotary, its layout). A rotary call
-    reaches it as the rotation pass's inner backward, where the choice takes that pass."""
+    where the forward saved out and lse for it (grouped query heads at D 128 without rotary, ``saves_lse``),
+    no variant is forced, and the kernel takes the call (``stored_dq_takes``: sm_90, no rotary, its layout)."""
     if lse is None or lse.shape[-1] == 0 or variants.forced() is not None:
         return False
     return stored_dq_takes(grad_out, q, k, v, block_size, rope_theta)
@@ -144,7 +143,8 @@ def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 def _stored_dq_facts(facts: variants.CallFacts) -> bool:
     """:func:`_stored_dq_backward` of calls of these (forward) facts, short of their layout."""
-    if variants.forced() is not None or not saves_lse(facts.block_size, facts.head_dim, facts.dtype, facts.groups):
+    if variants.forced() is not None or not saves_lse(facts.block_size, facts.head_dim, facts.dtype, facts.groups,
+                                                                   facts.rot > 0):
         return False
     major = facts.major if facts.device_type == "cuda" else None
     return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, facts.rot > 0, facts.int64)
@@ -176,8 +176,8 @@ ROTATED_COPIES = "backward on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
-_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 128 on sm_90: the flash kernel runs the backward "
-              "(one key tile per block, dQ stored), on the forward's output and logsumexp")
+_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 128 without rotary on sm_90: the flash kernel runs "
+              "the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
 # Every variant's reason for a full-attention call (the backend refuses it too).
 FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
                   "tokens (triton_flash serves full attention)")
@@ -208,9 +208,9 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     if not float32_tile_fits(block_size, req.head_dim, req.dtype):
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
-    if saves_lse(block_size, req.head_dim, req.dtype, groups):
+    if saves_lse(block_size, req.head_dim, req.dtype, groups, req.rotary):
         training = variants.explain(facts._replace(stores_lse=True))
-    backward = _backward_reasons(facts)
+    backward = _backward_reasons(facts, _stored_dq_facts(facts))
     reasons = dict(forward)
     if _running(training) != _running(forward):
         reasons.update({f"{FORWARD_WITH_GRADIENTS}: {name}": why for name, why in training.items()})
@@ -218,18 +218,19 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
         reasons.update({f"backward: {name}": why for name, why in backward.items()})
     running = variants.VARIANTS.get(_running(backward))
     if running is not None and running.rotation_pass:
-        inner = _backward_reasons(facts._replace(rot=0, interleaved=False))
+        # (A rotary call saves no lse: its inner backward never runs the flash kernel with dQ stored.)
+        inner = _backward_reasons(facts._replace(rot=0, interleaved=False), False)
         reasons.update({f"{ROTATED_COPIES}: {name}": why for name, why in inner.items()})
     return reasons
 
 
-def _backward_reasons(facts: variants.CallFacts) -> Dict[str, List[str]]:
+def _backward_reasons(facts: variants.CallFacts, stored_dq: bool) -> Dict[str, List[str]]:
     """Each variant's reasons not to run the backward of a call with these (forward) facts, and
     ``flash``'s where no block kernel's backward fits one program or the flash kernel with dQ stored
-    takes it (``_stored_dq_facts``)."""
+    takes it (``stored_dq``: ``_stored_dq_facts`` of the call)."""
     explained = variants.explain(facts._replace(backward=True))
     if one_tile_backward_fits(facts.block_size, facts.head_dim, facts.dtype):
-        if _stored_dq_facts(facts):
+        if stored_dq:
             return {**{name: why + [_STORED_DQ] for name, why in explained.items()}, FLASH: []}
         return explained
     backward = {name: why if variants.VARIANTS[name].wide_backward or variants.VARIANTS[name].rotation_pass
