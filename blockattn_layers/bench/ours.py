@@ -440,7 +440,8 @@ GLUON_BACKWARDS = [
 
 class _FlashKernels(torch.autograd.Function):
     """The flash kernels called directly (not through the op, whose contract gives blocks of up to
-    128 tokens to the single-tile kernels): the forward saves its output and logsumexp, or, with
+    128 tokens to the single-tile kernels, but for the sm_90 backward of grouped query heads on blocks of
+    65-128 at D 128, ``ops.library.saves_lse``): the forward saves its output and logsumexp, or, with
     ``recompute``, the backward computes them again first, as the ``triton`` backend did where no
     block kernel's backward fits (``one_tile_backward_fits``) until session 23 (it now saves them
     from the simple forward). With ``gluon`` the forward is the warp-specialized Gluon one
@@ -523,7 +524,8 @@ FLASH_KERNELS = [
            description=description)
     for name, recompute, description in (
         ("flash_kernels", False, "the flash kernels called directly at blocks of up to 128 tokens (outside the op, "
-         "which gives those to the single-tile kernels), output and logsumexp saved"),
+         "which gives those to the single-tile kernels but for the sm_90 grouped D 128 backward over 64 tokens), "
+         "output and logsumexp saved"),
         ("flash_kernels[recompute]", True, "flash_kernels with the backward recomputing output and logsumexp, as "
          "the triton backend did where no block kernel's backward fits (it now saves them)"),
     )

@@ -15,9 +15,9 @@ at D 128 without rotary (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``) store 
 their backward runs on the warp-specialized flash kernel with dQ stored
 (``kernels.flash.bwd.stored_dq_takes``: one key tile per block, measured faster than the block kernels
 there), unless a variant is forced; elsewhere the block kernels run it and leave them unread. A rotary
-backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``, ``kernels.block.rotation``) runs this backward without
-rotary on rotated copies of q and k and rotates dq and dk back. Without gradients (``forward_inference``)
-it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
+backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``,
+``kernels.block.rotation``) runs this backward without rotary on rotated copies of q and k and rotates
+dq and dk back. Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
 compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
 (by name only: ``auto`` never picks it there).
 """
