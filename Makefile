@@ -15,7 +15,8 @@ TORCHREC_DEPS := tensordict torchmetrics tqdm pyre-extensions
 TEST_DEPS := pytest pytest-xdist hypothesis nbclient nbformat ipykernel matplotlib
 
 .PHONY: demo test bench info install clean gpu-tests gpu-tests-block gpu-tests-rest gpu-tests-forced gpu-check gpu-grid gpu-candidates \
-	gpu-candidates-bench gpu-candidates-bwd-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers
+	gpu-candidates-bench gpu-candidates-bwd-bench gpu-flash-bwd-bench gpu-profile-bwd gpu-fa4-part-a gpu-fa4-install gpu-flash-peers \
+	gpu-grouped-d128
 
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -164,6 +165,18 @@ gpu-grid:
 		python3 -m blockattn_layers.bench --grid rotary=$$r causal=$$c lengths=$$l --dtype $$d --precompile 6 \
 			--quiet --plot --backends "$(GRID_BACKENDS)" --out $(GPU_OUT)/grid_$${d}_$${r}_$${c}_$${l} || exit 1; \
 		done; done; done; done
+
+# The grouped block-128 D128 backward on the flash kernel with dQ stored (session 54), on an sm_90 machine: its GPU
+# tests, then the grid slice routed and with a forced variant (the block kernels' backward) in one call (about 4
+# minutes on an H100 with cold caches).
+gpu-grouped-d128:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	timeout 240 $(GPU_PYTEST) tests/test_triton_gpu.py tests/test_ops.py \
+		-k "grouped_d128 or forced_variant_keeps or hopper_forward_stores or session_28" || true
+	python3 -m blockattn_layers.bench --grid block=128 dim=128 heads=2x2,4x1,8x2 rotary=none,interleaved \
+		causal=no,yes --quiet --out $(GPU_OUT)/grouped_d128
+	BLOCKATTN_KERNELS=rotated python3 -m blockattn_layers.bench --grid block=128 dim=128 heads=4x1,8x2 \
+		rotary=none causal=no,yes --backends triton --quiet --out $(GPU_OUT)/grouped_d128_block_kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info
