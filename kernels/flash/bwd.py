@@ -494,16 +494,10 @@ def stored_dq_reasons(major: Optional[int], dtype: torch.dtype, block_size: int,
 
 def stored_dq_takes(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
                     rope_theta: Optional[float]) -> bool:
-    """Whether :func:`flash_attention_bwd` of this call runs the Gluon backward with dQ stored: its facts
-    (:func:`stored_dq_reasons`) and its tensors' layout (``sm90.flash_bwd.flash_ws_bwd_reasons``)."""
-    if not q.is_cuda:
-        return False
-    major = torch.cuda.get_device_capability(q.device)[0]
-    if stored_dq_reasons(major, q.dtype, block_size, q.shape[-1], rope_theta is not None, False):
-        return False
-    from ..sm90 import flash_bwd
-
-    return not flash_bwd.flash_ws_bwd_reasons(do, q, k, v, rope_theta)
+    """Whether :func:`flash_attention_bwd` of this call runs the Gluon backward with dQ stored (in either mode:
+    ``sm90.flash_bwd.taken`` hands it such calls in both), by the same check it makes (``_gluon_dkdv``)."""
+    gluon, with_dq = _gluon_dkdv(do, q, k, v, rope_theta, True, block_size)
+    return with_dq and gluon.stores_dq(block_size, q.shape[-1])
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

@@ -17,9 +17,9 @@ their backward runs on the warp-specialized flash kernel with dQ stored
 there), unless a variant is forced; elsewhere the block kernels run it and leave them unread. A rotary
 backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``,
 ``kernels.block.rotation``) runs this backward without rotary on rotated copies of q and k and rotates
-dq and dk back. Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time arguments, so batches of different T and B reuse the
-compiled kernels. On CPU tensors it runs through Triton's interpreter under ``TRITON_INTERPRET=1``
-(by name only: ``auto`` never picks it there).
+dq and dk back. Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time
+arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through
+Triton's interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
 from __future__ import annotations
 
@@ -143,11 +143,12 @@ def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 def _stored_dq_facts(facts: variants.CallFacts) -> bool:
     """:func:`_stored_dq_backward` of calls of these (forward) facts, short of their layout."""
+    rotary = facts.rot > 0
     if variants.forced() is not None or not saves_lse(facts.block_size, facts.head_dim, facts.dtype, facts.groups,
-                                                                   facts.rot > 0):
+                                                      rotary):
         return False
     major = facts.major if facts.device_type == "cuda" else None
-    return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, facts.rot > 0, facts.int64)
+    return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, rotary, facts.int64)
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
