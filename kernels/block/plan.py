@@ -59,7 +59,8 @@ HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
 # The hopper forward that also stores the logsumexp on 128-row tiles of D 65-128 without rotary (grouped query
 # heads there save it for the flash backward with dQ stored): ptxas sm_90 takes 157-186 registers against the
 # forward's 122 without it, one 8-warp program per SM instead of two (H100, bf16, block 128 D128, grid lengths, ms
-# with / without the store: 8x2 3.37 / 2.10, 4x1 1.68 / 1.06); capped at 128: 0-32 bytes spilled, two.
+# with / without the store: 8x2 3.37 / 2.10, 4x1 1.68 / 1.06); capped at 128: 0-32 bytes spilled, two. With
+# the logsumexp stored from the scores' row layout (session 55): 154-171 uncapped, 0-24 bytes spilled at 128.
 HOPPER_TILE128_LSE_FWD_MAXNREG = 128
 # The hopper forward of grouped query heads on 64-row tiles (the group's loop in one program), keyed
 # (BLOCK_D, causal, rotary; with rotary at D128 ``HOPPER_ROTARY_GROUP_FWD_MAXNREG`` applies). ptxas sm_90,

@@ -685,8 +685,9 @@ def _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, rows, row_ok, prow, hk,
             p, inv = _probs_packed(s, col_ok, qk_scale, IS_CAUSAL, SLOT, BLOCK_M, acc_s)
         elif STORE_LSE:
             p, inv, lse = _probs_lse(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
-            gl.store(Lse + (hk * GROUPS + g) * stride_lh + rows, gl.convert_layout(lse, gl.SliceLayout(1, ld)),
-                     mask=row_ok)
+            # Straight from the scores' row layout: no layout change (a shared-memory round trip).
+            lse_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_s))
+            gl.store(Lse + (hk * GROUPS + g) * stride_lh + start + lse_rows, lse, mask=lse_rows < n)
         else:
             p, inv = _probs(s, n, qk_scale, IS_CAUSAL, BLOCK_M, acc_s)
         if O_HALVES:
