@@ -813,6 +813,12 @@ LSE_KERNEL_CASES = {
     "d256_block128_causal": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 256, False, False, True), dict(block_size=128), 1),
     "d144_block100_mqa": (([0, 1, 99, 100, 101, 250], 3, 1, 144, False, False, False), dict(block_size=100), 1),
     "d192_block128_gqa_split": (([3, 128, 0, 200], 4, 2, 192, False, False, True), dict(block_size=128), 2),
+    # Grouped query heads at D 128 (their backward runs the flash kernel with dQ stored), as the launch splits
+    # them: lse stored from the scores' rows, blocks of 1-128 rows and empty ones.
+    "d128_block128_gqa_split": (([0, 1, 65, 127, 128, 129, 300, 5], 8, 2, 128, False, False, False),
+                                dict(block_size=128), 4),
+    "d128_block100_mqa_split_causal": (([1, 99, 100, 101, 0, 250], 4, 1, 128, False, False, True),
+                                       dict(block_size=100), 4),
 }
 
 
