@@ -273,7 +273,7 @@ def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
         assert not flash_persistent.EARLY_RELEASE and not flash_persistent.SHARE_KV
         assert not flash_bwd.TAKEN[0] and deterministic_backward()
         assert flash_bwd.DQ_STORE_HEAD_DIMS == frozenset({128})
-        assert not flash_bwd.DELTA_IN_KERNEL
+        assert flash_bwd.DELTA_IN_KERNEL is None
 
 
 def test_fp8_candidate_rows_time_each_setting_and_restore_the_kernel_options(monkeypatch):

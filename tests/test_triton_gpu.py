@@ -833,15 +833,16 @@ STORED_DQ_CASES = [
 
 
 def _stored_dq_spy(monkeypatch) -> list:
-    """Calls of the Gluon flash backward, each True where it stored dQ itself; the block kernels' backward
-    made to fail."""
+    """Calls of the Gluon flash backward, each ``(dq stored by it, delta computed by it)``; the block kernels'
+    backward made to fail."""
     from blockattn_layers.kernels.sm90 import flash_bwd
     from blockattn_layers.ops.backends import triton_block
 
     calls = []
     real = flash_bwd.dkdv_pass_ws
     monkeypatch.setattr(flash_bwd, "dkdv_pass_ws",
-                        lambda *a, dq=None, **kw: calls.append(dq is not None) or real(*a, dq=dq, **kw))
+                        lambda *a, dq=None, **kw: calls.append((dq is not None, kw.get("o") is not None))
+                        or real(*a, dq=dq, **kw))
 
     def no_block_kernels(*args, **kwargs):
         raise AssertionError("the block kernels' backward ran")
@@ -857,7 +858,7 @@ def test_grouped_d128_backward_runs_the_flash_kernel_with_dq_stored(monkeypatch,
     """Grouped query heads on blocks of 65-128 tokens at D 128 (``saves_lse``): auto runs the backward on the
     flash kernel with dQ stored (the block kernels' backward not at all), in both modes, and it matches the
     float64 oracle, bf16 and fp16, on lengths around the block size (empty, 1-token and ragged blocks); the
-    same bits twice."""
+    same bits twice. Without causal masks the kernel computes the delta rows itself (``computes_delta``)."""
     calls = _stored_dq_spy(monkeypatch)
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
@@ -866,7 +867,7 @@ def test_grouped_d128_backward_runs_the_flash_kernel_with_dq_stored(monkeypatch,
             q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=heads + case["block_size"])
             calls.clear()
             check_against_oracle(q, k, v, offsets, **case)
-            assert calls == [True]
+            assert calls == [(True, not case.get("causal", False))]
             grads = []
             for _ in range(2):
                 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -882,7 +883,7 @@ def test_grouped_d128_flash_backward_keeps_a_nan_in_its_block(monkeypatch):
     calls = _stored_dq_spy(monkeypatch)
     with variants.forced_variant("auto"):
         _assert_nan_stays_in_its_block(8, 2, 128, 128, False)
-    assert calls and all(calls)
+    assert calls and all(stored for stored, _ in calls)
 
 
 @SM90

@@ -399,7 +399,7 @@ def flash_attention_bwd(
         ws = None if gluon is None else functools.partial(
             gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
         stores_dq = ws is not None and gluon_adds_dq and gluon.stores_dq(block_size, head_dim)
-        own_delta = stores_dq and gluon.computes_delta(block_size, head_dim)
+        own_delta = stores_dq and gluon.computes_delta(block_size, head_dim, causal, num_heads // kv_heads)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
                          log2_theta, pass_meta, ws, stores_dq, own_delta)
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.

@@ -54,6 +54,8 @@ elsewhere the Triton passes.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -181,8 +183,10 @@ DQ_STORE_HEAD_DIMS = frozenset({128})
 # more at D 128), so the consumers' dQ staging tiles go from two to one each (``tma.store_wait(0)`` before each
 # store). GPU tests pass (H100, 2026-12-07). H100, bf16, block 128, backward ms with / without it: D 128 4x1 2.56 /
 # 2.66-2.67, 8x2 5.08 / 5.26, causal 4x1 2.75 / 2.69, causal 8x2 5.46 / 5.35, 2x2 2.43 / 2.38, D 64 1.93-2.00 /
-# 1.85-1.97: a gain only without causal masks at grouped heads; off (``flash_kernels[gluon_fast_bwd_dq_store_delta]``).
-DELTA_IN_KERNEL = False
+# 1.85-1.97: a gain only without causal masks at grouped heads. So ``None`` (the default): computed in the kernel
+# for grouped query heads without causal masks, where the kernel stores dQ; True / False: wherever it stores dQ /
+# nowhere (the benchmark's ``flash_kernels[gluon_fast_bwd_dq_store_delta]`` and ``[..._dq_store]`` rows, the tests).
+DELTA_IN_KERNEL: Optional[bool] = None
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -811,9 +815,12 @@ def runs(deterministic: bool, block_size: int, head_dim: int) -> bool:
     return taken(deterministic, block_size, head_dim) or dkdv_only(deterministic, block_size, head_dim)
 
 
-def computes_delta(block_size: int, head_dim: int) -> bool:
-    """Whether the kernel computes the delta rows itself (``DELTA_IN_KERNEL``, where :func:`stores_dq`)."""
-    return DELTA_IN_KERNEL and stores_dq(block_size, head_dim)
+def computes_delta(block_size: int, head_dim: int, causal: bool, groups: int) -> bool:
+    """Whether the kernel computes the delta rows itself, where :func:`stores_dq`: ``DELTA_IN_KERNEL`` where
+    set, else for ``groups`` > 1 query heads per kv head without ``causal`` masks (measured faster there)."""
+    if not stores_dq(block_size, head_dim):
+        return False
+    return (groups > 1 and not causal) if DELTA_IN_KERNEL is None else DELTA_IN_KERNEL
 
 
 def stores_dq(block_size: int, head_dim: int) -> bool:
