@@ -105,31 +105,47 @@ def test_flop_count_under_fake_tensors_is_the_bound():
 def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
     tile, short, wide = library.SINGLE_TILE_MAX, library.ONE_PROGRAM_BACKWARD_MAX, library.ONE_PROGRAM_BACKWARD_HEAD_DIM
     half = torch.bfloat16
-    assert not library.saves_lse(tile, wide, half, 1, False) and not library.saves_lse(short, 256, half, 1, False)
-    assert library.saves_lse(short + 1, wide + 16, half, 1, False) and library.saves_lse(tile, 256, half, 4, False)
-    assert library.saves_lse(tile + 1, 16, half, 1, False) and library.saves_lse(0, 16, half, 1, False)
+    assert not library.saves_lse(tile, wide, half, 1, "") and not library.saves_lse(short, 256, half, 1, "")
+    assert library.saves_lse(short + 1, wide + 16, half, 1, "") and library.saves_lse(tile, 256, half, 4, "")
+    assert library.saves_lse(tile + 1, 16, half, 1, "") and library.saves_lse(0, 16, half, 1, "")
     # float32 tiles of over FLOAT32_TILE_MAX elements (rows and channels rounded up to powers of two).
     f32 = torch.float32
     assert library.FLOAT32_TILE_MAX == 64 * 128
-    assert not library.saves_lse(64, 128, f32, 1, False) and not library.saves_lse(33, 100, f32, 1, False)
-    assert not library.saves_lse(128, 64, f32, 1, False) and not library.saves_lse(32, 256, f32, 1, False)
-    assert library.saves_lse(65, 128, f32, 1, False) and library.saves_lse(64, 129, f32, 1, False)
-    assert library.saves_lse(128, 128, f32, 1, False) and library.saves_lse(128, 128, f32, 4, False)
-    assert not library.saves_lse(65, 128, half, 1, False) and not library.saves_lse(64, 129, half, 1, False)
+    assert not library.saves_lse(64, 128, f32, 1, "") and not library.saves_lse(33, 100, f32, 1, "")
+    assert not library.saves_lse(128, 64, f32, 1, "") and not library.saves_lse(32, 256, f32, 1, "")
+    assert library.saves_lse(65, 128, f32, 1, "") and library.saves_lse(64, 129, f32, 1, "")
+    assert library.saves_lse(128, 128, f32, 1, "") and library.saves_lse(128, 128, f32, 4, "")
+    assert not library.saves_lse(65, 128, half, 1, "") and not library.saves_lse(64, 129, half, 1, "")
     # Grouped query heads on 16-bit blocks over 64 tokens at D 128: for the flash kernel with dQ stored.
     assert library.GROUPED_SAVES_LSE_HEAD_DIMS == frozenset({128})
-    assert library.saves_lse(65, 128, half, 2, False) and library.saves_lse(tile, 128, torch.float16, 4, False)
-    assert not library.saves_lse(short, 128, half, 4, False) and not library.saves_lse(tile, 96, half, 4, False)
-    assert not library.saves_lse(tile, 64, half, 4, False) and not library.saves_lse(tile, 128, half, 1, False)
-    assert not library.saves_lse(tile, 128, half, 4, True) and library.saves_lse(tile, 256, half, 4, True)
+    assert library.saves_lse(65, 128, half, 2, "") and library.saves_lse(tile, 128, torch.float16, 4, "")
+    assert not library.saves_lse(short, 128, half, 4, "") and not library.saves_lse(tile, 96, half, 4, "")
+    assert not library.saves_lse(tile, 64, half, 4, "") and not library.saves_lse(tile, 128, half, 1, "")
+    # With rotary in the forms of GROUPED_SAVES_LSE_ROTARY (their backward through the rotation pass): interleaved
+    # and partial, not split halves over every channel (hopper_heads' backward rotates itself).
+    assert library.GROUPED_SAVES_LSE_ROTARY == frozenset({"interleaved", "partial"})
+    assert library.saves_lse(tile, 128, half, 4, "interleaved") and library.saves_lse(tile, 128, half, 4, "partial")
+    assert not library.saves_lse(tile, 128, half, 4, "split") and library.saves_lse(tile, 256, half, 4, "split")
+    assert not library.saves_lse(tile, 128, half, 1, "partial") and not library.saves_lse(tile, 96, half, 4, "partial")
+    assert not library.saves_lse(short, 128, half, 4, "interleaved")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset())
+        assert not library.saves_lse(tile, 128, half, 4, "interleaved") and library.saves_lse(tile, 128, half, 4, "")
 
+
+def test_rotary_form_names_the_rotation_by_channels_and_layout():
+    assert library.rotary_form(0, 128, False) == library.rotary_form(0, 128, True) == ""
+    assert library.rotary_form(128, 128, False) == "split" and library.rotary_form(64, 128, False) == "partial"
+    assert library.rotary_form(128, 128, True) == library.rotary_form(32, 128, True) == "interleaved"
 
 def test_the_op_saves_lse_by_the_call_s_shapes_alone():
-    """``call_saves_lse``: the groups are q's heads over k's, without rotary; the op's autograd keeps out and lse
-    exactly there."""
+    """``call_saves_lse``: the groups are q's heads over k's, the rotary form from ``rotary_dim`` (0: every channel)
+    and ``rotary_interleaved``; the op's autograd keeps out and lse exactly there."""
     q, k, v, offsets = make_jagged([3, 0, 130], 4, 2, 128, torch.bfloat16, 0)
-    assert library.call_saves_lse(q, k, 128, None) and not library.call_saves_lse(q, q, 128, None)
-    assert not library.call_saves_lse(q, k, 64, None) and not library.call_saves_lse(q, k, 128, 1e4)
+    assert library.call_saves_lse(q, k, 128, None, 0, False) and not library.call_saves_lse(q, q, 128, None, 0, False)
+    assert not library.call_saves_lse(q, k, 64, None, 0, False) and library.call_saves_lse(q, k, 128, None, 64, True)
+    assert not library.call_saves_lse(q, k, 128, 1e4, 0, False) and not library.call_saves_lse(q, k, 128, 1e4, 128, False)
+    assert library.call_saves_lse(q, k, 128, 1e4, 64, False) and library.call_saves_lse(q, k, 128, 1e4, 0, True)
     for kv, saved in ((k, True), (q, False)):
         leaves = [x.clone().requires_grad_() for x in (q, kv, v if kv is k else q)]
         out, lse = library.attention_fwd(*leaves, offsets, 128, 0.1, False, None, None, 0, False, None, None,
@@ -139,20 +155,23 @@ def test_the_op_saves_lse_by_the_call_s_shapes_alone():
         assert (kept_out is not None and kept_lse is not None) == saved
 
 
-@pytest.mark.parametrize("rope_theta", [None, 1e4], ids=["plain", "rotary"])
+@pytest.mark.parametrize("rope_theta,rotary", [(None, ""), (1e4, "split"), (1e4, "interleaved"), (1e4, "partial")],
+                         ids=["plain", "split", "interleaved", "partial"])
 @pytest.mark.parametrize("block_size,head_dim,dtype", [(64, 144, torch.float32), (100, 144, torch.float16),
                                                        (128, 128, torch.float32), (128, 128, torch.float16),
                                                        (128, 96, torch.bfloat16), (0, 16, torch.float32)])
-def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim, dtype, rope_theta):
+def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim, dtype, rope_theta, rotary):
     q, k, v, offsets = make_jagged([3, 0, 70], 2, 1, head_dim, dtype, 0)
-    args = (offsets, block_size, 0.1, False, rope_theta, None, head_dim, False, None, None, "reference")
+    rotary_dim, interleaved = (head_dim // 2 if rotary == "partial" else head_dim), rotary == "interleaved"
+    args = (offsets, block_size, 0.1, False, rope_theta, None, rotary_dim, interleaved, None, None, "reference")
     _, lse = library.attention_fwd(q, k, v, *args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fakes = [mode.from_tensor(x) for x in (q, k, v, offsets)]
         _, fake_lse = library.attention_fwd(*fakes, *args[1:])
-    saved = library.saves_lse(block_size, head_dim, dtype, 2, rope_theta is not None)
+    saved = library.call_saves_lse(q, k, block_size, rope_theta, rotary_dim, interleaved)
     assert fake_lse.shape == lse.shape == (2, 73 if saved else 0)
-    assert saved == (block_size in (0, 100) or dtype == torch.float32 or (head_dim == 128 and rope_theta is None))
+    split = rope_theta is not None and not interleaved and rotary_dim == head_dim
+    assert saved == (block_size in (0, 100) or dtype == torch.float32 or (head_dim == 128 and not split))
 
 
 @pytest.mark.gpu

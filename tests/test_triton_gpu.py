@@ -886,10 +886,39 @@ def test_grouped_d128_flash_backward_keeps_a_nan_in_its_block(monkeypatch):
     assert calls and all(stored for stored, _ in calls)
 
 
+ROTARY_STORED_DQ_CASES = [
+    # The rotary forms of GROUPED_SAVES_LSE_ROTARY (interleaved, partial split halves), with grouped query heads on
+    # blocks of 65-128 tokens at D 128.
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, rotary_interleaved=True),
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, rotary_interleaved=True, causal=True),
+    dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, rotary_dim=64),
+    dict(heads=6, kv_heads=3, block_size=128, rope_theta=1e4, rotary_dim=32, rotary_interleaved=True,
+         positions="float"),
+]
+
+
 @SM90
-def test_grouped_d128_rotary_backward_keeps_the_block_kernels(monkeypatch):
-    """With rotary (split halves: hopper_heads; interleaved: the rotation pass) the forward saves no lse, and the
-    block kernels compute the backward, the flash kernel not at all."""
+@pytest.mark.parametrize("case", ROTARY_STORED_DQ_CASES, ids=_case_id)
+def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(monkeypatch, case):
+    """Interleaved or partial rotary (``GROUPED_SAVES_LSE_ROTARY``): the forward saves lse too, and the backward
+    runs as a rotation pass whose inner backward is the flash kernel with dQ stored (the block kernels' not at
+    all), given positions too, against the float64 oracle, bf16 and fp16."""
+    calls = _stored_dq_spy(monkeypatch)
+    case = dict(case)
+    heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
+    with variants.forced_variant("auto"):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, 128, dtype, seed=heads + case["block_size"])
+            calls.clear()
+            check_against_oracle(q, k, v, offsets, **case)
+            assert calls == [(True, not case.get("causal", False))]
+
+
+@SM90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_d128_split_rotary_backward_keeps_the_block_kernels(monkeypatch, causal):
+    """Split halves over every channel: the forward saves no lse, and the block kernels (hopper_heads, rotating in
+    its own backward) compute the backward, the flash kernel not at all."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     calls = []
@@ -897,8 +926,7 @@ def test_grouped_d128_rotary_backward_keeps_the_block_kernels(monkeypatch):
     monkeypatch.setattr(flash_bwd, "dkdv_pass_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, offsets = _around_the_blocks({}, 8, 2, 128, torch.bfloat16, seed=2)
     with variants.forced_variant("auto"):
-        for interleaved in (False, True):
-            check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, rotary_interleaved=interleaved)
+        check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, causal=causal)
     assert calls == []
 
 

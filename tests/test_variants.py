@@ -11,6 +11,7 @@ import blockattn_layers as bl
 from blockattn_layers.dispatch import AttentionRequest, explain_variants
 from blockattn_layers.kernels.block import plan, variants
 from blockattn_layers.kernels.common.meta import sm_count
+from blockattn_layers.ops import library
 from blockattn_layers.ops.backends import triton_block
 
 
@@ -115,21 +116,32 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert bl.dispatch.describe(dataclasses.replace(wide, capability=(8, 0)), "triton") == (
         "triton, simple kernels (backward: flash kernels)")
     # Grouped query heads at D 128 there: the block kernels' backward fits, but on sm_90 the flash kernel with dQ
-    # stored runs it (the forward saves out and lse for it); not off sm_90, with a forced variant, with rotary
-    # (whose choice here is hopper_heads, no rotation pass), or with one query head per kv head.
+    # stored runs it (the forward saves out and lse for it); with interleaved or partial rotary through the rotation
+    # pass (whatever the choice would be); not with split halves over every channel (hopper_heads' backward), off
+    # sm_90, with a forced variant, or with one query head per kv head.
     d128 = dataclasses.replace(wide, head_dim=128)
     reasons = explain_variants(d128)["triton"]
     assert reasons["backward: flash"] == [] and reasons["hopper"] == []
-    assert all(why[-1] == triton_block._STORED_DQ for name, why in reasons.items()
-               if name.startswith("backward: ") and name != "backward: flash")
+    assert reasons["backward: hopper"][-1] == triton_block._STORED_DQ
     assert bl.dispatch.describe(d128, "triton") == "triton, hopper kernels (backward: flash kernels)"
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, capability=(8, 0)))["triton"]
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, num_heads=2))["triton"]
     assert "backward: flash" not in explain_variants(dataclasses.replace(d128, block_size=64))["triton"]
-    assert "backward: flash" not in explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
-    interleaved = explain_variants(dataclasses.replace(d128, num_heads=8, rotary=True, rotary_interleaved=True))
-    assert interleaved["triton"]["backward: rotated"] == [] and not any(
-        "flash" in name for name in interleaved["triton"])
+    for form in (dict(rotary_interleaved=True), dict(rotary_dim=64), dict(rotary_dim=64, rotary_interleaved=True)):
+        rotary = explain_variants(dataclasses.replace(d128, num_heads=8, rotary=True, **form))["triton"]
+        assert "backward: flash" not in rotary and rotary["backward: rotated"] == [], form
+        assert rotary["backward: hopper_heads"][-1] == triton_block._STORED_DQ_ROTATED, form
+        assert rotary[f"{triton_block.ROTATED_COPIES}: flash"] == [], form
+        assert rotary[f"{triton_block.ROTATED_COPIES}: hopper"][-1] == triton_block._STORED_DQ, form
+    assert bl.dispatch.describe(dataclasses.replace(d128, rotary=True, rotary_dim=64), "triton") == \
+        "triton, hopper kernels (backward: rotated kernels; backward on rotated copies: flash kernels)"
+    split = explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
+    assert split["backward: hopper_heads"] == [] and not any("flash" in name for name in split)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset())
+        interleaved = explain_variants(dataclasses.replace(d128, num_heads=8, rotary=True, rotary_interleaved=True))
+        assert interleaved["triton"]["backward: rotated"] == [] and not any(
+            "flash" in name for name in interleaved["triton"])
     with variants.forced_variant("hopper"):
         assert "backward: flash" not in explain_variants(d128)["triton"]
     # One query head per kv head: hopper_wide's backward, rotary or not. There the
@@ -575,9 +587,10 @@ def test_the_flash_backward_runs_without_a_variant_choice_where_it_is_fixed(monk
 
 def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_variant_is_forced(monkeypatch):
     """Grouped query heads on blocks of 65-128 tokens at D 128: the backward runs on the flash kernel with dQ
-    stored where the forward saved out and lse (``saves_lse``: not with rotary), the kernel takes the call
-    (``stored_dq_takes``, stubbed here: CPU tensors) and no variant is forced; else the variant choice
-    decides (a rotary call, with no lse saved, even through the rotation pass)."""
+    stored where the forward saved out and lse (``saves_lse``), the kernel takes the call (``stored_dq_takes``,
+    stubbed here: CPU tensors; for a rotary call, the call without rotary) and no variant is forced, a rotary
+    call's through the rotation pass without the variant choice; else the variant choice decides (a rotary call
+    with no lse saved, even through the rotation pass)."""
     ran = []
     monkeypatch.setattr(triton_block, "flash_attention_bwd", lambda *a, **kw: ran.append("flash") or (a[1], a[2], a[3]))
     monkeypatch.setattr(triton_block, "block_attention_bwd", lambda *a, **kw: ran.append("block") or a[1:4])
@@ -602,7 +615,7 @@ def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_va
     with variants.forced_variant("auto"):
         assert backward(10) == ["flash"]
         assert backward(0) == ["choice", "block"]
-        assert backward(10, rope=1e4) == ["choice", "block"] and takes[-1] == 1e4
+        assert backward(10, rope=1e4) == ["flash"] and takes[-3:] == [1e4, None, None]  # rotary, as is, then not
         chosen[0] = variants.ROTATED
         assert backward(0, rope=1e4) == ["choice", "choice", "block"]
     with variants.forced_variant("hopper"):

@@ -126,7 +126,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: Attentio
     if not plain_eager(q, k, v):
         return library.attention_fwd(q, k, v, offsets, *args, backend_name(backend))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if spec.forward_prepared is not None and not library.call_saves_lse(q, k, args[0], args[3]):
+        if spec.forward_prepared is not None and not library.call_saves_lse(q, k, args[0], args[3], args[5], args[6]):
             return _prepared_apply(q, k, v, offsets, spec, args)
         return _eager_apply(q, k, v, offsets, spec, args)
     # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.

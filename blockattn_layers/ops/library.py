@@ -12,9 +12,10 @@ The forward returns ``(out, lse)``. Kinds whose backward may run the multi-tile 
 ``ONE_PROGRAM_BACKWARD_MAX`` tokens with heads over ``ONE_PROGRAM_BACKWARD_HEAD_DIM`` wide,
 float32 blocks whose tile exceeds ``FLOAT32_TILE_MAX`` elements, and 16-bit blocks over
 ``ONE_PROGRAM_BACKWARD_MAX`` tokens with grouped query heads at the head dims of
-``GROUPED_SAVES_LSE_HEAD_DIMS``, without rotary) return the logsumexp of each query row's scaled scores,
-``lse [H, T]`` float32, which that backward reads with ``out``; every backend returns the same
-quantity there (a backend whose backward does not read them leaves them unread). The other kinds
+``GROUPED_SAVES_LSE_HEAD_DIMS``, with rotary in the forms of ``GROUPED_SAVES_LSE_ROTARY``) return the
+logsumexp of each query row's scaled scores, ``lse [H, T]`` float32, which that backward reads with
+``out``; every backend returns the same quantity there (a backend whose backward does not read them
+leaves them unread). The other kinds
 recompute everything from q, k, v and return an empty ``lse [H, 0]``; autograd then saves only
 q, k, v, offsets (and positions / cpu_offsets when given). The choice is the call's shapes and
 dtype alone, never its device, so fake and exported graphs agree with every backend.
@@ -71,30 +72,48 @@ def _extent(n: int) -> int:
 # kernel, one key tile per block with dQ stored (``kernels.sm90.flash_bwd.DQ_STORE_HEAD_DIMS``), measured faster
 # there than the block kernels, which need neither (H100, bf16, block 128 D128, grid lengths, ms, forward with
 # the lse store + backward against the forward without it + the block kernels' backward: 8x2 2.31 + 5.24 against
-# 2.10 + 6.58, 4x1 1.16 + 2.67 against 1.06 + 3.33; 1.14-1.15x). Rotary calls keep the block kernels: the
-# rotary forward with the store spills more (ptxas, 128-row tiles capped at 128 registers: 468 bytes against
-# 156), and the rotation pass the flash kernel would need runs only where the choice takes it (interleaved;
-# split halves run hopper_heads). Interleaved, the backward was 1.16x faster on it (8x2 8.98 against 10.4 ms),
-# but the forward without the store was not timed beside it.
+# 2.10 + 6.58, 4x1 1.16 + 2.67 against 1.06 + 3.33; 1.14-1.15x).
 GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({128})
+# The rotary forms (:func:`rotary_form`) whose calls of those kinds save them too: on sm_90 their backward then
+# runs as a rotation pass whose inner backward, without rotary, is that flash kernel, whatever the variant choice.
+# H100, bf16, block 128, D 128, grid lengths, through the op, forward + backward ms with the store / without it
+# (session 56): interleaved 8x2 3.62 + 8.78 / 2.79 + 10.25, 4x1 1.81 + 4.40 / 1.39 + 5.13; partial (rotary_dim 64)
+# 8x2 3.10 + 7.98 / 2.60 + 9.47, 4x1 1.55 + 4.01 / 1.30 + 4.77 (1.05-1.09x faster); split halves over every
+# channel 8x2 3.09 + 8.84 / 2.60 + 8.61, 4x1 1.55 + 4.43 / 1.31 + 4.35 (slower: hopper_heads rotates in its own
+# backward, and the rotary forward with the store spills more, ptxas 392-432 bytes against 156-164), so not those.
+GROUPED_SAVES_LSE_ROTARY = frozenset({"interleaved", "partial"})
 
 
-def saves_lse(block_size: int, head_dim: int, dtype: torch.dtype, groups: int, rotary: bool) -> bool:
-    """Whether the forward of this kind (``groups`` query heads per kv head, ``rotary`` or not) returns
-    (and autograd saves) ``out`` and ``lse`` for its backward: where the backward may run the
+def rotary_form(rot: int, head_dim: int, interleaved: bool) -> str:
+    """A call's rotary form: "" without rotary (``rot`` 0 channels), "interleaved" (channel pairs side by side,
+    over any number of channels), "split" (split halves over all ``head_dim`` channels), "partial" (split halves
+    over fewer)."""
+    if rot == 0:
+        return ""
+    return "interleaved" if interleaved else "split" if rot == head_dim else "partial"
+
+
+def saves_lse(block_size: int, head_dim: int, dtype: torch.dtype, groups: int, rotary: str) -> bool:
+    """Whether the forward of this kind (``groups`` query heads per kv head, ``rotary`` a :func:`rotary_form`)
+    returns (and autograd saves) ``out`` and ``lse`` for its backward: where the backward may run the
     multi-tile kernels."""
     if block_size == 0 or block_size > SINGLE_TILE_MAX or not float32_tile_fits(block_size, head_dim, dtype):
         return True
     if block_size <= ONE_PROGRAM_BACKWARD_MAX:
         return False
-    grouped = groups > 1 and head_dim in GROUPED_SAVES_LSE_HEAD_DIMS and dtype != torch.float32 and not rotary
+    grouped = (groups > 1 and head_dim in GROUPED_SAVES_LSE_HEAD_DIMS and dtype != torch.float32
+               and (not rotary or rotary in GROUPED_SAVES_LSE_ROTARY))
     return head_dim > ONE_PROGRAM_BACKWARD_HEAD_DIM or grouped
 
 
-def call_saves_lse(q: Tensor, k: Tensor, block_size: int, rope_theta: Optional[float]) -> bool:
+def call_saves_lse(q: Tensor, k: Tensor, block_size: int, rope_theta: Optional[float], rotary_dim: int,
+                   rotary_interleaved: bool) -> bool:
     """:func:`saves_lse` of a call on these tensors (``q [T, H, D]``, ``k [T, H_kv, D]``; ``rope_theta``
-    None without rotary)."""
-    return saves_lse(block_size, q.shape[2], q.dtype, q.shape[1] // max(1, k.shape[1]), rope_theta is not None)
+    None without rotary; ``rotary_dim`` 0: every channel)."""
+    dim = q.shape[2]
+    rot = (rotary_dim or dim) if rope_theta is not None else 0
+    return saves_lse(block_size, dim, q.dtype, q.shape[1] // max(1, k.shape[1]),
+                     rotary_form(rot, dim, rotary_interleaved))
 
 
 def op_backend(backend: str, q: Tensor, k: Tensor, block_size: int, causal: bool,
@@ -132,8 +151,9 @@ def attention_bwd(
 
 
 @attention_fwd.register_fake
-def _fwd_fake(q, k, v, offsets, block_size, scale, causal, rope_theta, *args):
-    lse_rows = q.shape[0] if call_saves_lse(q, k, block_size, rope_theta) else 0
+def _fwd_fake(q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+              *args):
+    lse_rows = q.shape[0] if call_saves_lse(q, k, block_size, rope_theta, rotary_dim, rotary_interleaved) else 0
     return q.new_empty(q.shape), q.new_empty((q.shape[1], lse_rows), dtype=torch.float32)
 
 
@@ -147,7 +167,7 @@ def _setup_context(ctx, inputs, output) -> None:
      cpu_offsets, max_seqlen, backend) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    keep = call_saves_lse(q, k, block_size, rope_theta)
+    keep = call_saves_lse(q, k, block_size, rope_theta, rotary_dim, rotary_interleaved)
     ctx.save_for_backward(q, k, v, offsets, positions, cpu_offsets, out if keep else None, lse if keep else None)
     ctx.scalars = (block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen, backend)
 

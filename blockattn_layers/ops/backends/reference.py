@@ -37,7 +37,7 @@ def _forward(
     args = (q, k, v, offsets, _block(block_size), scale, causal, rope_theta, positions, rotary_dim,
             rotary_interleaved, cpu_offsets, max_seqlen)
     with _autocast_off(q.device.type):
-        if call_saves_lse(q, k, block_size, rope_theta):
+        if call_saves_lse(q, k, block_size, rope_theta, rotary_dim, rotary_interleaved):
             return reference.attention_forward_lse(*args)
         return reference.attention_forward(*args), None
 

@@ -11,10 +11,11 @@ each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``),
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
 backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, grouped
 query heads one by one, which needs neither). Grouped query heads on 16-bit blocks of 65-128 tokens
-at D 128 without rotary (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``) store them too, and on sm_90
-their backward runs on the warp-specialized flash kernel with dQ stored
+at D 128 (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``; rotary in the forms of ``GROUPED_SAVES_LSE_ROTARY``)
+store them too, and on sm_90 their backward runs on the warp-specialized flash kernel with dQ stored
 (``kernels.flash.bwd.stored_dq_takes``: one key tile per block, measured faster than the block kernels
-there), unless a variant is forced; elsewhere the block kernels run it and leave them unread. A rotary
+there; a rotary call's through the rotation pass below, whatever the variant choice), unless a variant
+is forced; elsewhere the block kernels run it and leave them unread. A rotary
 backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``,
 ``kernels.block.rotation``) runs this backward without rotary on rotated copies of q and k and rotates
 dq and dk back. Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time
@@ -43,10 +44,10 @@ from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 from ...determinism import deterministic_backward
 from ...dispatch import AttentionRequest, BackendSpec, register_backend
 from .. import library
-from ..library import SINGLE_TILE_MAX, call_saves_lse, saves_lse
+from ..library import SINGLE_TILE_MAX, call_saves_lse, rotary_form, saves_lse
 
 assert MAX_TILE == SINGLE_TILE_MAX, "the block kernels' tile must be the op layer's single-tile bound"
-assert all(saves_lse(block, dim, dtype, 1, False) != one_tile_backward_fits(block, dim, dtype)
+assert all(saves_lse(block, dim, dtype, 1, "") != one_tile_backward_fits(block, dim, dtype)
            and library.float32_tile_fits(block, dim, dtype) == float32_tile_fits(block, dim, dtype)
            for block in (1, 16, 17, 32, 64, 65, 128) for dim in (16, 64, 128, 144, 256)
            for dtype in (torch.bfloat16, torch.float32)), \
@@ -63,7 +64,7 @@ def _forward(
             cpu_offsets)
     if not float32_tile_fits(block_size, q.shape[2], q.dtype):
         return flash_attention_fwd(*args)
-    if call_saves_lse(q, k, block_size, rope_theta):
+    if call_saves_lse(q, k, block_size, rope_theta, rotary_dim, rotary_interleaved):
         return block_attention_fwd_lse(*args)
     return block_attention_fwd(*args), None
 
@@ -107,8 +108,11 @@ def _backward(
     if _stored_dq_backward(grad_out, q, k, v, lse, block_size, rope_theta):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
-    variant = backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved, positions is not None)
-    if variant.rotation_pass:
+    # A rotary call whose forward saved lse for it: the rotation pass, its inner backward on the flash kernel.
+    rotated_stored_dq = rot > 0 and _stored_dq_backward(grad_out, q, k, v, lse, block_size, None)
+    variant = None if rotated_stored_dq else backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved,
+                                                              positions is not None)
+    if rotated_stored_dq or variant.rotation_pass:
         return rotated_backward(
             lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
                                      False, cpu_offsets, max_seqlen),
@@ -134,7 +138,7 @@ def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) ->
 def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Optional[Tensor], block_size: int,
                         rope_theta: Optional[float]) -> bool:
     """Whether a backward whose block kernels fit one program runs on the flash kernel with dQ stored instead:
-    where the forward saved out and lse for it (grouped query heads at D 128 without rotary, ``saves_lse``),
+    where the forward saved out and lse for it (grouped query heads at D 128, ``saves_lse``),
     no variant is forced, and the kernel takes the call (``stored_dq_takes``: sm_90, no rotary, its layout)."""
     if lse is None or lse.shape[-1] == 0 or variants.forced() is not None:
         return False
@@ -142,13 +146,14 @@ def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 
 def _stored_dq_facts(facts: variants.CallFacts) -> bool:
-    """:func:`_stored_dq_backward` of calls of these (forward) facts, short of their layout."""
-    rotary = facts.rot > 0
+    """:func:`_stored_dq_backward` of calls of these (forward) facts, short of their layout; of a rotary call, of
+    its backward on rotated copies (without rotary), which then runs as a rotation pass."""
+    rotary = rotary_form(facts.rot, facts.head_dim, facts.interleaved)
     if variants.forced() is not None or not saves_lse(facts.block_size, facts.head_dim, facts.dtype, facts.groups,
                                                       rotary):
         return False
     major = facts.major if facts.device_type == "cuda" else None
-    return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, rotary, facts.int64)
+    return not stored_dq_reasons(major, facts.dtype, facts.block_size, facts.head_dim, False, facts.int64)
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
@@ -179,6 +184,8 @@ _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 1
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
 _STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 128 without rotary on sm_90: the flash kernel runs "
               "the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
+_STORED_DQ_ROTATED = ("grouped query heads on blocks of 65-128 tokens at D 128 with interleaved or partial rotary on "
+                      "sm_90: the rotation pass runs the backward, the flash kernel with dQ stored on the rotated copies")
 # Every variant's reason for a full-attention call (the backend refuses it too).
 FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
                   "tokens (triton_flash serves full attention)")
@@ -209,9 +216,10 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     if not float32_tile_fits(block_size, req.head_dim, req.dtype):
         return {**{name: why + [_FLOAT32_TILE] for name, why in forward.items()}, FLASH: []}
     training = forward
-    if saves_lse(block_size, req.head_dim, req.dtype, groups, req.rotary):
+    if saves_lse(block_size, req.head_dim, req.dtype, groups, rotary_form(rot, req.head_dim, req.rotary_interleaved)):
         training = variants.explain(facts._replace(stores_lse=True))
-    backward = _backward_reasons(facts, _stored_dq_facts(facts))
+    stored_dq = _stored_dq_facts(facts)
+    backward = _backward_reasons(facts, stored_dq)
     reasons = dict(forward)
     if _running(training) != _running(forward):
         reasons.update({f"{FORWARD_WITH_GRADIENTS}: {name}": why for name, why in training.items()})
@@ -219,8 +227,7 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
         reasons.update({f"backward: {name}": why for name, why in backward.items()})
     running = variants.VARIANTS.get(_running(backward))
     if running is not None and running.rotation_pass:
-        # (A rotary call saves no lse: its inner backward never runs the flash kernel with dQ stored.)
-        inner = _backward_reasons(facts._replace(rot=0, interleaved=False), False)
+        inner = _backward_reasons(facts._replace(rot=0, interleaved=False), stored_dq)
         reasons.update({f"{ROTATED_COPIES}: {name}": why for name, why in inner.items()})
     return reasons
 
@@ -228,9 +235,12 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
 def _backward_reasons(facts: variants.CallFacts, stored_dq: bool) -> Dict[str, List[str]]:
     """Each variant's reasons not to run the backward of a call with these (forward) facts, and
     ``flash``'s where no block kernel's backward fits one program or the flash kernel with dQ stored
-    takes it (``stored_dq``: ``_stored_dq_facts`` of the call)."""
+    takes it (``stored_dq``: ``_stored_dq_facts`` of the call; with rotary, the rotation pass's variant runs it)."""
     explained = variants.explain(facts._replace(backward=True))
     if one_tile_backward_fits(facts.block_size, facts.head_dim, facts.dtype):
+        if stored_dq and facts.rot:
+            return {name: [] if variants.VARIANTS[name].rotation_pass else why + [_STORED_DQ_ROTATED]
+                    for name, why in explained.items()}
         if stored_dq:
             return {**{name: why + [_STORED_DQ] for name, why in explained.items()}, FLASH: []}
         return explained
