@@ -82,7 +82,7 @@ gpu-check: gpu-tests gpu-tests-forced
 # forward and sub-layers with their time per kernel (`bench.fp8 --kernels`), and the flash forward's
 # loop and tile options (about 7 minutes); `make gpu-candidates-bwd-bench` the flash backward's forms
 # beside ours on the full-attention shapes (about 4 minutes).
-CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_fast_bwd_rows_by_loader],triton_flash[gluon_bwd_rows_by_loader],triton_flash[gluon_fast_bwd_thread_release],triton_flash[gluon_bwd_thread_release],triton_flash[gluon_dkdv_bwd]
+CANDIDATE_FLASH_ROWS ?= triton_flash,triton_flash[fast_bwd],triton_flash[triton_bwd],triton_flash[triton_fast_bwd],triton_flash[gluon_bwd],triton_flash[gluon_fast_bwd],triton_flash[gluon_bwd_consumer_adds],triton_flash[gluon_fast_bwd_consumer_adds],triton_flash[gluon_fast_bwd_p_beside_dp],triton_flash[gluon_fast_bwd_rows_by_loader],triton_flash[gluon_bwd_rows_by_loader],triton_flash[gluon_fast_bwd_consumer_rows],triton_flash[gluon_bwd_consumer_rows],triton_flash[gluon_dkdv_bwd]
 gpu-candidates:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	timeout 420 python3 -m pytest -q -m gpu -n $(GPU_WORKERS) -p no:cacheprovider tests/test_fp8_modules.py \

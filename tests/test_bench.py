@@ -255,7 +255,7 @@ def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
             "flash_kernels[gluon_share_kv]": (True, True)}
     backward = {"flash_kernels[gluon_fast_bwd]": False, "flash_kernels[gluon_bwd]": True,  # deterministic?
                 "flash_kernels[gluon_fast_bwd_dq_store]": False,
-                "flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]": False,
+                "flash_kernels[gluon_fast_bwd_dq_store_consumer_rows]": False,
                 "flash_kernels[gluon_fast_bwd_dq_store_delta]": False}
     assert set(rows) == set(want) | set(backward)
     case = Case("t", "t", torch.tensor([0, 1, 130, 17]), 4, 128, 128, num_kv_heads=1)
@@ -324,30 +324,30 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
                 flash_bwd.THREAD_RELEASE, flash_bwd.DQ_LAG, flash_bwd.STAGGER, flash_bwd.LEAN_WRITER)
 
     defaults = switches()
-    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False, False)
+    assert defaults == (False, True, False, True, False, True, False, (128,), (64,), (64,), True, True, False, False, False)
     rows = {method.name: method for method in ours.GLUON_BACKWARDS + [
         ours.GLUON_FLASH_BY_TILES, ours.TRITON_FAST_BACKWARD, ours.GLUON_DKDV_ONLY_BACKWARD, ours.TRITON_BACKWARD,
         ours.GLUON_DKDV_ONLY_NARROW_BACKWARD]}
     want = {
-        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False, False, False, False, False),
-        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_bwd]": (True, True, False, True, False, True, False, (128,), (64,), (64,), True, True, False, False, False),
+        "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True, True, False, False, False),
         "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False, False, False, False, False),
         "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
         "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False, False, False, False, False),
-        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), False, False, False, False, False),
-        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
-        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), False, False, False, False, False),
-        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), False, False, False, False, False),
-        "triton_flash[gluon_dkdv_m64]": (False, True, True, True, False, True, False, (), (64,), (), False, False, False,
+        "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), True, True, False, False, False),
+        "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), True, True, False, False, False),
+        "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), True, True, False, False, False),
+        "triton_flash[triton_bwd]": (False, True, False, True, False, True, False, (), (), (64,), True, True, False, False, False),
+        "triton_flash[gluon_dkdv_m64]": (False, True, True, True, False, True, False, (), (64,), (), True, True, False,
                                          False, False),
         "triton_flash[gluon_fast_bwd_rows_by_loader]": (True, True, False, True, False, True, True, (128,), (64,), (64,),
                                                         True, False, False, False, False),
         "triton_flash[gluon_bwd_rows_by_loader]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
                                                    True, False, False, False, False),
-        "triton_flash[gluon_fast_bwd_thread_release]": (True, True, False, True, False, True, True, (128,), (64,),
-                                                        (64,), True, True, False, False, False),
-        "triton_flash[gluon_bwd_thread_release]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
-                                                   True, True, False, False, False),
+        "triton_flash[gluon_fast_bwd_consumer_rows]": (True, True, False, True, False, True, True, (128,), (64,),
+                                                       (64,), False, False, False, False, False),
+        "triton_flash[gluon_bwd_consumer_rows]": (True, True, False, True, False, True, False, (128,), (64,), (64,),
+                                                  False, False, False, False, False),
         "triton_flash[gluon_fast_bwd_dq_lag]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True,
                                                 True, True, False, True),
         "triton_flash[gluon_bwd_dq_lag]": (True, True, False, True, False, True, False, (128,), (64,), (64,), True,

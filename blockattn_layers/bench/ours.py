@@ -341,8 +341,8 @@ TRITON_FAST_BACKWARD = Method(
 
 
 @contextlib.contextmanager
-def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = False,
-                    thread_release: bool = False, dq_lag: bool = False, stagger: bool = False,
+def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = True,
+                    thread_release: bool = True, dq_lag: bool = False, stagger: bool = False,
                     lean_writer: bool = False, dq_store: bool = False, delta_in_kernel: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
@@ -398,9 +398,11 @@ GLUON_BACKWARDS = [
            context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader, thread_release, *more))
     for name, mode, order, fast, writer, early_p, rows_by_loader, thread_release, *more in (
         ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
-         "their terms in shared memory and go on)", False, True, False, False, False),
+         "their terms in shared memory and go on), each step's lse and delta copied by the loader warp, the ring's "
+         "slots released by every consumer thread", False, True, False, True, True),
         ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
-         "store their terms in shared memory and go on)", True, True, False, False, False),
+         "store their terms in shared memory and go on), each step's lse and delta copied by the loader warp, the "
+         "ring's slots released by every consumer thread", True, True, False, True, True),
         ("triton_flash[gluon_bwd_consumer_adds]", "deterministic", "in a fixed order by the consumers' own atomic "
          "adds", False, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
@@ -411,12 +413,12 @@ GLUON_BACKWARDS = [
          "warp, each step's lse and delta copied by the loader warp", True, True, False, True, False),
         ("triton_flash[gluon_bwd_rows_by_loader]", "deterministic", "in a fixed order from a writer warp, each "
          "step's lse and delta copied by the loader warp", False, True, False, True, False),
-        ("triton_flash[gluon_fast_bwd_thread_release]", "fast", "in any order by TMA reduce-adds from a writer "
-         "warp, each step's lse and delta copied by the loader warp, the ring's slots released by every consumer "
-         "thread", True, True, False, True, True),
-        ("triton_flash[gluon_bwd_thread_release]", "deterministic", "in a fixed order from a writer warp, each "
-         "step's lse and delta copied by the loader warp, the ring's slots released by every consumer thread",
-         False, True, False, True, True),
+        ("triton_flash[gluon_fast_bwd_consumer_rows]", "fast", "in any order by TMA reduce-adds from a writer "
+         "warp, each consumer copying its own lse and delta rows, the ring's slots released by one elected "
+         "arrival after a warpgroup barrier (the default before session 56)", True, True, False, False, False),
+        ("triton_flash[gluon_bwd_consumer_rows]", "deterministic", "in a fixed order from a writer warp, each "
+         "consumer copying its own lse and delta rows, the ring's slots released by one elected arrival after a "
+         "warpgroup barrier (the default before session 56)", False, True, False, False, False),
         ("triton_flash[gluon_fast_bwd_dq_lag]", "fast", "in any order by TMA reduce-adds from a writer warp, "
          "each step's dQ product the step before's (no meeting of the warpgroups mid-step), lse and delta copied "
          "by the loader warp, slots released by every consumer thread, the writer warp on fewer registers", True, True,
@@ -553,9 +555,9 @@ FLASH_KERNELS = [
          "adds in a fixed order)", dict(fast=False)),
         ("flash_kernels[gluon_fast_bwd_dq_store]", "flash_kernels[gluon_fast_bwd] with dQ stored by the kernel, no "
          "float32 sums or cast pass (sm90.flash_bwd.DQ_STORE, at D 64 too)", dict(fast=True, dq_store=True)),
-        ("flash_kernels[gluon_fast_bwd_dq_store_rows_by_loader]", "flash_kernels[gluon_fast_bwd_dq_store] with the "
-         "lse and delta rows by the loader and slots released by every consumer thread",
-         dict(fast=True, dq_store=True, rows_by_loader=True, thread_release=True)),
+        ("flash_kernels[gluon_fast_bwd_dq_store_consumer_rows]", "flash_kernels[gluon_fast_bwd_dq_store] with "
+         "each consumer copying its own lse and delta rows and the slots released by one elected arrival",
+         dict(fast=True, dq_store=True, rows_by_loader=False, thread_release=False)),
         ("flash_kernels[gluon_fast_bwd_dq_store_delta]", "flash_kernels[gluon_fast_bwd_dq_store] with the delta rows "
          "computed in the kernel from O's tiles, no delta pass (sm90.flash_bwd.DELTA_IN_KERNEL)",
          dict(fast=True, dq_store=True, delta_in_kernel=True)),

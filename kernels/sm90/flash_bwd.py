@@ -128,17 +128,17 @@ P_BESIDE_DP = False
 # step's ring slot, which its ready barrier then waits for too, as FlashAttention-3's producer loads them beside
 # q and dO) instead of each consumer warpgroup copying its own ahead (a copy wait and a warpgroup barrier every
 # step: ncu of the fast backward, seed3, H100, session 50, has 31 % of the consumers' cycles between issues
-# waiting at barriers). GPU tests pass (H100, 2026-12-07). A candidate to time
-# (``triton_flash[gluon_fast_bwd_rows_by_loader]``; with thread releases: ``THREAD_RELEASE``).
-ROWS_BY_LOADER = False
+# waiting at barriers). Taken with ``THREAD_RELEASE`` (below; timings there).
+ROWS_BY_LOADER = True
 # Whether the consumers hand the ring's slots back by every thread's own arrival (``THREAD_RELEASE``:
 # ``persistent.release_slot``'s ``BY_THREADS``, the ring counting each consumer's 128 threads) instead of a
 # warpgroup barrier and one elected arrival: one of the six warpgroup barriers of a step less. Without
 # ``ROWS_BY_LOADER`` a thread's arrival also waits for its copies of the next step's rows. GPU tests pass (H100,
-# 2026-12-07, with ``ROWS_BY_LOADER``'s). First timing (H100, bf16, seed3, fast backward, one run): 3.012 ms against
-# the default's 3.114 (3 %); to confirm, and on the H200, before it is taken
-# (``triton_flash[gluon_fast_bwd_thread_release]``, with the rows by the loader).
-THREAD_RELEASE = False
+# 2026-12-07). H100, bf16, backward ms, both on / both off (``triton_flash[gluon_fast_bwd_consumer_rows]``,
+# ``[gluon_bwd_consumer_rows]``), session 56, one run: fast seed3 3.008 / 3.151, causal 1.872 / 1.957, GQA 2.885 /
+# 2.979, prod_full 33.5 / 34.7 (3.2-4.5 % faster); deterministic seed3 3.205 / 3.225, causal 1.929 / 2.011, GQA
+# 3.116 / 3.104, prod_full 35.9 / 36.5. Sessions 53 and 54 had the fast seed3 3-4 % faster too.
+THREAD_RELEASE = True
 # Whether each step's dQ product is the previous step's (``DQ_LAG``, D 128 with the writer): a consumer stores its
 # dS^T half of step ``it`` into a slot of ``DS_LAG_SLOTS`` and issues dQ's product of step ``it - 1``, whose halves
 # both warpgroups stored a step before, so the warpgroups no longer wait for each other mid-step (the ``ds_ready``
