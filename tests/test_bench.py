@@ -333,7 +333,7 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
         "triton_flash[gluon_fast_bwd]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True, True, False, False, False),
         "triton_flash[gluon_bwd_consumer_adds]": (True, True, False, False, False, True, False, (128,), (64,), (64,), False, False, False, False, False),
         "triton_flash[gluon_fast_bwd_consumer_adds]": (True, True, False, False, False, True, True, (128,), (64,), (64,), False, False, False, False, False),
-        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), False, False, False, False, False),
+        "triton_flash[gluon_fast_bwd_p_beside_dp]": (True, True, False, True, True, True, True, (128,), (64,), (64,), True, True, False, False, False),
         "triton_flash[gluon_tiles]": (False, True, False, True, False, False, False, (128,), (64,), (64,), True, True, False, False, False),
         "triton_flash[triton_fast_bwd]": (False, False, False, True, False, True, True, (128,), (64,), (64,), True, True, False, False, False),
         "triton_flash[gluon_dkdv_bwd]": (False, True, True, True, False, True, False, (), (64,), (64,), True, True, False, False, False),
@@ -355,9 +355,9 @@ def test_gluon_flash_rows_set_their_kernel_switches_and_restore_them():
         "triton_flash[gluon_fast_bwd_stagger]": (True, True, False, True, False, True, True, (128,), (64,), (64,), True,
                                                  True, True, True, True),
         "triton_flash[gluon_fast_bwd_lean_writer]": (True, True, False, True, False, True, True, (128,), (64,), (64,),
-                                                     False, False, False, False, True),
-        "triton_flash[gluon_bwd_lean_writer]": (True, True, False, True, False, True, False, (128,), (64,), (64,), False,
-                                                False, False, False, True),
+                                                     True, True, False, False, True),
+        "triton_flash[gluon_bwd_lean_writer]": (True, True, False, True, False, True, False, (128,), (64,), (64,), True,
+                                                True, False, False, True),
     }
     assert set(rows) == set(want)
     for name, method in rows.items():

@@ -408,7 +408,8 @@ GLUON_BACKWARDS = [
         ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
          True, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_p_beside_dp]", "fast", "in any order by TMA reduce-adds from a writer warp, "
-         "each step's P computed while dP's product runs", True, True, True, False, False),
+         "each step's P computed while dP's product runs, lse and delta copied by the loader warp, slots released "
+         "by every consumer thread", True, True, True, True, True),
         ("triton_flash[gluon_fast_bwd_rows_by_loader]", "fast", "in any order by TMA reduce-adds from a writer "
          "warp, each step's lse and delta copied by the loader warp", True, True, False, True, False),
         ("triton_flash[gluon_bwd_rows_by_loader]", "deterministic", "in a fixed order from a writer warp, each "
@@ -431,11 +432,11 @@ GLUON_BACKWARDS = [
          "lse and delta copied by the loader warp, slots released by every consumer thread, the writer warp on "
          "fewer registers", True, True, False, True, True, True, True, True),
         ("triton_flash[gluon_fast_bwd_lean_writer]", "fast", "in any order by TMA reduce-adds from a writer warp "
-         "on fewer registers (the second consumer warpgroup on as many as the first)", True, True, False, False,
-         False, False, False, True),
+         "on fewer registers (the second consumer warpgroup on as many as the first), lse and delta copied by the "
+         "loader warp, slots released by every consumer thread", True, True, False, True, True, False, False, True),
         ("triton_flash[gluon_bwd_lean_writer]", "deterministic", "in a fixed order from a writer warp on fewer "
-         "registers (the second consumer warpgroup on as many as the first)", False, True, False, False, False,
-         False, False, True),
+         "registers (the second consumer warpgroup on as many as the first), lse and delta copied by the loader "
+         "warp, slots released by every consumer thread", False, True, False, True, True, False, False, True),
     )
 ]
 
