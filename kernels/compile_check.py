@@ -486,13 +486,14 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols
+    _NO_UNROTATE = dict(ROT_DIM=0, INTERLEAVED=False, HAS_POS=False)
 
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         name = f"flash_gluon_bwd_{dtype}_d{dim}{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}"
         yield Build(name, _flash_bwd_ws_kernel, dtype, constexprs, dict(num_warps=4))
     # Candidates: dQ's adds by the consumers themselves (no writer partition), P computed beside
@@ -504,7 +505,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
                           WITH_DQ=with_dq, ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         name = (f"flash_gluon_bwd{'' if writer else '_consumer_adds'}{'_pbesidedp' if early_p else ''}"
                 f"{'' if with_dq else '_dkdv_only'}_bf16_d{dim}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -517,7 +518,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=threads, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         name = (f"flash_gluon_bwd_lse_by_loader{'_thread_release' if threads else ''}_bf16_d{dim}"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -528,7 +529,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=True, STAGGER=stagger,
-                          LEAN_WRITER=True, DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          LEAN_WRITER=True, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         name = (f"flash_gluon_bwd_{'stagger' if stagger else 'dq_lag'}_bf16_d128"
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -536,7 +537,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True,
-                          DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         yield Build(f"flash_gluon_bwd_lean_writer_bf16_d128{'_causal_gqa' if causal else ''}", _flash_bwd_ws_kernel,
                     "bf16", constexprs, dict(num_warps=4))
     # dQ stored where one key tile holds a whole block (DQ_STORE): by the consumers at D 128 (no writer partition;
@@ -550,15 +551,28 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=dq_cols(dim) == dim, P_BESIDE_DP=False,
                           WITH_DQ=True, ROWS_BY_LOADER=form == "_by_loader", THREAD_RELEASE=form == "_by_loader",
                           DQ_LAG=False, STAGGER=False, LEAN_WRITER=False, DQ_STORE=True,
-                          DELTA_IN_KERNEL=form == "_delta")
+                          DELTA_IN_KERNEL=form == "_delta", **_NO_UNROTATE)
         yield Build(f"flash_gluon_bwd_dq_store{form}_bf16_d{dim}{'_causal_gqa' if causal else ''}",
+                    _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+    # dQ and dK rotated back in the kernel (ROT_DIM, UNROTATE) with dQ stored at D 128, as the defaults run it (rows by
+    # the loader, thread releases, the delta rows in the kernel without causal masks): interleaved over every channel,
+    # split halves over 64, interleaved over 32 at given positions.
+    for (causal, groups), (rot, interleaved, has_pos) in itertools.product(
+            ((False, 4), (True, 4)), ((128, True, False), (64, False, False), (32, True, True))):
+        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
+                          DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=interleaved,
+                          HAS_POS=has_pos)
+        form = f"{'i' if interleaved else 's'}{rot}{'_pos' if has_pos else ''}"
+        yield Build(f"flash_gluon_bwd_dq_store_unrotate_{form}_bf16_d128{'_causal' if causal else ''}_gqa",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
-                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False)
+                          STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
         yield Build(f"flash_gluon_bwd_dkdv_only_m128_bf16_d64{'_causal_gqa' if causal else ''}",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
 

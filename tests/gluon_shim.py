@@ -1036,6 +1036,7 @@ language = _namespace(
     atomic_add=_atomic_add, convert_layout=lambda x, layout, assert_trivial=False: x,
     reshape=lambda x, shape, can_reorder=False: tensor(tensor(x).reshape([int(n) for n in shape])),
     split=lambda x: tuple(tensor(t) for t in tensor(x).unbind(-1)),
+    permute=lambda x, *dims: tensor(tensor(x).permute([int(d) for d in (dims[0] if len(dims) == 1 else dims)])),
     join=lambda a, b: tensor(torch.stack(_as_tensors(a, b), -1)),
     allocate_shared_memory=_allocate_shared_memory, warp_specialize=_warp_specialize,
     BlockedLayout=_layout("BlockedLayout"), SliceLayout=_layout("SliceLayout"),

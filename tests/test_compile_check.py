@@ -161,9 +161,17 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     on 24 registers (``LEAN_WRITER``: the lag builds, and on its own); dQ stored where one key tile holds the
     block (``DQ_STORE``: no reduce-adds; at D 128 a TMA store by each consumer beside dK's and dV's and no
     writer, at D 64 the writer's), with the delta rows computed in the kernel (``DELTA_IN_KERNEL``: O's tile one
-    more TMA copy a step)."""
+    more TMA copy a step), and with dQ and dK rotated back in the kernel (``ROT_DIM``: sines and cosines, none
+    in the other builds)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 59 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 65 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    unrotated = {name: ptx.pop(name) for name in list(ptx) if name.startswith("flash_gluon_bwd_dq_store_unrotate_")}
+    assert len(unrotated) == 6
+    for name, text in unrotated.items():  # the default D 128 stored form (rows by the loader) plus the rotations
+        assert "cp.reduce.async.bulk" not in text and "atom.global" not in text, name
+        assert text.count("cp.async.bulk.tensor.2d.global.shared") == 6, name
+        assert "cp.async.mbarrier.arrive.noinc" in text and "sin.approx.f32" in text, name
+    assert not any("sin.approx.f32" in text for text in ptx.values())
     stored = [name for name in ptx if name.startswith("flash_gluon_bwd_dq_store_")]
     assert len(stored) == 10
     loads = "cp.async.bulk.tensor.2d.shared::cluster.global"

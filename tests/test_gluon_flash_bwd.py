@@ -7,6 +7,7 @@ each and nothing outside the tensors, dQ's float32 sums added once per key tile.
 not model (timing, warps within a partition, layouts) is in its docstring."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -50,14 +51,15 @@ def _inputs(lengths, heads, kv_heads, dim, seed):
 
 def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=False, early_p=False, with_dq=True,
          block_m=flash_bwd.TILE_M, rows_by_loader=False, thread_release=False, dq_lag=False, stagger=False,
-         dq_store=False, delta_in_kernel=False):
+         dq_store=False, delta_in_kernel=False, unrotate=None):
     """``(dq, dk, dv, run, counters)`` of the kernel given float64 reference ``o`` and ``lse``
     (``writer``: dQ's adds by the writer partition, ``DQ_WRITER``; ``early_p``: ``P_BESIDE_DP``;
     ``with_dq``: ``WITH_DQ``; ``block_m``: query rows per step, ``BLOCK_M``; ``rows_by_loader``: lse and delta
     copied by the loader, ``ROWS_BY_LOADER``; ``thread_release``: slots released by every consumer thread,
     ``THREAD_RELEASE``; ``dq_lag``: each step's dQ product the step before's, ``DQ_LAG``; ``stagger``:
     ``STAGGER``; ``dq_store``: dQ itself stored, ``DQ_STORE``, and returned as the first element;
-    ``delta_in_kernel``: the delta rows computed from O in the kernel, ``DELTA_IN_KERNEL``, the delta tensor NaN)."""
+    ``delta_in_kernel``: the delta rows computed from O in the kernel, ``DELTA_IN_KERNEL``, the delta tensor NaN;
+    ``unrotate``: ``(rope_theta, positions, rotary_dim, interleaved)``, dQ and dK rotated back, ``ROT_DIM``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -68,6 +70,8 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         delta = torch.full_like(delta, float("nan"))  # never read
     out = o.to(q.dtype)
     sched = FlashSchedule(offsets, total, block_size, flash_bwd.TILE_N, None, longest_first=block_size == 0)
+    table = flash_bwd.key_tile_table(sched, causal, deterministic)
+    theta, positions, rot, interleaved = unrotate or (1.0, None, 0, False)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     sums = torch.full_like(q, float("nan")) if dq_store else torch.zeros(q.shape)
     counters = torch.zeros((heads, total, 2), dtype=torch.int32)
@@ -75,7 +79,8 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         flash_bwd._flash_bwd_ws_kernel, (sched.programs * kv_heads,), Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, DQA=sums,
         Sem=counters, stride_sh=2 * total, DETERMINISTIC=deterministic, Lse=lse, Delta=delta, O=out,
         stride_ot=out.stride(0), DELTA_IN_KERNEL=delta_in_kernel,
-        Table=flash_bwd.key_tile_table(sched, causal, deterministic), slots=sched.programs, heads=heads,
+        Table=table, Pos=table if positions is None else positions, log2_theta=math.log2(theta), ROT_DIM=rot,
+        INTERLEAVED=interleaved, HAS_POS=positions is not None, slots=sched.programs, heads=heads,
         kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
@@ -195,6 +200,53 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, fo
     for name_, x in (("DQA", dq), ("DK", dk), ("DV", dv)):
         assert torch.equal(run.writes(name_), torch.ones_like(x, dtype=torch.int64))
     assert not counters.any()
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "interleaved-partial-int-positions", "split-partial",
+                                    "split-quarter-float-positions"])
+@pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128"])
+def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotary):
+    """``ROT_DIM`` (``UNROTATE``): on q and k rotated beforehand (as the rotation pass writes them), dQ and dK come
+    out rotated back by the kernel, against the float64 gradients of the rotary call (interleaved pairs over every
+    channel or 32; split halves over 64 or 32 channels, each pair inside a consumer's dQ column half; positions
+    given as ints or floats, or each row's index in its sequence, blocks ragged); the rows by the loader, thread
+    releases and, without causal masks, the delta rows in the kernel, as the defaults run it."""
+    lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
+    q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
+    offsets = offsets_from_lengths(lengths)
+    rot = {"interleaved": 128, "interleaved-partial-int-positions": 32, "split-partial": 64,
+           "split-quarter-float-positions": 32}[rotary]
+    interleaved = rotary.startswith("interleaved")
+    positions = None
+    if rotary.endswith("int-positions"):
+        positions = torch.randint(0, 3000, (q.shape[0],), generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    elif rotary.endswith("float-positions"):
+        positions = torch.rand(q.shape[0], generator=torch.Generator().manual_seed(4)) * 3000
+    assert flash_bwd.unrotates(block_size, dim, rot, interleaved)
+    theta = 500.0
+    qr, kr, _ = reference._rotated_inputs(q, k, offsets, theta, positions, rot, interleaved, torch.float64)
+    dq, dk, dv, run, _ = _run(qr.to(q.dtype), kr.to(k.dtype), v, do, offsets, block_size, causal,
+                              rows_by_loader=True, thread_release=True, dq_store=True,
+                              delta_in_kernel=not causal, unrotate=(theta, positions, rot, interleaved))
+    want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size,
+                                        dim ** -0.5, causal, theta, positions, rot, interleaved)
+    for got, ref in zip((dq, dk, dv), want):
+        assert rel_err(got, ref) < 5e-3
+    for name_, x in (("DQA", dq), ("DK", dk), ("DV", dv)):
+        assert torch.equal(run.writes(name_), torch.ones_like(x, dtype=torch.int64))
+
+
+def test_unrotates_where_each_pair_lies_in_one_dq_column_half(monkeypatch):
+    """``unrotates``: D 128 with dQ stored (blocks of up to 128 tokens), interleaved pairs over any channels, split
+    halves over channels dividing 64; not D 64 (the writer sums the halves), split halves over every channel or 48,
+    full attention, or with ``UNROTATE`` off."""
+    assert flash_bwd.unrotates(128, 128, 128, True) and flash_bwd.unrotates(100, 128, 32, True)
+    assert flash_bwd.unrotates(128, 128, 64, False) and flash_bwd.unrotates(65, 128, 16, False)
+    assert not flash_bwd.unrotates(128, 128, 128, False) and not flash_bwd.unrotates(128, 128, 48, False)
+    assert not flash_bwd.unrotates(128, 64, 64, True) and not flash_bwd.unrotates(0, 128, 64, True)
+    assert not flash_bwd.unrotates(256, 128, 64, True) and not flash_bwd.unrotates(128, 128, 0, True)
+    monkeypatch.setattr(flash_bwd, "UNROTATE", False)
+    assert not flash_bwd.unrotates(128, 128, 128, True)
 
 
 def test_flash_ws_backward_stores_dq_only_where_one_key_tile_holds_the_block():

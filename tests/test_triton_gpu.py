@@ -894,6 +894,7 @@ ROTARY_STORED_DQ_CASES = [
     dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, rotary_dim=64),
     dict(heads=6, kv_heads=3, block_size=128, rope_theta=1e4, rotary_dim=32, rotary_interleaved=True,
          positions="float"),
+    dict(heads=4, kv_heads=1, block_size=128, rope_theta=1e4, rotary_dim=96, positions="int"),
 ]
 
 
@@ -902,16 +903,29 @@ ROTARY_STORED_DQ_CASES = [
 def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(monkeypatch, case):
     """Interleaved or partial rotary (``GROUPED_SAVES_LSE_ROTARY``): the forward saves lse too, and the backward
     runs as a rotation pass whose inner backward is the flash kernel with dQ stored (the block kernels' not at
-    all), given positions too, against the float64 oracle, bf16 and fp16."""
+    all), given positions too, against the float64 oracle, bf16 and fp16; where each rotary pair lies in one of
+    the kernel's dQ column halves (``flash_bwd.unrotates``: interleaved, split halves over 64 or fewer) the kernel
+    rotates dq and dk back and the pass's second half does not run."""
+    from blockattn_layers.kernels.block import rotation
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
     calls = _stored_dq_spy(monkeypatch)
+    passes = []
+    real = rotation.rotate_rows
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a, **kw: passes.append(a[-2]) or real(*a, **kw))
     case = dict(case)
     heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
+    rot = case.get("rotary_dim", 128)
+    unrotates = flash_bwd.unrotates(case["block_size"], 128, rot, case.get("rotary_interleaved", False))
+    assert unrotates == (rot != 96)
     with variants.forced_variant("auto"):
         for dtype in (torch.bfloat16, torch.float16):
             q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, 128, dtype, seed=heads + case["block_size"])
             calls.clear()
+            passes.clear()
             check_against_oracle(q, k, v, offsets, **case)
             assert calls == [(True, not case.get("causal", False))]
+            assert passes == ([False] if unrotates else [False, True])
 
 
 @SM90

@@ -600,7 +600,7 @@ def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_va
     monkeypatch.setattr(triton_block, "backward_variant",
                         lambda do, q, k, v, block, rot, *rest: ran.append("choice") or (chosen[0] if rot else
                                                                                          variants.HOPPER))
-    monkeypatch.setattr(triton_block, "rotated_backward", lambda inner, q, k, *rotate: inner(q, k))
+    monkeypatch.setattr(triton_block, "rotated_backward", lambda inner, q, k, *rotate, **kw: inner(q, k))
     chosen = [variants.HOPPER]
     q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
@@ -621,6 +621,41 @@ def test_the_stored_dq_flash_backward_runs_where_the_forward_saved_lse_and_no_va
     with variants.forced_variant("hopper"):
         chosen[0] = variants.HOPPER
         assert backward(10) == ["choice", "block"]
+
+
+def test_a_rotary_stored_dq_backward_skips_the_back_rotation_pass_where_the_kernel_rotates_back(monkeypatch):
+    """A rotary call whose forward saved lse, where the flash kernel with dQ stored rotates dq and dk back itself
+    (``stored_dq_unrotates``, stubbed here: CPU tensors; asked of the rotated copies, whose layout the kernel
+    reads): the rotation pass writes the rotated copies, the kernel gets the rotation (``unrotate``: theta,
+    positions, rotary channels, layout) and no second pass runs; where it does not, the second pass rotates them
+    back."""
+    from blockattn_layers.kernels.block import rotation
+
+    passes, got, asked = [], [], []
+    monkeypatch.setattr(rotation, "rotate_rows", lambda a, b, *rest, **kw: passes.append(rest[-2]) or (
+        (a, b) if rest[-1] else (a.clone(), b.clone())))
+    monkeypatch.setattr(triton_block, "stored_dq_takes", lambda do, q, k, v, block, rope: rope is None)
+    monkeypatch.setattr(triton_block, "flash_attention_bwd",
+                        lambda *a, **kw: got.append((a[10], kw.get("unrotate"))) or (a[1], a[2], a[3]))
+    unrotates = [True]
+    monkeypatch.setattr(triton_block, "stored_dq_unrotates", lambda do, q, k, v, block, rot, interleaved: asked.append(
+        (q, k)) or (unrotates[0] and rot == 64 and interleaved))
+    q = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
+    pos = torch.arange(10)
+
+    def backward():
+        passes.clear()
+        got.clear()
+        triton_block._backward(q, q, k, k, q, torch.zeros(4, 10), torch.tensor([0, 10]), 128, 0.1, False, 1e4, pos,
+                               64, True, None, None)
+        return passes, got
+
+    with variants.forced_variant("auto"):
+        assert backward() == ([False], [(None, (1e4, pos, 64, True))])  # the forward rotation only
+        assert asked and all(x is not q and y is not k for x, y in asked)
+        unrotates[0] = False
+        assert backward() == ([False, True], [(None, None)])  # and the back rotation
 
 
 def test_the_triton_backend_routes_wide_backwards_to_hopper_wide_only_where_it_is_chosen(monkeypatch):

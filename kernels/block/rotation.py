@@ -118,13 +118,23 @@ def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_off
 
 def rotated_backward(backward, q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor,
                      cpu_offsets: Optional[torch.Tensor], rope_theta: float, positions: Optional[torch.Tensor],
-                     rotary_dim: int, interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     rotary_dim: int, interleaved: bool, unrotating_backward=None,
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of a rotary call from ``backward(q_rotated, k_rotated)``, the backward of the
     call without rotary on rotated copies of q and k (freed before the back rotation); dq and dk
-    rotated back in place. Both passes share one schedule of row chunks."""
+    rotated back in place. ``unrotating_backward(q_rotated, k_rotated)``, tried first where given:
+    ``(dq, dk, dv)`` already rotated back (the Gluon flash kernel with dQ stored,
+    ``sm90.flash_bwd.unrotates``; no second pass), or None where it does not take the copies. Both
+    passes share one schedule of row chunks."""
     sched = row_chunks(offsets, q.shape[0], cpu_offsets)
     rotate = (offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved)
-    dq, dk, dv = backward(*rotate_rows(q, k, *rotate, False, False, sched=sched))
+    q_rotated, k_rotated = rotate_rows(q, k, *rotate, False, False, sched=sched)
+    if unrotating_backward is not None:
+        grads = unrotating_backward(q_rotated, k_rotated)
+        if grads is not None:
+            return grads
+    dq, dk, dv = backward(q_rotated, k_rotated)
+    del q_rotated, k_rotated
     rotate_rows(dq, dk, *rotate, True, True, sched=sched)
     return dq, dk, dv
 

@@ -352,13 +352,16 @@ def flash_attention_bwd(
     offsets: torch.Tensor, block_size: int, scale: float, causal: bool, rope_theta: Optional[float],
     positions: Optional[torch.Tensor], rotary_dim: int, rotary_interleaved: bool,
     cpu_offsets: Optional[torch.Tensor], tiles: Optional[dict] = None, deterministic: bool = True,
+    unrotate: Optional[tuple] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels; returns ``(dq, dk, dv)``, contiguous, dtypes of the inputs.
 
     ``block_size == 0``: full attention; ``tiles``: ``{"dkv": (key, query), "dq": (query, key)}``
     tile rows, and ``"dkv_fast"`` for the fast backward's dK/dV pass (else ``"dkv"``), default
     ``flash_tiles``. ``deterministic=False``: the fast backward (module
-    docstring): no dQ pass, dQ summed by atomic adds in the dK/dV pass.
+    docstring): no dQ pass, dQ summed by atomic adds in the dK/dV pass. ``unrotate`` (a call without rotary
+    on q and k that the caller rotated, where :func:`stored_dq_unrotates`): ``(rope_theta, positions,
+    rotary_dim, interleaved)`` of that rotation, which the Gluon kernel with dQ stored applies back to dq and dk.
     """
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -400,8 +403,14 @@ def flash_attention_bwd(
             gluon.dkdv_pass_ws, do, q, k, v, sched=dkv_sched, scale=scale, causal=causal, deterministic=deterministic)
         stores_dq = ws is not None and gluon_adds_dq and gluon.stores_dq(block_size, head_dim)
         own_delta = stores_dq and gluon.computes_delta(block_size, head_dim, causal, num_heads // kv_heads)
+        if unrotate is not None:
+            if not stores_dq or rope_theta is not None:
+                raise ValueError("unrotate: a call without rotary that the Gluon kernel with dQ stored takes")
+            ws = functools.partial(ws, unrotate=unrotate)
         return _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,
                          log2_theta, pass_meta, ws, stores_dq, own_delta)
+    if unrotate is not None:
+        raise ValueError("unrotate: a call without rotary that the Gluon kernel with dQ stored takes")
     # The dQ pass first: it computes delta (for its own rows) as well, which the dK/dV pass reads.
     dq = q.new_empty(q.shape)
     meta = pass_meta((k, v, o, do, dq), dq_m, dq_n, bwd_launch_options(dq_m, head_dim, q.device.type))
@@ -498,6 +507,18 @@ def stored_dq_takes(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     ``sm90.flash_bwd.taken`` hands it such calls in both), by the same check it makes (``_gluon_dkdv``)."""
     gluon, with_dq = _gluon_dkdv(do, q, k, v, rope_theta, True, block_size)
     return with_dq and gluon.stores_dq(block_size, q.shape[-1])
+
+
+def stored_dq_unrotates(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
+                        rotary_dim: int, interleaved: bool) -> bool:
+    """Whether the backward without rotary of this call on rotated q and k runs the Gluon kernel with dQ stored
+    (:func:`stored_dq_takes`) and that kernel rotates dq and dk back itself (``sm90.flash_bwd.unrotates``), so
+    that :func:`flash_attention_bwd` takes ``unrotate``."""
+    if not stored_dq_takes(do, q, k, v, block_size, None):
+        return False
+    from ..sm90 import flash_bwd
+
+    return flash_bwd.unrotates(block_size, q.shape[-1], rotary_dim, interleaved)
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

@@ -54,6 +54,7 @@ elsewhere the Triton passes.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -70,6 +71,7 @@ from ..common.meta import LOG2E
 from .block import _acc_layout, _smem_layout
 from .flash_fwd import _release, block_map, flash_ws_reasons, table_tile
 from .persistent import drop_ring, init_ring
+from .rotary import unrotate_pairs
 from .tma_add import after_turn, async_add_shared_to_global, wait_adds_done
 
 # The generations whose GPU tests this kernel passed (an H100, 2026-12-05: tests/test_triton_flash_interpret.py,
@@ -187,6 +189,13 @@ DQ_STORE_HEAD_DIMS = frozenset({128})
 # for grouped query heads without causal masks, where the kernel stores dQ; True / False: wherever it stores dQ /
 # nowhere (the benchmark's ``flash_kernels[gluon_fast_bwd_dq_store_delta]`` and ``[..._dq_store]`` rows, the tests).
 DELTA_IN_KERNEL: Optional[bool] = None
+# Whether, with ``DQ_STORE``, the kernel rotates dQ and dK back itself for a rotary backward whose caller rotated q and
+# k (``UNROTATE``: the ``triton`` backend's rotation pass, ``kernels.block.rotation.rotated_backward``, then skips its
+# second pass, which reads and writes dq and dk again: at 8x2 heads 20 of the pass's 40 head-units of ``T x D``):
+# each consumer rotates its dQ columns (``unrotate_pairs``, float32, before the cast) and its dK rows, where each
+# rotary pair lies in one consumer's column half (:func:`unrotates`: interleaved, or split halves over at most 64
+# channels). CPU: the Gluon shim against float64. A candidate, not yet run on a GPU.
+UNROTATE = True
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -492,6 +501,16 @@ def _step_delta(o_t, do_t, dl_s, out_layout: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
+def _positions(Pos, start, n, first_row, row0, ROWS: gl.constexpr, HAS_POS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rotary positions (float32, ``LAYOUT``) of the block's rows ``row0 ..``: given (``Pos`` per token), or
+    each row's index in its sequence (the block's ``first_row`` onwards), as the rotation pass takes them."""
+    rows = row0 + gl.arange(0, ROWS, layout=LAYOUT)
+    if HAS_POS:
+        return gl.load(Pos + start + rows, mask=rows < n, other=0).to(gl.float32)
+    return (first_row + rows).to(gl.float32)
+
+
+@gluon.jit
 def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
               done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale,
               stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
@@ -499,7 +518,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
               THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead,
-              DQ_STORE: gl.constexpr, o_s, dl_s, DELTA_IN_KERNEL: gl.constexpr):
+              DQ_STORE: gl.constexpr, o_s, dl_s, DELTA_IN_KERNEL: gl.constexpr, Pos, first_row, log2_theta,
+              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
@@ -509,7 +529,9 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
     starts once warpgroup 0's first dS^T half is in (``lead``); ``DQ_STORE``: its dQ columns stored into
     ``DQA`` (dQ itself, rows of ``stride_qat``) through its ``_dq_store_tiles`` tiles of ``dq_s``, in turn;
-    ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``)."""
+    ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``); ``ROT_DIM`` (with
+    ``DQ_STORE``, q and k rotated by the caller): dQ's columns and dK rotated back before their stores
+    (``unrotate_pairs``), the rows at ``Pos`` or at their index in the sequence (``first_row`` + row)."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -585,8 +607,12 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             # dQ's columns go out while dK's product runs.
             dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))
             TILES: gl.constexpr = _dq_store_tiles(DELTA_IN_KERNEL)
-            _store_dq(dq * scale, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS,
-                      TILES - 1)
+            dq = dq * scale
+            if ROT_DIM > 0:
+                acc_q: gl.constexpr = _acc_layout(DQ_COLS)
+                pos = _positions(Pos, start, n, first_row, row, BLOCK_M, HAS_POS, gl.SliceLayout(1, acc_q))
+                dq = unrotate_pairs(dq, pos, w * DQ_COLS, log2_theta, BLOCK_M, DQ_COLS, ROT_DIM, INTERLEAVED, acc_q)
+            _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS, TILES - 1)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
@@ -617,7 +643,11 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     else:
         dk_t = k_w
         dv_t = v_w
-    dk_t.store((dk * scale).to(dtype))
+    dk = dk * scale
+    if ROT_DIM > 0:
+        pos = _positions(Pos, start, n, first_row, key0, HALF_N, HAS_POS, gl.SliceLayout(1, acc_d))
+        dk = unrotate_pairs(dk, pos, 0, log2_theta, HALF_N, HEAD_DIM, ROT_DIM, INTERLEAVED, acc_d)
+    dk_t.store(dk.to(dtype))
     dv_t.store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
@@ -633,18 +663,24 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "qk_scale", "scale", "stride_lh", "stride_sh"])
+@gluon.jit(do_not_specialize=["slots", "heads", "kv_heads", "qk_scale", "scale", "stride_lh", "stride_sh",
+                              "log2_theta"])
 def _flash_bwd_ws_kernel(
-    Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, O, Table, slots, heads, kv_heads, qk_scale, scale, stride_qt,
+    Q, K, V, DO, DK, DV, DQA, Sem, Lse, Delta, O, Table, Pos, log2_theta, slots, heads, kv_heads, qk_scale, scale,
+    stride_qt,
     stride_kt, stride_vt, stride_dot, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, stride_ot,
     HEAD_DIM: gl.constexpr, GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     DQ_COLS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
     DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr, DQ_STORE: gl.constexpr,
-    DELTA_IN_KERNEL: gl.constexpr,
+    DELTA_IN_KERNEL: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
+        first_row = 0
+        if ROT_DIM > 0:
+            gl.static_assert(DQ_STORE and not DQ_WRITER, "ROT_DIM: dQ's column halves stored by the consumers")
+            first_row = gl.load(Table + 2 * slots + gl.program_id(0) // kv_heads)
         dtype: gl.constexpr = Q.dtype.element_ty
         layout: gl.constexpr = _smem_layout(HEAD_DIM)
         k_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -727,14 +763,14 @@ def _flash_bwd_ws_kernel(
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_0,
-                             DELTA_IN_KERNEL)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_1,
-                             DELTA_IN_KERNEL)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
@@ -751,14 +787,14 @@ def _flash_bwd_ws_kernel(
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
-                             DELTA_IN_KERNEL)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_1,
-                             DELTA_IN_KERNEL)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
@@ -823,6 +859,16 @@ def computes_delta(block_size: int, head_dim: int, causal: bool, groups: int) ->
     return (groups > 1 and not causal) if DELTA_IN_KERNEL is None else DELTA_IN_KERNEL
 
 
+def unrotates(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
+    """Whether the kernel, where it stores dQ, rotates dQ and dK back itself (``ROT_DIM``) for a backward on q and k
+    its caller rotated (``UNROTATE`` on): where the consumers store dQ's column halves (:func:`dq_cols`) and each
+    rotary pair lies inside one half (interleaved pairs; split halves over ``rotary_dim`` channels dividing the
+    half)."""
+    if not UNROTATE or not stores_dq(block_size, head_dim) or dq_cols(head_dim) == head_dim or rotary_dim <= 0:
+        return False
+    return interleaved or dq_cols(head_dim) % rotary_dim == 0
+
+
 def stores_dq(block_size: int, head_dim: int) -> bool:
     """Whether the kernel stores dQ itself (``DQ_STORE``) for a call of these facts (``block_size`` 0: full
     attention): on blocks one key tile holds whole, at the head dims of ``DQ_STORE_HEAD_DIMS``."""
@@ -852,13 +898,15 @@ def key_tile_table(sched, causal: bool, deterministic: bool) -> torch.Tensor:
 
 
 def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, causal: bool,
-                 deterministic: bool = False, dq=None, o=None) -> None:
+                 deterministic: bool = False, dq=None, o=None, unrotate=None) -> None:
     """The dK/dV pass by this kernel: dK, dV written and dQ's terms added to ``dq_sums`` (float32
     ``[T, H, D]``, zeroed), in a fixed order where ``deterministic``; ``dq_sums=None``: no dQ term
     (``WITH_DQ`` off: a dQ pass of its own computes dQ). ``dq`` (q's shape and dtype, with ``dq_sums``
     None; where :func:`stores_dq`): dQ itself stored there (``DQ_STORE``); ``o`` (the forward's output, q's
     layout; with ``dq``, where :func:`computes_delta`): the delta rows computed from it (``DELTA_IN_KERNEL``),
-    ``delta`` not read. ``sched``: the flash schedule of ``TILE_N``-row key tiles."""
+    ``delta`` not read. ``unrotate`` (with ``dq``, where :func:`unrotates`): ``(rope_theta, positions,
+    rotary_dim, interleaved)`` of the rotation the caller applied to q and k, which the kernel applies back to dQ
+    and dK (``ROT_DIM``). ``sched``: the flash schedule of ``TILE_N``-row key tiles."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     store = dq is not None
@@ -874,12 +922,19 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
                 STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim and not store,
-                DQ_STORE=store, DELTA_IN_KERNEL=o is not None, num_warps=4)
+                DQ_STORE=store, DELTA_IN_KERNEL=o is not None, ROT_DIM=0, INTERLEAVED=False, HAS_POS=False, num_warps=4)
+    rope_theta, positions = 1.0, None
+    if unrotate is not None:
+        rope_theta, positions, rot, interleaved = unrotate
+        if not store or not unrotates(TILE_N, dim, rot, interleaved):
+            raise ValueError("dQ and dK are rotated back in the kernel only where it stores dQ's column halves and "
+                             "each rotary pair lies in one (sm90.flash_bwd.unrotates)")
+        meta.update(ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=positions is not None)
     if o is not None and (not store or o.dtype != q.dtype or o.stride(2) != 1 or o.stride(1) != dim):
         raise ValueError("the delta rows are computed in the kernel only with dQ stored, from O of q's dtype and "
                          "rows of H * D contiguous elements")
     o = q if o is None else o  # (read only with DELTA_IN_KERNEL)
-    args = (q, k, v, do, dk, dv, sums, counters, lse, delta, o, table, sched.programs, heads, kv_heads, scale * LOG2E,
-            scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
+    args = (q, k, v, do, dk, dv, sums, counters, lse, delta, o, table, positions if positions is not None else table,
+            math.log2(rope_theta), sched.programs, heads, kv_heads, scale * LOG2E, scale, q.stride(0), k.stride(0), v.stride(0), do.stride(0), dk.stride(0), dv.stride(0), lse.stride(0),
             sums.stride(0), sums.stride(1), 2 * total, o.stride(0))
     launch_bwd((sched.programs * kv_heads,), args, meta, q)

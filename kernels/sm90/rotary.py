@@ -115,6 +115,41 @@ def _sin_cos_of(angle):
 
 
 @gluon.jit
+def unrotate_pairs(x, pos, col0, log2_theta, ROWS: gl.constexpr, COLS: gl.constexpr, ROT_DIM: gl.constexpr,
+                   INTERLEAVED: gl.constexpr, LAYOUT: gl.constexpr):
+    """The transpose rotation of a float32 gradient tile ``x [ROWS, COLS]`` in ``LAYOUT`` (a head's columns
+    ``col0 ..``, its rows at the float32 positions ``pos [ROWS]`` in ``SliceLayout(1, LAYOUT)``): each rotary
+    pair ``(a, b)`` (interleaved: columns ``2 i, 2 i + 1``; split halves: ``i, i + ROT_DIM / 2``; ``i <
+    ROT_DIM / 2``) -> ``(a cos + b sin, b cos - a sin)`` at the angle ``position * theta ** (-2 i / ROT_DIM)``,
+    as ``common.rotary.rotate_pair`` with ``INVERSE``; columns from ``ROT_DIM`` on pass (angle 0). Split
+    halves: ``COLS`` a multiple of ``ROT_DIM`` and ``col0`` of ``COLS`` (each pair inside the tile). A pair
+    sits in one thread's registers in the wgmma accumulator layouts (columns ``8 j + 2 t + {0, 1}``), so the
+    reshapes move no data."""
+    HALF: gl.constexpr = ROT_DIM // 2
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    if INTERLEAVED:
+        pair = cols // 2
+    else:
+        gl.static_assert(COLS % ROT_DIM == 0, "split halves: whole pairs in the tile")
+        pair = cols % HALF
+    inv_freq = gl.where(cols < ROT_DIM, gl.exp2(pair.to(gl.float32) * (log2_theta * (-2.0 / ROT_DIM))), 0.0)
+    angle = gl.expand_dims(pos, 1) * gl.expand_dims(inv_freq, 0)
+    if INTERLEAVED:
+        a, b = gl.split(gl.reshape(x, [ROWS, COLS // 2, 2]))
+        angle, _ = gl.split(gl.reshape(angle, [ROWS, COLS // 2, 2]))
+    else:
+        a, b = gl.split(gl.permute(gl.reshape(x, [ROWS, COLS // ROT_DIM, 2, HALF]), [0, 1, 3, 2]))
+        angle, _ = gl.split(gl.permute(gl.reshape(angle, [ROWS, COLS // ROT_DIM, 2, HALF]), [0, 1, 3, 2]))
+    sin, cos = pair_sin_cos(angle)
+    pairs = gl.join(a * cos + b * sin, b * cos - a * sin)
+    if INTERLEAVED:
+        out = gl.reshape(pairs, [ROWS, COLS])
+    else:
+        out = gl.reshape(gl.permute(pairs, [0, 1, 3, 2]), [ROWS, COLS])
+    return gl.convert_layout(out, LAYOUT)
+
+
+@gluon.jit
 def rotate_in_place(a_s, b_s, sin, cos, LAYOUT: gl.constexpr):
     """Rotate the shared halves ``(a, b) -> (a cos - b sin, a sin + b cos)`` (float32 math)."""
     a = a_s.load(LAYOUT).to(gl.float32)

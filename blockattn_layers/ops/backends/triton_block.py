@@ -24,6 +24,7 @@ Triton's interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never 
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -38,7 +39,9 @@ from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attent
 from blockattn_layers.kernels.block.plan import float32_tile_fits
 from blockattn_layers.kernels.block.rotation import rotated_backward
 from blockattn_layers.kernels.common.meta import MAX_TILE
-from blockattn_layers.kernels.flash.bwd import flash_attention_bwd, stored_dq_reasons, stored_dq_takes
+from blockattn_layers.kernels.flash.bwd import (
+    flash_attention_bwd, stored_dq_reasons, stored_dq_takes, stored_dq_unrotates,
+)
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
 from ...determinism import deterministic_backward
@@ -113,10 +116,15 @@ def _backward(
     variant = None if rotated_stored_dq else backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved,
                                                               positions is not None)
     if rotated_stored_dq or variant.rotation_pass:
+        unrotating = None
+        if rotated_stored_dq:
+            unrotating = functools.partial(_unrotating_backward, grad_out, v, out, lse, offsets, block_size, scale,
+                                           causal, rope_theta, positions, rot, rotary_interleaved, cpu_offsets)
         return rotated_backward(
             lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
                                      False, cpu_offsets, max_seqlen),
-            q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved)
+            q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved,
+            unrotating_backward=unrotating)
     if past_one_tile and not wide_backward_runs(variant):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
@@ -124,6 +132,17 @@ def _backward(
         grad_out, q, k, v, offsets, block_size, scale, causal, rope_theta, positions, rotary_dim,
         rotary_interleaved, cpu_offsets, variant,
     )
+
+
+def _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions, rot,
+                         interleaved, cpu_offsets, q_rotated, k_rotated) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """The backward on the rotation pass's copies by the flash kernel with dQ stored, dq and dk rotated back by the
+    kernel itself (``stored_dq_unrotates``, checked on the copies), or None where it does not take them."""
+    if not stored_dq_unrotates(grad_out, q_rotated, k_rotated, v, block_size, rot, interleaved):
+        return None
+    return flash_attention_bwd(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale, causal, None,
+                               None, 0, False, cpu_offsets, deterministic=deterministic_backward(),
+                               unrotate=(rope_theta, positions, rot, interleaved))
 
 
 def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
