@@ -85,9 +85,15 @@ class BackendSpec:
     on the caller's thread (``(out, prepared)``, prepared None or with ``prepared.launch(grad_out, q, k, v)``
     returning the gradients or None). ``forward_inference``, if set, computes ``out`` alone for
     eager calls that nothing is differentiated through, where ``forward`` would also compute an
-    ``lse`` that no backward reads. ``variant_reasons``, for a backend whose kernels come in
-    variants, gives each variant's reasons not to run a request (empty: it runs; see
-    :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
+    ``lse`` that no backward reads. ``forward_on_rotated``, if set, is ``forward`` for eager rotary calls that
+    save lse and that something is differentiated through, where it pays to rotate q and k once, in the forward:
+    it returns None where it does not take the call, else ``(out, lse, q_rotated, k_rotated, pair_chunk)``, the
+    attention without rotary on rotated copies of q and k (their channels in the paired-chunk order of
+    ``reference.paired_chunks`` where ``pair_chunk`` is not 0), which autograd then saves in place of q and k;
+    its ``backward_on_rotated`` takes ``backward``'s arguments with the copies in place of q and k, and
+    ``pair_chunk`` last, and returns the gradients of q, k, v (dq and dk rotated back, in their own order).
+    ``variant_reasons``, for a backend whose kernels come in variants, gives each variant's reasons not to run
+    a request (empty: it runs; see :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
     ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
     adds checks that do not fit the declared fields (it returns reasons to refuse).
     """
@@ -109,6 +115,8 @@ class BackendSpec:
     description: str = ""
     forward_prepared: Optional[Callable] = None
     forward_inference: Optional[Callable[..., torch.Tensor]] = None
+    forward_on_rotated: Optional[Callable] = None
+    backward_on_rotated: Optional[Callable] = None
     variant_reasons: Optional[Callable[[AttentionRequest], Dict[str, List[str]]]] = None
 
     def not_supported_reasons(self, req: AttentionRequest) -> List[str]:

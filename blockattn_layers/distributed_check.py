@@ -57,7 +57,8 @@ GRAD_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 class AttentionProbe:
     """While active, wraps every registered backend's implementations to watch the attention calls.
 
-    Each forward and backward call (the prepared backward launch of ``forward_prepared`` too)
+    Each forward and backward call (the prepared backward launch of ``forward_prepared`` and the
+    ``forward_on_rotated`` / ``backward_on_rotated`` pair too)
     checks its tensors' devices and the current CUDA device, and runs under sync-debug
     ``"error"`` on CUDA. ``calls`` counts ``(direction, backend)`` pairs, ``dtypes`` holds the q
     dtypes seen and ``problems`` lists violations.
@@ -75,9 +76,13 @@ class AttentionProbe:
         self._saved = registered_backends()
         for spec in self._saved:
             prepared = None if spec.forward_prepared is None else self._wrap_prepared(spec)
+            on_rotated = {}
+            if spec.forward_on_rotated is not None:
+                on_rotated = dict(forward_on_rotated=self._wrap(spec.name, "forward", spec.forward_on_rotated),
+                                  backward_on_rotated=self._wrap(spec.name, "backward", spec.backward_on_rotated))
             register_backend(dataclasses.replace(
                 spec, forward=self._wrap(spec.name, "forward", spec.forward),
-                backward=self._wrap(spec.name, "backward", spec.backward), forward_prepared=prepared))
+                backward=self._wrap(spec.name, "backward", spec.backward), forward_prepared=prepared, **on_rotated))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -116,6 +121,9 @@ class AttentionProbe:
     def _wrap(self, name: str, direction: str, impl):
         def run(*args):
             result = self._watched(name, direction, impl, [a for a in args if isinstance(a, torch.Tensor)], args)
+            if result is None:  # a forward_on_rotated that does not take the call: the ordinary forward runs
+                self.calls[direction, name] -= 1
+                return None
             if direction == "forward":
                 self.dtypes.add(str(args[0].dtype).replace("torch.", ""))
             self._check(f"{name} {direction} output", [r for r in result if isinstance(r, torch.Tensor)])

@@ -73,6 +73,25 @@ def apply_rotary(x: Tensor, angles: Tensor, rotary_dim: int, interleaved: bool, 
     return torch.cat((out, rest), dim=-1)
 
 
+def paired_chunks(x: Tensor, chunk: int) -> Tensor:
+    """``x [..., D]``'s channels in the paired-chunk order of split-halves rotary pairs: the first half's and the
+    second half's chunks of ``chunk`` channels alternating, ``[a_0, b_0, a_1, b_1, ...]``, so that each pair
+    ``(i, i + D/2)`` lies inside ``2 * chunk`` adjacent channels (a copy; ``chunk`` 0: ``x`` itself). Attention
+    scores are the same on q and k in this order; their gradients come in it too (:func:`unpaired_chunks`)."""
+    if not chunk:
+        return x
+    halves = x.unflatten(-1, (2, x.shape[-1] // (2 * chunk), chunk))
+    return halves.transpose(-3, -2).flatten(-3)
+
+
+def unpaired_chunks(x: Tensor, chunk: int) -> Tensor:
+    """The inverse of :func:`paired_chunks`: ``x``'s channels back in their order (a copy; ``chunk`` 0: ``x``)."""
+    if not chunk:
+        return x
+    pairs = x.unflatten(-1, (x.shape[-1] // (2 * chunk), 2, chunk))
+    return pairs.transpose(-3, -2).flatten(-3)
+
+
 # ----------------------------------------------------------------------------- block groups
 @dataclass
 class BlockGroup:

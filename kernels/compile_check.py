@@ -486,7 +486,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
     from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols
-    _NO_UNROTATE = dict(ROT_DIM=0, INTERLEAVED=False, HAS_POS=False)
+    _NO_UNROTATE = dict(ROT_DIM=0, INTERLEAVED=False, HAS_POS=False, PAIR_CHUNK=0)
 
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
@@ -556,14 +556,15 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dQ and dK rotated back in the kernel (ROT_DIM, UNROTATE) with dQ stored at D 128, as the defaults run it (rows by
     # the loader, thread releases, the delta rows in the kernel without causal masks): interleaved over every channel,
-    # split halves over 64, interleaved over 32 at given positions.
+    # split halves over 64, interleaved over 32 at given positions, split halves over every channel on q and k in the
+    # paired-chunk order (PAIR_CHUNK).
     for (causal, groups), (rot, interleaved, has_pos) in itertools.product(
-            ((False, 4), (True, 4)), ((128, True, False), (64, False, False), (32, True, True))):
+            ((False, 4), (True, 4)), ((128, True, False), (64, False, False), (32, True, True), (128, False, False))):
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
                           DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=interleaved,
-                          HAS_POS=has_pos)
+                          HAS_POS=has_pos, PAIR_CHUNK=dq_cols(128) // 2 if rot == 128 and not interleaved else 0)
         form = f"{'i' if interleaved else 's'}{rot}{'_pos' if has_pos else ''}"
         yield Build(f"flash_gluon_bwd_dq_store_unrotate_{form}_bf16_d128{'_causal' if causal else ''}_gqa",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
@@ -682,7 +683,7 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
 def _pass_builds(capability: int) -> Iterator[Build]:
     """The row passes around the block backwards: the rotation pass (``block.rotation``: split halves
     over every channel at D128 and D256, interleaved pairs over part of D96 at given positions; copies
-    and in place, the transpose rotation) and the group sums (``common.head_sums``: bf16 D256 of 4
+    and in place, the transpose rotation; bf16 D128 copies in the paired-chunk order) and the group sums (``common.head_sums``: bf16 D256 of 4
     heads, fp16 D96 of 2, fp32 D128 of 8), with the launchers' constexprs and options."""
     from .block.rotation import ROWS, _rotation_kernel
     from .common.head_sums import _head_sums_kernel, sums_meta
@@ -694,11 +695,15 @@ def _pass_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=dim, BLOCK_M=ROWS, BLOCK_R=tile_extent(rot // 2),
                           BLOCK_P=tile_extent(max(dim - rot, 1)), ROT_DIM=rot, INTERLEAVED=interleaved,
                           HAS_POS=has_pos, INVERSE=in_place, COPY_PASS=not in_place, FAST_TRIG=True, INT64=False,
-                          INLINE_SEQS=512)
+                          INLINE_SEQS=512, PAIR_CHUNK=0)
         form = f"{'interleaved' if interleaved else 'split'}{rot}{'_pos' if has_pos else ''}"
         name = f"rotation_{dtype}_d{dim}_{form}_{'back_in_place' if in_place else 'copy'}"
         options = dict(num_warps=8 if dim > 128 else 4, num_stages=1)
         yield Build(name, _rotation_kernel, dtype, _kernel_constexprs(_rotation_kernel, constexprs), options)
+        if (dim, rot, in_place) == (128, 128, False) and dtype == "bf16":  # copies in the paired-chunk order
+            constexprs["PAIR_CHUNK"] = 32
+            yield Build(f"rotation_{dtype}_d{dim}_{form}_paired32_copy", _rotation_kernel, dtype,
+                        _kernel_constexprs(_rotation_kernel, constexprs), options)
     for dtype, dim, groups in (("bf16", 256, 4), ("fp16", 96, 2), ("fp32", 128, 8)):
         constexprs = sums_meta(groups, dim)
         options = dict(num_warps=constexprs.pop("num_warps"))

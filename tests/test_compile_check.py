@@ -162,14 +162,16 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     block (``DQ_STORE``: no reduce-adds; at D 128 a TMA store by each consumer beside dK's and dV's and no
     writer, at D 64 the writer's), with the delta rows computed in the kernel (``DELTA_IN_KERNEL``: O's tile one
     more TMA copy a step), and with dQ and dK rotated back in the kernel (``ROT_DIM``: sines and cosines, none
-    in the other builds)."""
+    in the other builds; ``PAIR_CHUNK``: two dQ stores per consumer)."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 65 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 67 and sum(name.endswith("_deterministic") for name in ptx) == 21
     unrotated = {name: ptx.pop(name) for name in list(ptx) if name.startswith("flash_gluon_bwd_dq_store_unrotate_")}
-    assert len(unrotated) == 6
-    for name, text in unrotated.items():  # the default D 128 stored form (rows by the loader) plus the rotations
+    assert len(unrotated) == 8
+    for name, text in unrotated.items():  # the default D 128 stored form (rows by the loader) plus the rotations;
+        # split halves over every channel (paired chunks, ``_s128``): each consumer's dQ in two stores
         assert "cp.reduce.async.bulk" not in text and "atom.global" not in text, name
-        assert text.count("cp.async.bulk.tensor.2d.global.shared") == 6, name
+        stores = 8 if "_unrotate_s128_" in name else 6
+        assert text.count("cp.async.bulk.tensor.2d.global.shared") == stores, name
         assert "cp.async.mbarrier.arrive.noinc" in text and "sin.approx.f32" in text, name
     assert not any("sin.approx.f32" in text for text in ptx.values())
     stored = [name for name in ptx if name.startswith("flash_gluon_bwd_dq_store_")]
@@ -502,5 +504,5 @@ def test_row_passes_compile(arch, tmp_path):
     """The rotation pass (``block.rotation``) and the group sums (``common.head_sums``) compile with
     16-byte vector loads, and no matrix products are asked of them."""
     ptx = _compile_check(arch, "rotation_,head_sums_", tmp_path)
-    assert len(ptx) == 21 and sum(name.startswith("head_sums_") for name in ptx) == 3
+    assert len(ptx) == 22 and sum(name.startswith("head_sums_") for name in ptx) == 3
     assert all("ld.global.v4" in text or "ld.global.nc.v4" in text for text in ptx.values())

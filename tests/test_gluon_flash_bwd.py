@@ -59,7 +59,8 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
     ``THREAD_RELEASE``; ``dq_lag``: each step's dQ product the step before's, ``DQ_LAG``; ``stagger``:
     ``STAGGER``; ``dq_store``: dQ itself stored, ``DQ_STORE``, and returned as the first element;
     ``delta_in_kernel``: the delta rows computed from O in the kernel, ``DELTA_IN_KERNEL``, the delta tensor NaN;
-    ``unrotate``: ``(rope_theta, positions, rotary_dim, interleaved)``, dQ and dK rotated back, ``ROT_DIM``)."""
+    ``unrotate``: ``(rope_theta, positions, rotary_dim, interleaved)``, dQ and dK rotated back, ``ROT_DIM``, q and
+    k in the paired-chunk order where ``pair_chunk``, ``PAIR_CHUNK``)."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     scale = dim ** -0.5
@@ -80,7 +81,8 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         Sem=counters, stride_sh=2 * total, DETERMINISTIC=deterministic, Lse=lse, Delta=delta, O=out,
         stride_ot=out.stride(0), DELTA_IN_KERNEL=delta_in_kernel,
         Table=table, Pos=table if positions is None else positions, log2_theta=math.log2(theta), ROT_DIM=rot,
-        INTERLEAVED=interleaved, HAS_POS=positions is not None, slots=sched.programs, heads=heads,
+        INTERLEAVED=interleaved, HAS_POS=positions is not None, PAIR_CHUNK=flash_bwd.pair_chunk(dim, rot, interleaved),
+        slots=sched.programs, heads=heads,
         kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
         stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
@@ -203,19 +205,20 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, fo
 
 
 @pytest.mark.parametrize("rotary", ["interleaved", "interleaved-partial-int-positions", "split-partial",
-                                    "split-quarter-float-positions"])
+                                    "split-quarter-float-positions", "split-paired", "split-paired-int-positions"])
 @pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128"])
 def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotary):
     """``ROT_DIM`` (``UNROTATE``): on q and k rotated beforehand (as the rotation pass writes them), dQ and dK come
     out rotated back by the kernel, against the float64 gradients of the rotary call (interleaved pairs over every
     channel or 32; split halves over 64 or 32 channels, each pair inside a consumer's dQ column half; positions
-    given as ints or floats, or each row's index in its sequence, blocks ragged); the rows by the loader, thread
-    releases and, without causal masks, the delta rows in the kernel, as the defaults run it."""
+    given as ints or floats, or each row's index in its sequence, blocks ragged; split halves over every channel on
+    q and k in the paired-chunk order, ``PAIR_CHUNK``, dQ and dK out in their own order); the rows by the loader,
+    thread releases and, without causal masks, the delta rows in the kernel, as the defaults run it."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
     offsets = offsets_from_lengths(lengths)
     rot = {"interleaved": 128, "interleaved-partial-int-positions": 32, "split-partial": 64,
-           "split-quarter-float-positions": 32}[rotary]
+           "split-quarter-float-positions": 32, "split-paired": 128, "split-paired-int-positions": 128}[rotary]
     interleaved = rotary.startswith("interleaved")
     positions = None
     if rotary.endswith("int-positions"):
@@ -225,6 +228,9 @@ def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotar
     assert flash_bwd.unrotates(block_size, dim, rot, interleaved)
     theta = 500.0
     qr, kr, _ = reference._rotated_inputs(q, k, offsets, theta, positions, rot, interleaved, torch.float64)
+    chunk = flash_bwd.pair_chunk(dim, rot, interleaved)
+    assert chunk == (32 if rotary.startswith("split-paired") else 0)
+    qr, kr = reference.paired_chunks(qr, chunk), reference.paired_chunks(kr, chunk)
     dq, dk, dv, run, _ = _run(qr.to(q.dtype), kr.to(k.dtype), v, do, offsets, block_size, causal,
                               rows_by_loader=True, thread_release=True, dq_store=True,
                               delta_in_kernel=not causal, unrotate=(theta, positions, rot, interleaved))
@@ -238,13 +244,18 @@ def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotar
 
 def test_unrotates_where_each_pair_lies_in_one_dq_column_half(monkeypatch):
     """``unrotates``: D 128 with dQ stored (blocks of up to 128 tokens), interleaved pairs over any channels, split
-    halves over channels dividing 64; not D 64 (the writer sums the halves), split halves over every channel or 48,
-    full attention, or with ``UNROTATE`` off."""
+    halves over channels dividing 64, or over every channel in the paired-chunk order (``pair_chunk``, while
+    ``PAIRED_SPLIT``); not D 64 (the writer sums the halves), split halves over 48 or 96 channels, full attention,
+    or with ``UNROTATE`` off."""
     assert flash_bwd.unrotates(128, 128, 128, True) and flash_bwd.unrotates(100, 128, 32, True)
     assert flash_bwd.unrotates(128, 128, 64, False) and flash_bwd.unrotates(65, 128, 16, False)
-    assert not flash_bwd.unrotates(128, 128, 128, False) and not flash_bwd.unrotates(128, 128, 48, False)
+    assert flash_bwd.unrotates(128, 128, 128, False) and flash_bwd.pair_chunk(128, 128, False) == 32
+    assert not flash_bwd.unrotates(128, 128, 48, False) and not flash_bwd.unrotates(128, 128, 96, False)
+    assert flash_bwd.pair_chunk(128, 64, False) == flash_bwd.pair_chunk(128, 128, True) == 0
     assert not flash_bwd.unrotates(128, 64, 64, True) and not flash_bwd.unrotates(0, 128, 64, True)
     assert not flash_bwd.unrotates(256, 128, 64, True) and not flash_bwd.unrotates(128, 128, 0, True)
+    monkeypatch.setattr(flash_bwd, "PAIRED_SPLIT", False)
+    assert not flash_bwd.unrotates(128, 128, 128, False) and flash_bwd.pair_chunk(128, 128, False) == 0
     monkeypatch.setattr(flash_bwd, "UNROTATE", False)
     assert not flash_bwd.unrotates(128, 128, 128, True)
 

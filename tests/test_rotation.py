@@ -59,6 +59,29 @@ def test_rotation_pass_matches_the_oracle(monkeypatch, table, dim, rotary_dim, i
         assert rel_err(got, ref) < tol
 
 
+@pytest.mark.parametrize("dim,chunk", [(128, 32), (64, 16)])
+def test_rotation_pass_writes_copies_in_paired_chunks(dim, chunk):
+    """``pair_chunk``: split halves over every channel into copies whose channels come in the paired-chunk order
+    (``reference.paired_chunks``); refused in place, interleaved or over part of the channels."""
+    from blockattn_layers.kernels.block.rotation import rotate_rows
+    from blockattn_layers.reference import paired_chunks
+
+    total = sum(LENGTHS)
+    g = torch.Generator().manual_seed(dim)
+    a, b = torch.randn(total, 3, dim, generator=g), torch.randn(total, 1, dim, generator=g)
+    offsets = offsets_from_lengths(LENGTHS, torch.int32)
+    pos = _sequence_positions(LENGTHS)
+    copies = rotate_rows(a, b, offsets, None, 1e4, None, dim, False, False, False, pair_chunk=chunk)
+    for got, src in zip(copies, (a, b)):
+        want = paired_chunks(oracle_rotate(src.double(), pos, 1e4, dim, False), chunk)
+        assert rel_err(got, want) < 2e-5
+    for bad in (dict(in_place=True), dict(interleaved=True), dict(rotary_dim=dim // 2)):
+        args = {**dict(rotary_dim=dim, interleaved=False, in_place=False), **bad}
+        with pytest.raises(ValueError, match="pair_chunk"):
+            rotate_rows(a, b, offsets, None, 1e4, None, args["rotary_dim"], args["interleaved"], False,
+                        args["in_place"], pair_chunk=chunk)
+
+
 def test_rotation_pass_with_64_bit_addressing(monkeypatch):
     """The pass's 64-bit element offsets (``needs_int64``: tensors past 2**31 elements), forced on
     small tensors: the same result as the 32-bit offsets."""
@@ -163,3 +186,131 @@ def test_explain_shows_the_backward_on_rotated_copies():
     assert odd == {"backward": "rotated", ROTATED_COPIES: "hopper_wide"}
     plain = AttentionRequest("cuda", (9, 0), torch.bfloat16, 256, 4, 1, 128, False, False)
     assert ROTATED_COPIES not in running_variants(_variant_reasons(plain))[1]
+
+
+# Rotary calls that save lse with grouped query heads at D 128 (``library.GROUPED_SAVES_LSE_ROTARY``).
+ON_ROTATED_CASES = [
+    dict(heads=4, kv_heads=2, block_size=100, rope_theta=1e4, rotary_interleaved=True, causal=True),
+    dict(heads=4, kv_heads=1, block_size=128, rope_theta=500.0, rotary_dim=64, positions="float"),
+    # Split halves over every channel (saving lse: the candidate of session 57): the copies in the paired-chunk
+    # order (``flash_bwd.pair_chunk``).
+    dict(heads=4, kv_heads=2, block_size=128, rope_theta=1e4),
+]
+
+
+def _rotated_copies_taken(monkeypatch):
+    """The copies' forward taking what it takes on sm_90 (the Gluon kernel's facts there), and the rotation passes
+    recorded as ``(inverse, in_place)``."""
+    from blockattn_layers.kernels.block import rotation
+    from blockattn_layers.ops.backends import triton_block
+
+    monkeypatch.setattr(triton_block, "stored_dq_reasons", lambda *args: [])
+    monkeypatch.setattr(triton_block, "stored_dq_unrotates_facts", lambda *args: True)
+    passes = []
+    real = rotation.rotate_rows
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a, **kw: passes.append(a[-2:]) or real(*a, **kw))
+    return passes
+
+
+def _grouped_rotary_inputs(case, dtype=torch.float16):
+    from tests.test_triton_interpret import EDGE_LENGTHS, _inputs, _offsets
+
+    case = dict(case)
+    heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
+    if case.get("positions") == "float":
+        case["positions"], _ = rotary_positions("float", sum(EDGE_LENGTHS))
+    q, k, v = _inputs(EDGE_LENGTHS, heads, kv_heads, 128, dtype, seed=heads)
+    return q, k, v, _offsets(EDGE_LENGTHS), case
+
+
+@pytest.mark.parametrize("case", ON_ROTATED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_forward_on_rotated_copies_matches_the_oracle(monkeypatch, case):
+    """Where the copies' forward takes an eager call with gradients (``triton_block.SAVES_ROTATED_COPIES``): the
+    rotation pass runs in the forward, the forward without rotary on its copies, and autograd saves the copies in
+    place of q and k; the backward (on the CPU without the Gluon kernel that rotates dq and dk back: the backward
+    without rotary on the copies, then the pass back in place) matches the float64 oracle (fp16)."""
+    from tests.test_triton_interpret import EDGE_LENGTHS, _check
+
+    from blockattn_layers.ops import library
+
+    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_ROTARY", library.GROUPED_SAVES_LSE_ROTARY | {"split"})
+    passes = _rotated_copies_taken(monkeypatch)
+    q, k, v, offsets, kw = _grouped_rotary_inputs(case)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+    assert passes == [(False, False)]
+    saved = out.grad_fn.saved_tensors
+    assert all(s.data_ptr() != x.data_ptr() for s, x in zip(saved[:2], leaves[:2]))
+    assert saved[2].data_ptr() == leaves[2].data_ptr()
+    passes.clear()
+    case = dict(case)
+    heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
+    tol = {}
+    if case.get("positions") == "float":
+        case["positions"], tol["tol"] = rotary_positions("float", sum(EDGE_LENGTHS))
+    _check(EDGE_LENGTHS, heads, kv_heads, 128, torch.float16, seed=heads, **case, **tol)
+    assert passes == [(False, False), (True, True)]
+
+
+def test_forward_on_rotated_copies_only_with_gradients(monkeypatch):
+    """Without gradients, with the switch off, or with a variant forced, the forward rotates in its kernel and no
+    rotation pass runs in it."""
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.ops.backends import triton_block
+
+    passes = _rotated_copies_taken(monkeypatch)
+    q, k, v, offsets, kw = _grouped_rotary_inputs(ON_ROTATED_CASES[0])
+    with torch.no_grad():
+        bl.block_attention(q, k, v, offsets, backend="triton", **kw)
+    with variants.forced_variant("simple"):
+        bl.block_attention(q.requires_grad_(), k, v, offsets, backend="triton", **kw)
+    monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", False)
+    out = bl.block_attention(q, k, v, offsets, backend="triton", **kw)
+    assert passes == []
+    assert out.grad_fn.saved_tensors[0].data_ptr() == q.data_ptr()
+
+
+def test_backward_on_rotated_copies_under_a_dispatch_mode(monkeypatch):
+    """A backward run under a dispatch mode (``FlopCounterMode``: its gradients are no plain tensors) goes through
+    the op without rotary on the saved copies and rotates dq and dk back with the reference rotation: the same
+    gradients as the eager backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _rotated_copies_taken(monkeypatch)
+    q, k, v, offsets, kw = _grouped_rotary_inputs(ON_ROTATED_CASES[1], torch.float32)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for mode in (None, FlopCounterMode(display=False)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+        with mode if mode is not None else torch.enable_grad():
+            grads.append(torch.autograd.grad(out, leaves, grad_out))
+        if mode is not None:
+            assert mode.get_total_flops() > 0
+    for eager, traced in zip(*grads):
+        assert rel_err(traced, eager.double()) < 1e-4  # (the reference rotation against the pass: float32 rounding)
+
+
+def test_explain_shows_the_forward_on_rotated_copies(monkeypatch):
+    """On sm_90, a grouped D128 block-128 call with interleaved rotary (its backward the flash kernel with dQ stored,
+    rotating back itself) shows the eager forward on rotated copies and its variant; split halves over every channel
+    (no lse saved) and the switch off do not."""
+    from blockattn_layers.dispatch import AttentionRequest, running_variants
+    from blockattn_layers.kernels.block import variants
+    from blockattn_layers.ops.backends import triton_block
+
+    if variants.gluon_import_error() is not None:
+        pytest.skip("the Gluon kernels do not import here")
+    req = AttentionRequest("cuda", (9, 0), torch.bfloat16, 128, 8, 2, 128, False, True, 0, True)
+    reasons = triton_block._variant_reasons(req)
+    # (running_variants leaves out a phase whose variant is the forward's own, hopper here.)
+    assert reasons[f"{triton_block.FORWARD_ON_ROTATED}: hopper"] == []
+    assert running_variants(reasons)[1][triton_block.ROTATED_COPIES] == triton_block.FLASH
+
+    def shown(request):
+        return any(name.startswith(triton_block.FORWARD_ON_ROTATED) for name in triton_block._variant_reasons(request))
+
+    assert not shown(dataclasses.replace(req, rotary_interleaved=False))  # split halves save no lse
+    assert not shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=96))  # no rotation back
+    monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", False)
+    assert not shown(req)

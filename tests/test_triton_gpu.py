@@ -895,19 +895,29 @@ ROTARY_STORED_DQ_CASES = [
     dict(heads=6, kv_heads=3, block_size=128, rope_theta=1e4, rotary_dim=32, rotary_interleaved=True,
          positions="float"),
     dict(heads=4, kv_heads=1, block_size=128, rope_theta=1e4, rotary_dim=96, positions="int"),
+    # Split halves over every channel: the copies in the paired-chunk order (flash_bwd.pair_chunk).
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4),
+    dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, causal=True, positions="float"),
 ]
 
 
 @SM90
+@pytest.mark.parametrize("copies", [True, False], ids=["copies-saved", "copies-in-backward"])
 @pytest.mark.parametrize("case", ROTARY_STORED_DQ_CASES, ids=_case_id)
-def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(monkeypatch, case):
+def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(monkeypatch, case, copies):
     """Interleaved or partial rotary (``GROUPED_SAVES_LSE_ROTARY``): the forward saves lse too, and the backward
     runs as a rotation pass whose inner backward is the flash kernel with dQ stored (the block kernels' not at
     all), given positions too, against the float64 oracle, bf16 and fp16; where each rotary pair lies in one of
     the kernel's dQ column halves (``flash_bwd.unrotates``: interleaved, split halves over 64 or fewer) the kernel
-    rotates dq and dk back and the pass's second half does not run."""
+    rotates dq and dk back and the pass's second half does not run (split halves over every channel on copies in
+    the paired-chunk order), and with ``SAVES_ROTATED_COPIES`` the first runs in the forward, on the copies
+    autograd saves."""
     from blockattn_layers.kernels.block import rotation
     from blockattn_layers.kernels.sm90 import flash_bwd
+    from blockattn_layers.ops.backends import triton_block
+
+    monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", copies)
+    _with_split_saving_lse(monkeypatch)
 
     calls = _stored_dq_spy(monkeypatch)
     passes = []
@@ -926,13 +936,31 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
             check_against_oracle(q, k, v, offsets, **case)
             assert calls == [(True, not case.get("causal", False))]
             assert passes == ([False] if unrotates else [False, True])
+            # Where the kernel rotates back, q and k are rotated in the forward (``SAVES_ROTATED_COPIES``) and autograd
+            # saves the copies: the backward runs no pass; elsewhere the forward rotates in its kernel.
+            passes.clear()
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = bl.block_attention(*leaves, offsets, backend="triton", **case)
+            in_forward = unrotates and copies
+            assert passes == ([False] if in_forward else [])
+            saved = out.grad_fn.saved_tensors[0]
+            assert (saved.data_ptr() != leaves[0].data_ptr()) == in_forward
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+            assert passes == ([False] if unrotates else [False, True])
+
+
+def _with_split_saving_lse(monkeypatch) -> None:
+    """Split halves over every channel among the rotary forms that save lse (the candidate of session 57)."""
+    from blockattn_layers.ops import library
+
+    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_ROTARY", library.GROUPED_SAVES_LSE_ROTARY | {"split"})
 
 
 @SM90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_grouped_d128_split_rotary_backward_keeps_the_block_kernels(monkeypatch, causal):
-    """Split halves over every channel: the forward saves no lse, and the block kernels (hopper_heads, rotating in
-    its own backward) compute the backward, the flash kernel not at all."""
+    """Split halves over every channel (not in ``GROUPED_SAVES_LSE_ROTARY``): the forward saves no lse, and the block
+    kernels (hopper_heads, rotating in its own backward) compute the backward, the flash kernel not at all."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     calls = []
@@ -942,6 +970,26 @@ def test_grouped_d128_split_rotary_backward_keeps_the_block_kernels(monkeypatch,
     with variants.forced_variant("auto"):
         check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, causal=causal)
     assert calls == []
+
+
+@SM90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_d128_split_rotary_backward_without_paired_chunks(monkeypatch, causal):
+    """Split halves over every channel saving lse, with ``flash_bwd.PAIRED_SPLIT`` off: the flash kernel with dQ
+    stored on copies in their own order, and a second pass rotating dq and dk back, against the float64 oracle."""
+    from blockattn_layers.kernels.block import rotation
+    from blockattn_layers.kernels.sm90 import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "PAIRED_SPLIT", False)
+    _with_split_saving_lse(monkeypatch)
+    calls = _stored_dq_spy(monkeypatch)
+    passes = []
+    real = rotation.rotate_rows
+    monkeypatch.setattr(rotation, "rotate_rows", lambda *a, **kw: passes.append(a[-2]) or real(*a, **kw))
+    q, k, v, offsets = _around_the_blocks({}, 8, 2, 128, torch.bfloat16, seed=2)
+    with variants.forced_variant("auto"):
+        check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, causal=causal)
+    assert calls == [(True, not causal)] and passes == [False, True]
 
 
 @SM90

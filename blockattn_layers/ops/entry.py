@@ -8,7 +8,9 @@ it calls the backend's implementation directly through a ``torch.autograd.Functi
 custom-op wrappers' host work is about half the host time of a call, which is what small
 batches pay for. A backend with ``forward_prepared`` prepares its backward's launch in the
 forward, on the caller's thread; the autograd engine runs the backward on its device thread
-and launches that where it holds. ``torch.func`` transforms are refused: the op's autograd
+and launches that where it holds. A backend with ``forward_on_rotated`` may compute a rotary call that saves
+lse on rotated copies of q and k, which autograd saves in their place, so that the backward rotates nothing
+but dq and dk. ``torch.func`` transforms are refused: the op's autograd
 (``register_autograd``) has no functorch rules in the torch versions tested.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from .._params import AttentionParams
 from ..dispatch import BackendSpec
+from .. import reference
 from ..runtime import private_api
 from . import library
 
@@ -105,8 +108,55 @@ class _PreparedAttention(_EagerAttention):
         return _EagerAttention.backward(ctx, grad_out)
 
 
+class _RotatedAttention(_EagerAttention):
+    """:class:`_EagerAttention` computing a rotary call on rotated copies of q and k (the backend's
+    ``forward_on_rotated``), which autograd saves in place of q and k; where the backend does not take
+    the call, the ordinary forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, spec, args):
+        result = spec.forward_on_rotated(q, k, v, offsets, *args)
+        ctx.on_rotated = result is not None
+        if result is None:
+            return _EagerAttention.forward(ctx, q, k, v, offsets, spec, args)
+        out, lse, q_rotated, k_rotated, ctx.pair_chunk = result
+        _save(ctx, spec, q_rotated, k_rotated, v, offsets, args, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.on_rotated:
+            return _EagerAttention.backward(ctx, grad_out)
+        q_rotated, k_rotated, v, offsets, positions, cpu_offsets, out, lse = ctx.saved_tensors
+        block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
+        if _eager(grad_out):
+            grads = ctx.spec.backward_on_rotated(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size,
+                                                 scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
+                                                 cpu_offsets, max_seqlen, ctx.pair_chunk)
+        else:
+            grads = _traced_backward_on_rotated(grad_out, q_rotated, k_rotated, v, out, lse, offsets, ctx)
+        return (*grads, None, None, None)
+
+
+def _traced_backward_on_rotated(grad_out, q_rotated, k_rotated, v, out, lse, offsets, ctx) -> tuple:
+    """The backward on the rotated copies where ``grad_out`` is no plain tensor (a dispatch mode or tracing
+    during the backward): the op's backward without rotary on the copies, then dq and dk put back in order
+    (``reference.unpaired_chunks``) and rotated back by the reference rotation (torch operations)."""
+    _, _, _, _, positions, cpu_offsets, _, _ = ctx.saved_tensors
+    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
+    dq, dk, dv = library.attention_bwd(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale,
+                                       causal, None, None, 0, False, cpu_offsets, max_seqlen, ctx.spec.name)
+    if positions is None:
+        positions = reference.sequence_positions(offsets, q_rotated.shape[0])
+    angles = reference.rotary_angles(positions, rope_theta, rotary_dim, torch.float32)
+    back = [reference.apply_rotary(reference.unpaired_chunks(g, ctx.pair_chunk).float(), angles, rotary_dim,
+                                   rotary_interleaved, inverse=True).to(g.dtype) for g in (dq, dk)]
+    return back[0], back[1], dv
+
+
 _eager_apply = raw_apply(_EagerAttention)
 _prepared_apply = raw_apply(_PreparedAttention)
+_rotated_apply = raw_apply(_RotatedAttention)
 
 
 def backend_name(backend) -> str:
@@ -126,8 +176,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, params: Attentio
     if not plain_eager(q, k, v):
         return library.attention_fwd(q, k, v, offsets, *args, backend_name(backend))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if spec.forward_prepared is not None and not library.call_saves_lse(q, k, args[0], args[3], args[5], args[6]):
-            return _prepared_apply(q, k, v, offsets, spec, args)
+        if spec.forward_prepared is None and spec.forward_on_rotated is None:
+            return _eager_apply(q, k, v, offsets, spec, args)
+        if not library.call_saves_lse(q, k, args[0], args[3], args[5], args[6]):
+            if spec.forward_prepared is not None:
+                return _prepared_apply(q, k, v, offsets, spec, args)
+        elif args[3] is not None and spec.forward_on_rotated is not None:
+            return _rotated_apply(q, k, v, offsets, spec, args)
         return _eager_apply(q, k, v, offsets, spec, args)
     # Nothing to differentiate (inference, no_grad): no autograd node, the kernels directly.
     if spec.forward_inference is not None:

@@ -80,7 +80,11 @@ GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({128})
 # (session 56): interleaved 8x2 3.62 + 8.78 / 2.79 + 10.25, 4x1 1.81 + 4.40 / 1.39 + 5.13; partial (rotary_dim 64)
 # 8x2 3.10 + 7.98 / 2.60 + 9.47, 4x1 1.55 + 4.01 / 1.30 + 4.77 (1.05-1.09x faster); split halves over every
 # channel 8x2 3.09 + 8.84 / 2.60 + 8.61, 4x1 1.55 + 4.43 / 1.31 + 4.35 (slower: hopper_heads rotates in its own
-# backward, and the rotary forward with the store spills more, ptxas 392-432 bytes against 156-164), so not those.
+# backward, and the rotary forward with the store spills more, ptxas 392-432 bytes against 156-164), so not those
+# then. Since session 57 the flash kernel rotates dq and dk back itself (``sm90.flash_bwd.UNROTATE``; split halves
+# over every channel on copies in the paired-chunk order, ``PAIRED_SPLIT``), and eager calls with gradients rotate
+# q and k in the forward (``ops.backends.triton_block.SAVES_ROTATED_COPIES``); split halves are the candidate then
+# (not yet timed).
 GROUPED_SAVES_LSE_ROTARY = frozenset({"interleaved", "partial"})
 
 

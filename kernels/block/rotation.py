@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockattn_layers.reference import unpaired_chunks
+
 from ..common.launch import Launcher
 from ..common.meta import empty_contiguous, needs_int64, tile_extent
 from ..common.rotary import rotary_sin_cos, rotate_pair
@@ -40,14 +42,20 @@ ROWS = 32
 def _rotate_heads(X, Y, heads, rows, row_ok, sin, cos, cols_a, cols_b, r_ok, stride_xt, stride_xh, stride_xd,
                   stride_yt, stride_yh, stride_yd, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-                  COPY_PASS: tl.constexpr, INT64: tl.constexpr):
-    """Rotate the rows ``rows`` of every head of ``X`` into ``Y`` (the same tensor in place)."""
+                  COPY_PASS: tl.constexpr, INT64: tl.constexpr, PAIR_CHUNK: tl.constexpr):
+    """Rotate the rows ``rows`` of every head of ``X`` into ``Y`` (the same tensor in place); ``PAIR_CHUNK``
+    (split halves over every channel, into copies): ``Y``'s channels in the paired-chunk order
+    (``reference.paired_chunks``)."""
+    out_a, out_b = cols_a, cols_b
+    if PAIR_CHUNK > 0:
+        out_a = cols_a % PAIR_CHUNK + 2 * PAIR_CHUNK * (cols_a // PAIR_CHUNK)
+        out_b = out_a + PAIR_CHUNK
     for head in range(heads):
         a, b = load_pairs(X + head * stride_xh, rows, row_ok, cols_a, cols_b, r_ok, stride_xt, stride_xd, BLOCK_R,
                           ROT_DIM, INTERLEAVED, INT64)
         a, b = rotate_pair(a.to(tl.float32), b.to(tl.float32), sin, cos, INVERSE)
         dtype = Y.dtype.element_ty
-        store_pairs(Y + head * stride_yh, a.to(dtype), b.to(dtype), rows, row_ok, cols_a, cols_b, r_ok, stride_yt,
+        store_pairs(Y + head * stride_yh, a.to(dtype), b.to(dtype), rows, row_ok, out_a, out_b, r_ok, stride_yt,
                     stride_yd, BLOCK_R, ROT_DIM, INTERLEAVED, INT64)
         if COPY_PASS:
             if ROT_DIM < HEAD_DIM:
@@ -64,6 +72,7 @@ def _rotation_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, INVERSE: tl.constexpr,
     COPY_PASS: tl.constexpr, FAST_TRIG: tl.constexpr, INT64: tl.constexpr, INLINE_SEQS: tl.constexpr,
+    PAIR_CHUNK: tl.constexpr,
 ):
     """One chunk of rows: every head of ``XA`` into ``YA``, then of ``XB`` into ``YB``."""
     start, n, first_row = block_of_program(Sched, slots, num_seqs, chunk, tl.program_id(0), INLINE_SEQS)
@@ -78,10 +87,10 @@ def _rotation_kernel(
         sin, cos = rotary_sin_cos(pos, offs_r, log2_theta, ROT_DIM, FAST_TRIG)
         _rotate_heads(XA, YA, heads_a, rows, row_ok, sin, cos, cols_a, cols_b, r_ok,
                       stride_xat, stride_xah, stride_xad, stride_yat, stride_yah, stride_yad,
-                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64)
+                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64, PAIR_CHUNK)
         _rotate_heads(XB, YB, heads_b, rows, row_ok, sin, cos, cols_a, cols_b, r_ok,
                       stride_xbt, stride_xbh, stride_xbd, stride_ybt, stride_ybh, stride_ybd,
-                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64)
+                      HEAD_DIM, BLOCK_R, BLOCK_P, ROT_DIM, INTERLEAVED, INVERSE, COPY_PASS, INT64, PAIR_CHUNK)
 
 
 launch_rotation = Launcher(_rotation_kernel)
@@ -90,12 +99,15 @@ launch_rotation = Launcher(_rotation_kernel)
 def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_offsets: Optional[torch.Tensor],
                 rope_theta: float, positions: Optional[torch.Tensor], rotary_dim: int, interleaved: bool,
                 inverse: bool, in_place: bool, *,
-                sched: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                sched: Optional[Schedule] = None, pair_chunk: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """``a`` and ``b`` (``[T, heads, D]``, the same T and D) rotated by their rows' angles, the
     transpose rotation with ``inverse``: into new contiguous tensors, or in place (then only the
     first ``rotary_dim`` channels are written). ``sched``: the ``ROWS``-row chunks of ``offsets``
-    where the caller has them (``row_chunks``)."""
+    where the caller has them (``row_chunks``). ``pair_chunk`` (split halves over every channel, into
+    copies): the copies' channels in that paired-chunk order (``reference.paired_chunks``)."""
     total, _, head_dim = a.shape
+    if pair_chunk and (in_place or interleaved or rotary_dim != head_dim or head_dim % (2 * pair_chunk)):
+        raise ValueError("pair_chunk: copies of split halves over every channel, in whole pairs of chunks")
     ya, yb = (a, b) if in_place else (empty_contiguous(a), empty_contiguous(b))
     if total == 0:
         return ya, yb
@@ -106,7 +118,8 @@ def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_off
         HEAD_DIM=head_dim, BLOCK_M=ROWS, BLOCK_R=tile_extent(rotary_dim // 2),
         BLOCK_P=tile_extent(max(head_dim - rotary_dim, 1)), ROT_DIM=rotary_dim, INTERLEAVED=interleaved,
         HAS_POS=positions is not None, INVERSE=inverse, COPY_PASS=not in_place, FAST_TRIG=a.is_cuda,
-        INT64=needs_int64(a, b, ya, yb), INLINE_SEQS=sched.inline_seqs, num_warps=8 if head_dim > 128 else 4,
+        INT64=needs_int64(a, b, ya, yb), INLINE_SEQS=sched.inline_seqs, PAIR_CHUNK=pair_chunk,
+        num_warps=8 if head_dim > 128 else 4,
         num_stages=1,
     )
     args = (a, ya, b, yb, sched.table, positions if positions is not None else sched.table, sched.programs,
@@ -118,24 +131,35 @@ def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_off
 
 def rotated_backward(backward, q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor,
                      cpu_offsets: Optional[torch.Tensor], rope_theta: float, positions: Optional[torch.Tensor],
-                     rotary_dim: int, interleaved: bool, unrotating_backward=None,
+                     rotary_dim: int, interleaved: bool, unrotating_backward=None, pair_chunk: int = 0,
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of a rotary call from ``backward(q_rotated, k_rotated)``, the backward of the
     call without rotary on rotated copies of q and k (freed before the back rotation); dq and dk
     rotated back in place. ``unrotating_backward(q_rotated, k_rotated)``, tried first where given:
     ``(dq, dk, dv)`` already rotated back (the Gluon flash kernel with dQ stored,
     ``sm90.flash_bwd.unrotates``; no second pass), or None where it does not take the copies. Both
-    passes share one schedule of row chunks."""
+    passes share one schedule of row chunks. ``pair_chunk``: the copies' channels in that paired-chunk order
+    (:func:`rotate_rows`; what ``unrotating_backward`` takes), put back in order before the second pass."""
     sched = row_chunks(offsets, q.shape[0], cpu_offsets)
     rotate = (offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved)
-    q_rotated, k_rotated = rotate_rows(q, k, *rotate, False, False, sched=sched)
+    q_rotated, k_rotated = rotate_rows(q, k, *rotate, False, False, sched=sched, pair_chunk=pair_chunk)
     if unrotating_backward is not None:
         grads = unrotating_backward(q_rotated, k_rotated)
         if grads is not None:
             return grads
     dq, dk, dv = backward(q_rotated, k_rotated)
     del q_rotated, k_rotated
-    rotate_rows(dq, dk, *rotate, True, True, sched=sched)
+    return unrotated_gradients(dq, dk, dv, *rotate, pair_chunk, sched=sched)
+
+
+def unrotated_gradients(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, offsets: torch.Tensor,
+                        cpu_offsets: Optional[torch.Tensor], rope_theta: float, positions: Optional[torch.Tensor],
+                        rotary_dim: int, interleaved: bool, pair_chunk: int, *,
+                        sched: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v from those of their rotated copies (in the paired-chunk order where
+    ``pair_chunk``): dq and dk put back in order, then rotated back in place by the transpose rotation."""
+    dq, dk = unpaired_chunks(dq, pair_chunk), unpaired_chunks(dk, pair_chunk)
+    rotate_rows(dq, dk, offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved, True, True, sched=sched)
     return dq, dk, dv
 
 

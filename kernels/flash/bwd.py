@@ -516,9 +516,30 @@ def stored_dq_unrotates(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     that :func:`flash_attention_bwd` takes ``unrotate``."""
     if not stored_dq_takes(do, q, k, v, block_size, None):
         return False
+    return stored_dq_unrotates_facts(block_size, q.shape[-1], rotary_dim, interleaved)
+
+
+def stored_dq_unrotates_facts(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
+    """``sm90.flash_bwd.unrotates`` where the Gluon kernels import (False where they do not)."""
+    from ..block import variants
+
+    if variants.gluon_import_error() is not None:
+        return False
     from ..sm90 import flash_bwd
 
-    return flash_bwd.unrotates(block_size, q.shape[-1], rotary_dim, interleaved)
+    return flash_bwd.unrotates(block_size, head_dim, rotary_dim, interleaved)
+
+
+def stored_dq_pair_chunk(head_dim: int, rotary_dim: int, interleaved: bool) -> int:
+    """``sm90.flash_bwd.pair_chunk`` where the Gluon kernels import (0 where they do not): the channel chunk of the
+    paired-chunk order in which that kernel takes q and k to rotate dQ and dK back itself."""
+    from ..block import variants
+
+    if variants.gluon_import_error() is not None:
+        return 0
+    from ..sm90 import flash_bwd
+
+    return flash_bwd.pair_chunk(head_dim, rotary_dim, interleaved)
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

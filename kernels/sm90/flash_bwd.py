@@ -199,6 +199,11 @@ DELTA_IN_KERNEL: Optional[bool] = None
 # 3.88 / 4.50; partial (rotary_dim 64) 8x2 7.16 / 7.88, causal 7.49 / 8.24, 4x1 3.59 / 3.95, causal 3.78 / 4.12
 # (1.10-1.18x).
 UNROTATE = True
+# Whether split halves over every channel (each pair spanning both dQ column halves) are rotated back in the kernel
+# too, on q and k whose caller wrote them in the paired-chunk order (:func:`pair_chunk`): each consumer's dQ columns
+# then hold chunks of both halves, stored apart (``_store_dq_chunks``), and dK's chunks go back in order in
+# registers. CPU: the Gluon shim against float64. A candidate, not yet run on a GPU.
+PAIRED_SPLIT = True
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -452,6 +457,23 @@ def _store_dq(dq, tile, dq_map, row, col, PENDING: gl.constexpr):
 
 
 @gluon.jit
+def _store_dq_chunks(dq, tile_a, tile_b, dq_map, row, col_a, col_b, PENDING: gl.constexpr, BLOCK_M: gl.constexpr,
+                     CHUNK: gl.constexpr):
+    """``DQ_STORE`` with ``PAIR_CHUNK``: this warpgroup's finished dQ columns, two chunks of ``CHUNK`` columns in the
+    paired-chunk order, each to its own columns of ``dq_map`` (``col_a``, ``col_b``) through its shared tile, once
+    at most ``PENDING`` of the stores are still reading (as :func:`_store_dq`)."""
+    a, b = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, CHUNK]), [0, 2, 1]))
+    tma.store_wait(PENDING)
+    gl.thread_barrier()  # the issuing thread's wait is everyone's before the tiles are written again
+    tile_a.store(a.to(tile_a.dtype))
+    tile_b.store(b.to(tile_b.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's rows are in shared memory for the TMA stores
+    tma.async_copy_shared_to_global(dq_map, [row, col_a], tile_a)
+    tma.async_copy_shared_to_global(dq_map, [row, col_b], tile_b)
+
+
+@gluon.jit
 def _hand_dq(dq, dq_s, dq_full, dq_free, ds_free, j, w: gl.constexpr):
     """``DQ_LAG``: ``_give_dq``, then give step ``j``'s ``dS^T`` slot back (the barrier there followed this
     warpgroup's product on it)."""
@@ -522,7 +544,7 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
               THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead,
               DQ_STORE: gl.constexpr, o_s, dl_s, DELTA_IN_KERNEL: gl.constexpr, Pos, first_row, log2_theta,
-              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr):
+              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, PAIR_CHUNK: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
@@ -546,7 +568,10 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
-    if DQ_STORE:  # (each head's row as HEAD_DIM // DQ_COLS pieces of DQ_COLS columns)
+    if DQ_STORE and PAIR_CHUNK > 0:  # (each head's row as pieces of PAIR_CHUNK columns)
+        dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // PAIR_CHUNK), stride_qat, BLOCK_M,
+                           PAIR_CHUNK)
+    elif DQ_STORE:  # (each head's row as HEAD_DIM // DQ_COLS pieces of DQ_COLS columns)
         dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // DQ_COLS), stride_qat, BLOCK_M, DQ_COLS)
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
@@ -614,8 +639,15 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
             if ROT_DIM > 0:
                 acc_q: gl.constexpr = _acc_layout(DQ_COLS)
                 pos = _positions(Pos, start, n, first_row, row, BLOCK_M, HAS_POS, gl.SliceLayout(1, acc_q))
-                dq = unrotate_pairs(dq, pos, w * DQ_COLS, log2_theta, BLOCK_M, DQ_COLS, ROT_DIM, INTERLEAVED, acc_q)
-            _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS, TILES - 1)
+                dq = unrotate_pairs(dq, pos, w * DQ_COLS, log2_theta, BLOCK_M, DQ_COLS, ROT_DIM, INTERLEAVED,
+                                    PAIR_CHUNK, acc_q)
+            if PAIR_CHUNK > 0:
+                tile = 2 * (TILES * w + it % TILES)
+                _store_dq_chunks(dq, dq_s.index(tile), dq_s.index(tile + 1), dq_map, row,
+                                 h * HEAD_DIM + w * PAIR_CHUNK, h * HEAD_DIM + HEAD_DIM // 2 + w * PAIR_CHUNK,
+                                 2 * (TILES - 1), BLOCK_M, PAIR_CHUNK)
+            else:
+                _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS, TILES - 1)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
@@ -649,7 +681,10 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = dk * scale
     if ROT_DIM > 0:
         pos = _positions(Pos, start, n, first_row, key0, HALF_N, HAS_POS, gl.SliceLayout(1, acc_d))
-        dk = unrotate_pairs(dk, pos, 0, log2_theta, HALF_N, HEAD_DIM, ROT_DIM, INTERLEAVED, acc_d)
+        dk = unrotate_pairs(dk, pos, 0, log2_theta, HALF_N, HEAD_DIM, ROT_DIM, INTERLEAVED, PAIR_CHUNK, acc_d)
+        if PAIR_CHUNK > 0:  # the channels back in their order: [a_0, b_0, a_1, b_1, ..] -> [a_0, a_1, .., b_0, b_1, ..]
+            dk = gl.reshape(dk, [HALF_N, HEAD_DIM // (2 * PAIR_CHUNK), 2, PAIR_CHUNK])
+            dk = gl.convert_layout(gl.reshape(gl.permute(dk, [0, 2, 1, 3]), [HALF_N, HEAD_DIM]), acc_d)
     dk_t.store(dk.to(dtype))
     dv_t.store(dv.to(dtype))
     fence_async_shared()
@@ -677,6 +712,7 @@ def _flash_bwd_ws_kernel(
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
     DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr, DQ_STORE: gl.constexpr,
     DELTA_IN_KERNEL: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr,
+    PAIR_CHUNK: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
@@ -684,6 +720,9 @@ def _flash_bwd_ws_kernel(
         if ROT_DIM > 0:
             gl.static_assert(DQ_STORE and not DQ_WRITER, "ROT_DIM: dQ's column halves stored by the consumers")
             first_row = gl.load(Table + 2 * slots + gl.program_id(0) // kv_heads)
+        if PAIR_CHUNK > 0:
+            gl.static_assert(ROT_DIM == HEAD_DIM and not INTERLEAVED and 2 * PAIR_CHUNK == DQ_COLS,
+                             "PAIR_CHUNK: split halves over every channel, each consumer's dQ columns two chunks")
         dtype: gl.constexpr = Q.dtype.element_ty
         layout: gl.constexpr = _smem_layout(HEAD_DIM)
         k_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -706,7 +745,12 @@ def _flash_bwd_ws_kernel(
                 dq_store_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
             else:
                 STORE_TILES: gl.constexpr = 2 * _dq_store_tiles(DELTA_IN_KERNEL)
-                dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+                if PAIR_CHUNK > 0:  # (each tile as its two chunks' tiles, stored apart)
+                    dq_store_s = gl.allocate_shared_memory(dtype, [2 * STORE_TILES, BLOCK_M, PAIR_CHUNK],
+                                                           _smem_layout(PAIR_CHUNK))
+                else:
+                    dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS],
+                                                           _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
         if DELTA_IN_KERNEL:
@@ -766,14 +810,16 @@ def _flash_bwd_ws_kernel(
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_0,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                             PAIR_CHUNK)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_1,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                             PAIR_CHUNK)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
@@ -790,14 +836,16 @@ def _flash_bwd_ws_kernel(
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                             PAIR_CHUNK)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_1,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS)),
+                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                             PAIR_CHUNK)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
@@ -862,14 +910,25 @@ def computes_delta(block_size: int, head_dim: int, causal: bool, groups: int) ->
     return (groups > 1 and not causal) if DELTA_IN_KERNEL is None else DELTA_IN_KERNEL
 
 
+def pair_chunk(head_dim: int, rotary_dim: int, interleaved: bool) -> int:
+    """The channel chunk of the paired-chunk order (``reference.paired_chunks``) in which the kernel takes q and k
+    rotated by split halves over every channel, whose pairs span both dQ column halves (:func:`dq_cols`): half a
+    column half, so that each consumer's columns hold whole pairs (``PAIR_CHUNK``); 0 for every other rotary form
+    (their pairs lie in one half where :func:`unrotates`), or while ``PAIRED_SPLIT`` is off."""
+    cols = dq_cols(head_dim)
+    if not PAIRED_SPLIT or interleaved or rotary_dim != head_dim or cols == head_dim:
+        return 0
+    return cols // 2
+
+
 def unrotates(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
     """Whether the kernel, where it stores dQ, rotates dQ and dK back itself (``ROT_DIM``) for a backward on q and k
     its caller rotated (``UNROTATE`` on): where the consumers store dQ's column halves (:func:`dq_cols`) and each
     rotary pair lies inside one half (interleaved pairs; split halves over ``rotary_dim`` channels dividing the
-    half)."""
+    half), or q and k come in the paired-chunk order (split halves over every channel, :func:`pair_chunk`)."""
     if not UNROTATE or not stores_dq(block_size, head_dim) or dq_cols(head_dim) == head_dim or rotary_dim <= 0:
         return False
-    return interleaved or dq_cols(head_dim) % rotary_dim == 0
+    return interleaved or dq_cols(head_dim) % rotary_dim == 0 or pair_chunk(head_dim, rotary_dim, interleaved) > 0
 
 
 def stores_dq(block_size: int, head_dim: int) -> bool:
@@ -909,7 +968,8 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     layout; with ``dq``, where :func:`computes_delta`): the delta rows computed from it (``DELTA_IN_KERNEL``),
     ``delta`` not read. ``unrotate`` (with ``dq``, where :func:`unrotates`): ``(rope_theta, positions,
     rotary_dim, interleaved)`` of the rotation the caller applied to q and k, which the kernel applies back to dQ
-    and dK (``ROT_DIM``). ``sched``: the flash schedule of ``TILE_N``-row key tiles."""
+    and dK (``ROT_DIM``); where :func:`pair_chunk` is not 0, q and k come with their channels in that paired-chunk
+    order (``reference.paired_chunks``), and dQ and dK go out in their own order. ``sched``: the flash schedule of ``TILE_N``-row key tiles."""
     total, heads, dim = q.shape
     kv_heads = k.shape[1]
     store = dq is not None
@@ -925,14 +985,16 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,
                 STAGGER=STAGGER and lag, LEAN_WRITER=LEAN_WRITER and dq_cols(dim) < dim and not store,
-                DQ_STORE=store, DELTA_IN_KERNEL=o is not None, ROT_DIM=0, INTERLEAVED=False, HAS_POS=False, num_warps=4)
+                DQ_STORE=store, DELTA_IN_KERNEL=o is not None, ROT_DIM=0, INTERLEAVED=False, HAS_POS=False,
+                PAIR_CHUNK=0, num_warps=4)
     rope_theta, positions = 1.0, None
     if unrotate is not None:
         rope_theta, positions, rot, interleaved = unrotate
         if not store or not unrotates(TILE_N, dim, rot, interleaved):
             raise ValueError("dQ and dK are rotated back in the kernel only where it stores dQ's column halves and "
                              "each rotary pair lies in one (sm90.flash_bwd.unrotates)")
-        meta.update(ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=positions is not None)
+        meta.update(ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=positions is not None,
+                    PAIR_CHUNK=pair_chunk(dim, rot, interleaved))
     if o is not None and (not store or o.dtype != q.dtype or o.stride(2) != 1 or o.stride(1) != dim):
         raise ValueError("the delta rows are computed in the kernel only with dQ stored, from O of q's dtype and "
                          "rows of H * D contiguous elements")

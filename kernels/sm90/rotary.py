@@ -116,19 +116,25 @@ def _sin_cos_of(angle):
 
 @gluon.jit
 def unrotate_pairs(x, pos, col0, log2_theta, ROWS: gl.constexpr, COLS: gl.constexpr, ROT_DIM: gl.constexpr,
-                   INTERLEAVED: gl.constexpr, LAYOUT: gl.constexpr):
+                   INTERLEAVED: gl.constexpr, PAIR_CHUNK: gl.constexpr, LAYOUT: gl.constexpr):
     """The transpose rotation of a float32 gradient tile ``x [ROWS, COLS]`` in ``LAYOUT`` (a head's columns
     ``col0 ..``, its rows at the float32 positions ``pos [ROWS]`` in ``SliceLayout(1, LAYOUT)``): each rotary
     pair ``(a, b)`` (interleaved: columns ``2 i, 2 i + 1``; split halves: ``i, i + ROT_DIM / 2``; ``i <
     ROT_DIM / 2``) -> ``(a cos + b sin, b cos - a sin)`` at the angle ``position * theta ** (-2 i / ROT_DIM)``,
     as ``common.rotary.rotate_pair`` with ``INVERSE``; columns from ``ROT_DIM`` on pass (angle 0). Split
-    halves: ``COLS`` a multiple of ``ROT_DIM`` and ``col0`` of ``COLS`` (each pair inside the tile). A pair
-    sits in one thread's registers in the wgmma accumulator layouts (columns ``8 j + 2 t + {0, 1}``), so the
-    reshapes move no data."""
+    halves: ``COLS`` a multiple of ``ROT_DIM`` and ``col0`` of ``COLS`` (each pair inside the tile); or, with
+    ``PAIR_CHUNK`` (split halves over every channel), the head's channels in the paired-chunk order
+    (``reference.paired_chunks``: chunks of ``PAIR_CHUNK`` of the two halves alternating), so that pair ``i``
+    is columns ``2 c j + r`` and ``2 c j + c + r`` (``c`` the chunk, ``i = c j + r``), ``COLS`` a multiple of
+    ``2 c``. A pair sits in one thread's registers in the wgmma accumulator layouts (columns ``8 j + 2 t + {0,
+    1}``), so the reshapes move no data."""
     HALF: gl.constexpr = ROT_DIM // 2
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
     if INTERLEAVED:
         pair = cols // 2
+    elif PAIR_CHUNK > 0:
+        gl.static_assert(COLS % (2 * PAIR_CHUNK) == 0, "paired chunks: whole pairs of chunks in the tile")
+        pair = cols % PAIR_CHUNK + PAIR_CHUNK * (cols // (2 * PAIR_CHUNK))
     else:
         gl.static_assert(COLS % ROT_DIM == 0, "split halves: whole pairs in the tile")
         pair = cols % HALF
@@ -138,8 +144,9 @@ def unrotate_pairs(x, pos, col0, log2_theta, ROWS: gl.constexpr, COLS: gl.conste
         a, b = gl.split(gl.reshape(x, [ROWS, COLS // 2, 2]))
         angle, _ = gl.split(gl.reshape(angle, [ROWS, COLS // 2, 2]))
     else:
-        a, b = gl.split(gl.permute(gl.reshape(x, [ROWS, COLS // ROT_DIM, 2, HALF]), [0, 1, 3, 2]))
-        angle, _ = gl.split(gl.permute(gl.reshape(angle, [ROWS, COLS // ROT_DIM, 2, HALF]), [0, 1, 3, 2]))
+        GROUP: gl.constexpr = 2 * PAIR_CHUNK if PAIR_CHUNK > 0 else ROT_DIM
+        a, b = gl.split(gl.permute(gl.reshape(x, [ROWS, COLS // GROUP, 2, GROUP // 2]), [0, 1, 3, 2]))
+        angle, _ = gl.split(gl.permute(gl.reshape(angle, [ROWS, COLS // GROUP, 2, GROUP // 2]), [0, 1, 3, 2]))
     sin, cos = pair_sin_cos(angle)
     pairs = gl.join(a * cos + b * sin, b * cos - a * sin)
     if INTERLEAVED:

@@ -18,7 +18,11 @@ there; a rotary call's through the rotation pass below, whatever the variant cho
 is forced; elsewhere the block kernels run it and leave them unread. A rotary
 backward the choice runs as a rotation pass (``Variant.rotation_pass``: ``rotated``,
 ``kernels.block.rotation``) runs this backward without rotary on rotated copies of q and k and rotates
-dq and dk back. Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time
+dq and dk back. Where that inner backward is the flash kernel with dQ stored and the kernel rotates dq and dk
+back itself (``stored_dq_unrotates``), an eager call with gradients rotates q and k in the forward instead
+(``forward_on_rotated``, while ``SAVES_ROTATED_COPIES``): the rotation pass's copies, the forward without rotary
+on them, and autograd saves the copies in place of q and k, so that the backward rotates nothing itself
+(``backward_on_rotated``). Without gradients (``forward_inference``) it stores none. Kernel sizes are run-time
 arguments, so batches of different T and B reuse the compiled kernels. On CPU tensors it runs through
 Triton's interpreter under ``TRITON_INTERPRET=1`` (by name only: ``auto`` never picks it there).
 """
@@ -37,10 +41,12 @@ from blockattn_layers.kernels.block.bwd import (
 )
 from blockattn_layers.kernels.block.fwd import block_attention_fwd, block_attention_fwd_lse, block_attention_fwd_prepared
 from blockattn_layers.kernels.block.plan import float32_tile_fits
+from blockattn_layers.kernels.block import rotation
 from blockattn_layers.kernels.block.rotation import rotated_backward
-from blockattn_layers.kernels.common.meta import MAX_TILE
+from blockattn_layers.kernels.common.meta import MAX_TILE, needs_int64
 from blockattn_layers.kernels.flash.bwd import (
-    flash_attention_bwd, stored_dq_reasons, stored_dq_takes, stored_dq_unrotates,
+    flash_attention_bwd, stored_dq_pair_chunk, stored_dq_reasons, stored_dq_takes, stored_dq_unrotates,
+    stored_dq_unrotates_facts,
 )
 from blockattn_layers.kernels.flash.fwd import flash_attention_fwd
 
@@ -116,15 +122,16 @@ def _backward(
     variant = None if rotated_stored_dq else backward_variant(grad_out, q, k, v, block_size, rot, rotary_interleaved,
                                                               positions is not None)
     if rotated_stored_dq or variant.rotation_pass:
-        unrotating = None
-        if rotated_stored_dq:
+        unrotating, pair_chunk = None, 0
+        if rotated_stored_dq and stored_dq_unrotates_facts(block_size, q.shape[2], rot, rotary_interleaved):
             unrotating = functools.partial(_unrotating_backward, grad_out, v, out, lse, offsets, block_size, scale,
                                            causal, rope_theta, positions, rot, rotary_interleaved, cpu_offsets)
+            pair_chunk = stored_dq_pair_chunk(q.shape[2], rot, rotary_interleaved)
         return rotated_backward(
             lambda qr, kr: _backward(grad_out, qr, kr, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
                                      False, cpu_offsets, max_seqlen),
             q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim, rotary_interleaved,
-            unrotating_backward=unrotating)
+            unrotating_backward=unrotating, pair_chunk=pair_chunk)
     if past_one_tile and not wide_backward_runs(variant):
         return _flash_backward(grad_out, q, k, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
                                rotary_dim, rotary_interleaved, cpu_offsets)
@@ -143,6 +150,71 @@ def _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, caus
     return flash_attention_bwd(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale, causal, None,
                                None, 0, False, cpu_offsets, deterministic=deterministic_backward(),
                                unrotate=(rope_theta, positions, rot, interleaved))
+
+
+# Whether eager rotary calls with gradients whose backward the flash kernel with dQ stored runs, rotating dq and dk
+# back itself (``stored_dq_unrotates``: grouped query heads on 16-bit blocks of 65-128 tokens at D 128, interleaved
+# or partial rotary over 64 channels or fewer, sm_90), rotate q and k in the forward (``_forward_on_rotated``) rather
+# than in the backward: the rotation pass writes the copies (q and k read, the copies written) and the forward
+# without rotary runs on them (the rotary forward with the logsumexp store spills: PERF_NOTES sessions 55-56), and
+# autograd saves the copies in place of q and k (no more memory), so that the backward is the flash kernel alone.
+SAVES_ROTATED_COPIES = True
+
+
+def _rotated_copies_take(q: Tensor, k: Tensor, v: Tensor, block_size: int, rope_theta: Optional[float],
+                         rotary_dim: int, rotary_interleaved: bool) -> bool:
+    """Whether :func:`_forward_on_rotated` takes a call: :func:`_rotated_copies_facts` of its facts (the copies'
+    layout is the kernel's; the backward checks the rest, ``_backward_on_rotated``)."""
+    if not SAVES_ROTATED_COPIES or rope_theta is None:
+        return False
+    return _rotated_copies_facts(variants.call_facts(q, k, block_size, rotary_dim, rotary_interleaved,
+                                                     needs_int64(q, k, v)))
+
+
+def _rotated_copies_facts(facts: variants.CallFacts) -> bool:
+    """Whether eager rotary calls of these (forward) facts with gradients rotate q and k in the forward
+    (``SAVES_ROTATED_COPIES``): where their backward on the copies is the flash kernel with dQ stored
+    (:func:`_stored_dq_facts`) and the kernel rotates dq and dk back itself."""
+    if not SAVES_ROTATED_COPIES or not facts.rot or not _stored_dq_facts(facts):
+        return False
+    return stored_dq_unrotates_facts(facts.block_size, facts.head_dim, facts.rot, facts.interleaved)
+
+
+def _forward_on_rotated(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, block_size: int, scale: float, causal: bool,
+    rope_theta: Optional[float], positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool,
+    cpu_offsets: Optional[Tensor], max_seqlen: Optional[int],
+) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int]]:
+    """``(out, lse, q_rotated, k_rotated, pair_chunk)``: the rotation pass's copies of q and k (their channels in the
+    paired-chunk order where ``pair_chunk``, as the flash kernel takes them: ``stored_dq_pair_chunk``) and the
+    forward without rotary on them, where :func:`_rotated_copies_take`; else None."""
+    if not _rotated_copies_take(q, k, v, block_size, rope_theta, rotary_dim, rotary_interleaved):
+        return None
+    pair_chunk = stored_dq_pair_chunk(q.shape[2], rotary_dim, rotary_interleaved)
+    q_rotated, k_rotated = rotation.rotate_rows(q, k, offsets, cpu_offsets, rope_theta, positions, rotary_dim,
+                                               rotary_interleaved, False, False, pair_chunk=pair_chunk)
+    out, lse = block_attention_fwd_lse(q_rotated, k_rotated, v, offsets, block_size, scale, causal, None, None, 0,
+                                       False, cpu_offsets)
+    return out, lse, q_rotated, k_rotated, pair_chunk
+
+
+def _backward_on_rotated(
+    grad_out: Tensor, q_rotated: Tensor, k_rotated: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    offsets: Tensor, block_size: int, scale: float, causal: bool, rope_theta: float,
+    positions: Optional[Tensor], rotary_dim: int, rotary_interleaved: bool, cpu_offsets: Optional[Tensor],
+    max_seqlen: Optional[int], pair_chunk: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k, v from :func:`_forward_on_rotated`'s copies: the flash kernel with dQ stored rotating
+    dq and dk back itself, or, where it does not take the call (``grad_out``'s layout), the backward without
+    rotary on the copies, their channels put back in order (``pair_chunk``) and a rotation pass back."""
+    grads = _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, causal, rope_theta, positions,
+                                 rotary_dim, rotary_interleaved, cpu_offsets, q_rotated, k_rotated)
+    if grads is not None:
+        return grads
+    grads = _backward(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale, causal, None, None, 0,
+                      False, cpu_offsets, max_seqlen)
+    return rotation.unrotated_gradients(*grads, offsets, cpu_offsets, rope_theta, positions, rotary_dim,
+                                        rotary_interleaved, pair_chunk)
 
 
 def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
@@ -198,6 +270,9 @@ FLASH = "flash"
 FORWARD_WITH_GRADIENTS = "forward with gradients"
 # The phase whose variant choice ``_variant_reasons`` shows where the backward runs as a rotation pass.
 ROTATED_COPIES = "backward on rotated copies"
+# The phase whose variant choice ``_variant_reasons`` shows where an eager forward with gradients runs on rotated
+# copies (``SAVES_ROTATED_COPIES``).
+FORWARD_ON_ROTATED = "eager forward with gradients on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
@@ -218,7 +293,9 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     there, where the forward without gradients takes another variant than the forward with them
     (which stores the logsumexp: ``CallFacts.stores_lse``), the latter's reasons under
     ``forward with gradients: NAME``. Where the backward runs as a rotation pass (``rotated``), the
-    choice of its inner backward, without rotary, follows under ``backward on rotated copies: NAME``
+    choice of its inner backward, without rotary, follows under ``backward on rotated copies: NAME``, and where
+    an eager forward with gradients runs on rotated copies (``_rotated_copies_facts``), its choice without rotary
+    under ``eager forward with gradients on rotated copies: NAME``
     (where no variant's backward fits one program, ``backward: flash`` shows only where neither a
     ``wide_backward`` variant nor the rotation pass takes the call).
     float32 calls whose tile does not fit (``float32_tile_fits``): ``flash`` both ways, every variant
@@ -248,6 +325,9 @@ def _variant_reasons(req: AttentionRequest) -> Dict[str, List[str]]:
     if running is not None and running.rotation_pass:
         inner = _backward_reasons(facts._replace(rot=0, interleaved=False), stored_dq)
         reasons.update({f"{ROTATED_COPIES}: {name}": why for name, why in inner.items()})
+    if _rotated_copies_facts(facts):
+        copies = variants.explain(facts._replace(rot=0, interleaved=False, stores_lse=True))
+        reasons.update({f"{FORWARD_ON_ROTATED}: {name}": why for name, why in copies.items()})
     return reasons
 
 
@@ -291,6 +371,8 @@ register_backend(BackendSpec(
     backward=_backward,
     forward_prepared=_forward_prepared,
     forward_inference=_forward_inference,
+    forward_on_rotated=_forward_on_rotated,
+    backward_on_rotated=_backward_on_rotated,
     priority=10,
     devices=triton_devices,
     auto_devices=frozenset({"cuda"}),
