@@ -121,11 +121,14 @@ def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
     assert library.saves_lse(65, 128, half, 2, "") and library.saves_lse(tile, 128, torch.float16, 4, "")
     assert not library.saves_lse(short, 128, half, 4, "") and not library.saves_lse(tile, 96, half, 4, "")
     assert not library.saves_lse(tile, 64, half, 4, "") and not library.saves_lse(tile, 128, half, 1, "")
-    # With rotary in the forms of GROUPED_SAVES_LSE_ROTARY (their backward through the rotation pass): interleaved
-    # and partial, not split halves over every channel (hopper_heads' backward rotates itself).
-    assert library.GROUPED_SAVES_LSE_ROTARY == frozenset({"interleaved", "partial"})
+    # With rotary in the forms of GROUPED_SAVES_LSE_ROTARY (their backward on rotated copies): every form since
+    # session 57 (split halves over every channel on copies in the paired-chunk order).
+    assert library.GROUPED_SAVES_LSE_ROTARY == frozenset({"interleaved", "partial", "split"})
     assert library.saves_lse(tile, 128, half, 4, "interleaved") and library.saves_lse(tile, 128, half, 4, "partial")
-    assert not library.saves_lse(tile, 128, half, 4, "split") and library.saves_lse(tile, 256, half, 4, "split")
+    assert library.saves_lse(tile, 128, half, 4, "split") and library.saves_lse(tile, 256, half, 4, "split")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset({"interleaved", "partial"}))
+        assert not library.saves_lse(tile, 128, half, 4, "split") and library.saves_lse(tile, 128, half, 4, "partial")
     assert not library.saves_lse(tile, 128, half, 1, "partial") and not library.saves_lse(tile, 96, half, 4, "partial")
     assert not library.saves_lse(short, 128, half, 4, "interleaved")
     with pytest.MonkeyPatch.context() as mp:
@@ -144,7 +147,8 @@ def test_the_op_saves_lse_by_the_call_s_shapes_alone():
     q, k, v, offsets = make_jagged([3, 0, 130], 4, 2, 128, torch.bfloat16, 0)
     assert library.call_saves_lse(q, k, 128, None, 0, False) and not library.call_saves_lse(q, q, 128, None, 0, False)
     assert not library.call_saves_lse(q, k, 64, None, 0, False) and library.call_saves_lse(q, k, 128, None, 64, True)
-    assert not library.call_saves_lse(q, k, 128, 1e4, 0, False) and not library.call_saves_lse(q, k, 128, 1e4, 128, False)
+    assert library.call_saves_lse(q, k, 128, 1e4, 0, False) and library.call_saves_lse(q, k, 128, 1e4, 128, False)
+    assert not library.call_saves_lse(q, q, 128, 1e4, 0, False)
     assert library.call_saves_lse(q, k, 128, 1e4, 64, False) and library.call_saves_lse(q, k, 128, 1e4, 0, True)
     for kv, saved in ((k, True), (q, False)):
         leaves = [x.clone().requires_grad_() for x in (q, kv, v if kv is k else q)]
@@ -170,8 +174,7 @@ def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim,
         _, fake_lse = library.attention_fwd(*fakes, *args[1:])
     saved = library.call_saves_lse(q, k, block_size, rope_theta, rotary_dim, interleaved)
     assert fake_lse.shape == lse.shape == (2, 73 if saved else 0)
-    split = rope_theta is not None and not interleaved and rotary_dim == head_dim
-    assert saved == (block_size in (0, 100) or dtype == torch.float32 or (head_dim == 128 and not split))
+    assert saved == (block_size in (0, 100) or dtype == torch.float32 or head_dim == 128)
 
 
 @pytest.mark.gpu

@@ -192,8 +192,7 @@ def test_explain_shows_the_backward_on_rotated_copies():
 ON_ROTATED_CASES = [
     dict(heads=4, kv_heads=2, block_size=100, rope_theta=1e4, rotary_interleaved=True, causal=True),
     dict(heads=4, kv_heads=1, block_size=128, rope_theta=500.0, rotary_dim=64, positions="float"),
-    # Split halves over every channel (saving lse: the candidate of session 57): the copies in the paired-chunk
-    # order (``flash_bwd.pair_chunk``).
+    # Split halves over every channel: the copies in the paired-chunk order (``flash_bwd.pair_chunk``).
     dict(heads=4, kv_heads=2, block_size=128, rope_theta=1e4),
 ]
 
@@ -231,9 +230,6 @@ def test_forward_on_rotated_copies_matches_the_oracle(monkeypatch, case):
     without rotary on the copies, then the pass back in place) matches the float64 oracle (fp16)."""
     from tests.test_triton_interpret import EDGE_LENGTHS, _check
 
-    from blockattn_layers.ops import library
-
-    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_ROTARY", library.GROUPED_SAVES_LSE_ROTARY | {"split"})
     passes = _rotated_copies_taken(monkeypatch)
     q, k, v, offsets, kw = _grouped_rotary_inputs(case)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -293,8 +289,8 @@ def test_backward_on_rotated_copies_under_a_dispatch_mode(monkeypatch):
 
 def test_explain_shows_the_forward_on_rotated_copies(monkeypatch):
     """On sm_90, a grouped D128 block-128 call with interleaved rotary (its backward the flash kernel with dQ stored,
-    rotating back itself) shows the eager forward on rotated copies and its variant; split halves over every channel
-    (no lse saved) and the switch off do not."""
+    rotating back itself) shows the eager forward on rotated copies and its variant, split halves over every channel
+    too; split halves over 96 (rotated back by a second pass) and the switch off do not."""
     from blockattn_layers.dispatch import AttentionRequest, running_variants
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.ops.backends import triton_block
@@ -310,7 +306,7 @@ def test_explain_shows_the_forward_on_rotated_copies(monkeypatch):
     def shown(request):
         return any(name.startswith(triton_block.FORWARD_ON_ROTATED) for name in triton_block._variant_reasons(request))
 
-    assert not shown(dataclasses.replace(req, rotary_interleaved=False))  # split halves save no lse
+    assert shown(dataclasses.replace(req, rotary_interleaved=False))  # split halves, in paired chunks
     assert not shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=96))  # no rotation back
     monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", False)
     assert not shown(req)

@@ -789,7 +789,8 @@ def test_hopper_wide_backward_keeps_a_nan_in_its_block(heads, rotary):
 HEADS_CASES = [
     # Rotary backwards of grouped query heads on blocks over 64 at D 65-128: split halves over every
     # channel, causal; over part of them at given positions; interleaved pairs at a padded head dim;
-    # D128 split halves.
+    # D128 split halves (the variant choice; since session 57 the backend runs their backward on the flash kernel
+    # with dQ stored instead, ``GROUPED_SAVES_LSE_ROTARY``).
     dict(heads=4, kv_heads=1, dim=96, block_size=128, causal=True, rope_theta=1e4),
     dict(heads=8, kv_heads=2, dim=96, block_size=100, rope_theta=1e4, rotary_dim=48, positions="int"),
     dict(heads=6, kv_heads=3, dim=80, block_size=128, rope_theta=500.0, rotary_interleaved=True, positions="float"),
@@ -917,7 +918,6 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
     from blockattn_layers.ops.backends import triton_block
 
     monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", copies)
-    _with_split_saving_lse(monkeypatch)
 
     calls = _stored_dq_spy(monkeypatch)
     passes = []
@@ -949,39 +949,16 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
             assert passes == ([False] if unrotates else [False, True])
 
 
-def _with_split_saving_lse(monkeypatch) -> None:
-    """Split halves over every channel among the rotary forms that save lse (the candidate of session 57)."""
-    from blockattn_layers.ops import library
-
-    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_ROTARY", library.GROUPED_SAVES_LSE_ROTARY | {"split"})
-
-
-@SM90
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_grouped_d128_split_rotary_backward_keeps_the_block_kernels(monkeypatch, causal):
-    """Split halves over every channel (not in ``GROUPED_SAVES_LSE_ROTARY``): the forward saves no lse, and the block
-    kernels (hopper_heads, rotating in its own backward) compute the backward, the flash kernel not at all."""
-    from blockattn_layers.kernels.sm90 import flash_bwd
-
-    calls = []
-    real = flash_bwd.dkdv_pass_ws
-    monkeypatch.setattr(flash_bwd, "dkdv_pass_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v, offsets = _around_the_blocks({}, 8, 2, 128, torch.bfloat16, seed=2)
-    with variants.forced_variant("auto"):
-        check_against_oracle(q, k, v, offsets, block_size=128, rope_theta=1e4, causal=causal)
-    assert calls == []
-
-
 @SM90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_grouped_d128_split_rotary_backward_without_paired_chunks(monkeypatch, causal):
-    """Split halves over every channel saving lse, with ``flash_bwd.PAIRED_SPLIT`` off: the flash kernel with dQ
-    stored on copies in their own order, and a second pass rotating dq and dk back, against the float64 oracle."""
+    """Split halves over every channel (saving lse, ``GROUPED_SAVES_LSE_ROTARY``) with ``flash_bwd.PAIRED_SPLIT``
+    off: the flash kernel with dQ stored on copies in their own order, and a second pass rotating dq and dk back,
+    against the float64 oracle."""
     from blockattn_layers.kernels.block import rotation
     from blockattn_layers.kernels.sm90 import flash_bwd
 
     monkeypatch.setattr(flash_bwd, "PAIRED_SPLIT", False)
-    _with_split_saving_lse(monkeypatch)
     calls = _stored_dq_spy(monkeypatch)
     passes = []
     real = rotation.rotate_rows

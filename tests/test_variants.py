@@ -116,9 +116,8 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
     assert bl.dispatch.describe(dataclasses.replace(wide, capability=(8, 0)), "triton") == (
         "triton, simple kernels (backward: flash kernels)")
     # Grouped query heads at D 128 there: the block kernels' backward fits, but on sm_90 the flash kernel with dQ
-    # stored runs it (the forward saves out and lse for it); with interleaved or partial rotary through the rotation
-    # pass (whatever the choice would be); not with split halves over every channel (hopper_heads' backward), off
-    # sm_90, with a forced variant, or with one query head per kv head.
+    # stored runs it (the forward saves out and lse for it); with rotary through the rotation pass (whatever the
+    # choice would be); not off sm_90, with a forced variant, or with one query head per kv head.
     d128 = dataclasses.replace(wide, head_dim=128)
     reasons = explain_variants(d128)["triton"]
     assert reasons["backward: flash"] == [] and reasons["hopper"] == []
@@ -135,8 +134,14 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
         assert rotary[f"{triton_block.ROTATED_COPIES}: hopper"][-1] == triton_block._STORED_DQ, form
     assert bl.dispatch.describe(dataclasses.replace(d128, rotary=True, rotary_dim=64), "triton") == \
         "triton, hopper kernels (backward: rotated kernels; backward on rotated copies: flash kernels)"
+    # Split halves over every channel too, since session 57 (copies in the paired-chunk order); not while they
+    # save no lse.
     split = explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
-    assert split["backward: hopper_heads"] == [] and not any("flash" in name for name in split)
+    assert split["backward: rotated"] == [] and split[f"{triton_block.ROTATED_COPIES}: flash"] == []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset({"interleaved", "partial"}))
+        split = explain_variants(dataclasses.replace(d128, rotary=True))["triton"]
+        assert split["backward: hopper_heads"] == [] and not any("flash" in name for name in split)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset())
         interleaved = explain_variants(dataclasses.replace(d128, num_heads=8, rotary=True, rotary_interleaved=True))

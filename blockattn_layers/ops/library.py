@@ -83,9 +83,13 @@ GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({128})
 # backward, and the rotary forward with the store spills more, ptxas 392-432 bytes against 156-164), so not those
 # then. Since session 57 the flash kernel rotates dq and dk back itself (``sm90.flash_bwd.UNROTATE``; split halves
 # over every channel on copies in the paired-chunk order, ``PAIRED_SPLIT``), and eager calls with gradients rotate
-# q and k in the forward (``ops.backends.triton_block.SAVES_ROTATED_COPIES``); split halves are the candidate then
-# (not yet timed).
-GROUPED_SAVES_LSE_ROTARY = frozenset({"interleaved", "partial"})
+# q and k in the forward (``ops.backends.triton_block.SAVES_ROTATED_COPIES``), and split halves save them too. H100,
+# same points, eager forward + backward ms, session 57's defaults / session 56's (hopper_heads for split halves;
+# two runs each, within 1 %): split 8x2 4.05 + 5.37 / 2.60 + 8.61 (1.19x), causal 4.26 + 5.73 / 2.52 + 8.78
+# (1.13x), 4x1 2.03 + 2.73 / 1.31 + 4.30 (1.18x); interleaved 8x2 4.04 + 5.57 / 3.62 + 7.18 (1.12x); partial 8x2
+# 4.13 + 5.13 / 3.10 + 7.12 (1.10x). Compiled and exported calls (the op's autograd: the rotary forward with the
+# store, the rotation pass's first half in the backward) of split halves: 8x2 3.08 + 7.18 against 2.60 + 8.61.
+GROUPED_SAVES_LSE_ROTARY = frozenset({"interleaved", "partial", "split"})
 
 
 def rotary_form(rot: int, head_dim: int, interleaved: bool) -> str:
