@@ -93,9 +93,9 @@ class BackendSpec:
     its ``backward_on_rotated`` takes ``backward``'s arguments with the copies in place of q and k, and
     ``pair_chunk`` last, and returns the gradients of q, k, v (dq and dk rotated back, in their own order).
     ``variant_reasons``, for a backend whose kernels come in variants, gives each variant's reasons not to run
-    a request (empty: it runs; see :func:`explain_variants`). ``devices()`` lists the device types it can run on when asked by name;
-    ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device). ``extra_reasons``
-    adds checks that do not fit the declared fields (it returns reasons to refuse).
+    a request (empty: it runs; see :func:`explain_variants`). ``devices()`` lists the device types it can run
+    on when asked by name; ``auto_devices`` those where ``backend="auto"`` may pick it (``None``: any device).
+    ``extra_reasons`` adds checks that do not fit the declared fields (it returns reasons to refuse).
     """
 
     name: str

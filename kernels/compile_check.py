@@ -683,8 +683,9 @@ def _fp8_ws_builds(capability: int) -> Iterator[Build]:
 def _pass_builds(capability: int) -> Iterator[Build]:
     """The row passes around the block backwards: the rotation pass (``block.rotation``: split halves
     over every channel at D128 and D256, interleaved pairs over part of D96 at given positions; copies
-    and in place, the transpose rotation; bf16 D128 copies in the paired-chunk order) and the group sums (``common.head_sums``: bf16 D256 of 4
-    heads, fp16 D96 of 2, fp32 D128 of 8), with the launchers' constexprs and options."""
+    and in place, the transpose rotation; bf16 D128 copies in the paired-chunk order) and the group sums
+    (``common.head_sums``: bf16 D256 of 4 heads, fp16 D96 of 2, fp32 D128 of 8), with the launchers' constexprs and
+    options."""
     from .block.rotation import ROWS, _rotation_kernel
     from .common.head_sums import _head_sums_kernel, sums_meta
     from .common.meta import tile_extent

@@ -134,23 +134,22 @@ class _RotatedAttention(_EagerAttention):
                                                  scale, causal, rope_theta, positions, rotary_dim, rotary_interleaved,
                                                  cpu_offsets, max_seqlen, ctx.pair_chunk)
         else:
-            grads = _traced_backward_on_rotated(grad_out, q_rotated, k_rotated, v, out, lse, offsets, ctx)
+            grads = library.attention_bwd(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale,
+                                          causal, None, None, 0, False, cpu_offsets, max_seqlen, ctx.spec.name)
+            grads = _rotated_back(*grads, offsets, rope_theta, positions, rotary_dim, rotary_interleaved,
+                                  ctx.pair_chunk)
         return (*grads, None, None, None)
 
 
-def _traced_backward_on_rotated(grad_out, q_rotated, k_rotated, v, out, lse, offsets, ctx) -> tuple:
-    """The backward on the rotated copies where ``grad_out`` is no plain tensor (a dispatch mode or tracing
-    during the backward): the op's backward without rotary on the copies, then dq and dk put back in order
+def _rotated_back(dq, dk, dv, offsets, rope_theta, positions, rotary_dim, interleaved, pair_chunk) -> tuple:
+    """The gradients of q, k, v from those of their rotated copies where the backward ran through the op (a
+    dispatch mode or tracing during the backward: ``grad_out`` no plain tensor): dq and dk put back in order
     (``reference.unpaired_chunks``) and rotated back by the reference rotation (torch operations)."""
-    _, _, _, _, positions, cpu_offsets, _, _ = ctx.saved_tensors
-    block_size, scale, causal, rope_theta, rotary_dim, rotary_interleaved, max_seqlen = ctx.scalars
-    dq, dk, dv = library.attention_bwd(grad_out, q_rotated, k_rotated, v, out, lse, offsets, block_size, scale,
-                                       causal, None, None, 0, False, cpu_offsets, max_seqlen, ctx.spec.name)
     if positions is None:
-        positions = reference.sequence_positions(offsets, q_rotated.shape[0])
+        positions = reference.sequence_positions(offsets, dq.shape[0])
     angles = reference.rotary_angles(positions, rope_theta, rotary_dim, torch.float32)
-    back = [reference.apply_rotary(reference.unpaired_chunks(g, ctx.pair_chunk).float(), angles, rotary_dim,
-                                   rotary_interleaved, inverse=True).to(g.dtype) for g in (dq, dk)]
+    back = [reference.apply_rotary(reference.unpaired_chunks(g, pair_chunk).float(), angles, rotary_dim,
+                                   interleaved, inverse=True).to(g.dtype) for g in (dq, dk)]
     return back[0], back[1], dv
 
 

@@ -519,27 +519,28 @@ def stored_dq_unrotates(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return stored_dq_unrotates_facts(block_size, q.shape[-1], rotary_dim, interleaved)
 
 
-def stored_dq_unrotates_facts(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
-    """``sm90.flash_bwd.unrotates`` where the Gluon kernels import (False where they do not)."""
+def _gluon_flash_bwd():
+    """The ``sm90.flash_bwd`` module where the Gluon kernels import, else None."""
     from ..block import variants
 
     if variants.gluon_import_error() is not None:
-        return False
+        return None
     from ..sm90 import flash_bwd
 
-    return flash_bwd.unrotates(block_size, head_dim, rotary_dim, interleaved)
+    return flash_bwd
+
+
+def stored_dq_unrotates_facts(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
+    """``sm90.flash_bwd.unrotates`` where the Gluon kernels import (False where they do not)."""
+    gluon = _gluon_flash_bwd()
+    return gluon is not None and gluon.unrotates(block_size, head_dim, rotary_dim, interleaved)
 
 
 def stored_dq_pair_chunk(head_dim: int, rotary_dim: int, interleaved: bool) -> int:
     """``sm90.flash_bwd.pair_chunk`` where the Gluon kernels import (0 where they do not): the channel chunk of the
     paired-chunk order in which that kernel takes q and k to rotate dQ and dK back itself."""
-    from ..block import variants
-
-    if variants.gluon_import_error() is not None:
-        return 0
-    from ..sm90 import flash_bwd
-
-    return flash_bwd.pair_chunk(head_dim, rotary_dim, interleaved)
+    gluon = _gluon_flash_bwd()
+    return 0 if gluon is None else gluon.pair_chunk(head_dim, rotary_dim, interleaved)
 
 
 def _fast_bwd(do, q, k, v, o, lse, delta, dk, dv, dkv_sched, dq_sched, dq_m, dkv_m, dkv_n, positions, scale,

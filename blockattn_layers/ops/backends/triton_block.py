@@ -169,7 +169,7 @@ def _rotated_copies_take(q: Tensor, k: Tensor, v: Tensor, block_size: int, rope_
                          rotary_dim: int, rotary_interleaved: bool) -> bool:
     """Whether :func:`_forward_on_rotated` takes a call: :func:`_rotated_copies_facts` of its facts (the copies'
     layout is the kernel's; the backward checks the rest, ``_backward_on_rotated``)."""
-    if not SAVES_ROTATED_COPIES or rope_theta is None:
+    if rope_theta is None:
         return False
     return _rotated_copies_facts(variants.call_facts(q, k, block_size, rotary_dim, rotary_interleaved,
                                                      needs_int64(q, k, v)))
