@@ -343,7 +343,7 @@ TRITON_FAST_BACKWARD = Method(
 @contextlib.contextmanager
 def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows_by_loader: bool = True,
                     thread_release: bool = True, dq_lag: bool = False, stagger: bool = False,
-                    lean_writer: bool = False, dq_store: bool = False, delta_in_kernel: bool = False):
+                    lean_writer: bool = True, dq_store: bool = False, delta_in_kernel: bool = False):
     """The deterministic (or ``fast``) backward, its dK/dV pass by the Gluon kernel (``sm90.flash_bwd``)
     wherever that admits the call (the forward: the Gluon one wherever it admits it); ``writer``: dQ's
     adds by the writer partition (``DQ_WRITER``), else by the consumers; ``early_p``: P computed beside
@@ -351,8 +351,9 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
     (``ROWS_BY_LOADER``); ``thread_release``: slots released by every consumer thread (``THREAD_RELEASE``);
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
     behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
-    (``LEAN_WRITER``); ``dq_store``: dQ stored by the kernel where one key tile holds the block (``DQ_STORE``, at
-    D 64 and 128; without it the float32 sums at every head dim: ``DQ_STORE_HEAD_DIMS``);
+    (``LEAN_WRITER``, the default since session 58); ``dq_store``: dQ stored by the kernel where one key tile
+    holds the block (``DQ_STORE``, at D 64 and 128; without it the float32 sums at every head dim:
+    ``DQ_STORE_HEAD_DIMS``);
     ``delta_in_kernel``: with it, the delta rows computed in the kernel (``DELTA_IN_KERNEL``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
 
@@ -397,12 +398,12 @@ GLUON_BACKWARDS = [
                        f"{order}, the Gluon forward on every call it admits",
            context=functools.partial(_gluon_backward, fast, writer, early_p, rows_by_loader, thread_release, *more))
     for name, mode, order, fast, writer, early_p, rows_by_loader, thread_release, *more in (
-        ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp (the consumers store "
-         "their terms in shared memory and go on), each step's lse and delta copied by the loader warp, the ring's "
-         "slots released by every consumer thread", False, True, False, True, True),
-        ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp (the consumers "
-         "store their terms in shared memory and go on), each step's lse and delta copied by the loader warp, the "
-         "ring's slots released by every consumer thread", True, True, False, True, True),
+        ("triton_flash[gluon_bwd]", "deterministic", "in a fixed order from a writer warp on fewer registers (the "
+         "consumers store their terms in shared memory and go on), each step's lse and delta copied by the loader "
+         "warp, the ring's slots released by every consumer thread", False, True, False, True, True),
+        ("triton_flash[gluon_fast_bwd]", "fast", "in any order by TMA reduce-adds from a writer warp on fewer "
+         "registers (the consumers store their terms in shared memory and go on), each step's lse and delta copied "
+         "by the loader warp, the ring's slots released by every consumer thread", True, True, False, True, True),
         ("triton_flash[gluon_bwd_consumer_adds]", "deterministic", "in a fixed order by the consumers' own atomic "
          "adds", False, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_consumer_adds]", "fast", "in any order by the consumers' own atomic adds",
@@ -411,15 +412,18 @@ GLUON_BACKWARDS = [
          "each step's P computed while dP's product runs, lse and delta copied by the loader warp, slots released "
          "by every consumer thread", True, True, True, True, True),
         ("triton_flash[gluon_fast_bwd_rows_by_loader]", "fast", "in any order by TMA reduce-adds from a writer "
-         "warp, each step's lse and delta copied by the loader warp", True, True, False, True, False),
+         "warp, each step's lse and delta copied by the loader warp", True, True, False, True, False, False, False,
+         False),
         ("triton_flash[gluon_bwd_rows_by_loader]", "deterministic", "in a fixed order from a writer warp, each "
-         "step's lse and delta copied by the loader warp", False, True, False, True, False),
+         "step's lse and delta copied by the loader warp", False, True, False, True, False, False, False, False),
         ("triton_flash[gluon_fast_bwd_consumer_rows]", "fast", "in any order by TMA reduce-adds from a writer "
          "warp, each consumer copying its own lse and delta rows, the ring's slots released by one elected "
-         "arrival after a warpgroup barrier (the default before session 56)", True, True, False, False, False),
+         "arrival after a warpgroup barrier (the default before session 56)", True, True, False, False, False, False,
+         False, False),
         ("triton_flash[gluon_bwd_consumer_rows]", "deterministic", "in a fixed order from a writer warp, each "
          "consumer copying its own lse and delta rows, the ring's slots released by one elected arrival after a "
-         "warpgroup barrier (the default before session 56)", False, True, False, False, False),
+         "warpgroup barrier (the default before session 56)", False, True, False, False, False, False, False,
+         False),
         ("triton_flash[gluon_fast_bwd_dq_lag]", "fast", "in any order by TMA reduce-adds from a writer warp, "
          "each step's dQ product the step before's (no meeting of the warpgroups mid-step), lse and delta copied "
          "by the loader warp, slots released by every consumer thread, the writer warp on fewer registers", True, True,
@@ -431,12 +435,13 @@ GLUON_BACKWARDS = [
          "each step's dQ product the step before's, the second consumer warpgroup half a step behind the first, "
          "lse and delta copied by the loader warp, slots released by every consumer thread, the writer warp on "
          "fewer registers", True, True, False, True, True, True, True, True),
-        ("triton_flash[gluon_fast_bwd_lean_writer]", "fast", "in any order by TMA reduce-adds from a writer warp "
-         "on fewer registers (the second consumer warpgroup on as many as the first), lse and delta copied by the "
-         "loader warp, slots released by every consumer thread", True, True, False, True, True, False, False, True),
-        ("triton_flash[gluon_bwd_lean_writer]", "deterministic", "in a fixed order from a writer warp on fewer "
-         "registers (the second consumer warpgroup on as many as the first), lse and delta copied by the loader "
-         "warp, slots released by every consumer thread", False, True, False, True, True, False, False, True),
+        ("triton_flash[gluon_fast_bwd_full_writer]", "fast", "in any order by TMA reduce-adds from a writer warp "
+         "on as many registers as the loader's (the second consumer warpgroup on fewer than the first: the default "
+         "before session 58), lse and delta copied by the loader warp, slots released by every consumer thread",
+         True, True, False, True, True, False, False, False),
+        ("triton_flash[gluon_bwd_full_writer]", "deterministic", "in a fixed order from a writer warp on as many "
+         "registers as the loader's (the default before session 58), lse and delta copied by the loader warp, "
+         "slots released by every consumer thread", False, True, False, True, True, False, False, False),
     )
 ]
 

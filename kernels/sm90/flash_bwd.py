@@ -157,9 +157,13 @@ WRITER_REGS = gl.constexpr(40)  # its warp shares a warpgroup with the loader: w
 # Whether the writer warp runs on ``LEAN_WRITER_REGS`` where it only issues TMA adds (D 128: no sum of two terms),
 # so that consumer 1 keeps as many registers as consumer 0 (``LEAN_WRITER``): sm_90 ptxas, D 128, spills 12 -> 4 B,
 # causal GQA 108 -> 40; with the rows by the loader and thread releases 44 -> 4, 76 -> 8 (the writer itself none).
-# GPU tests pass (H100, 2026-12-07); seed3 fast backward 3.064 ms against 3.089 (one run, 1 %): not taken
-# (``triton_flash[gluon_fast_bwd_lean_writer]``); ``DQ_LAG``'s rows take it too.
-LEAN_WRITER = False
+# GPU tests pass (H100, 2026-12-07); seed3 fast backward 3.064 ms against 3.089 (one run, 1 %). On session 56's
+# defaults (rows by the loader, thread releases), H100, backward ms with / without it, two runs: fast seed3 2.991,
+# 3.022 / 3.052, 3.037; causal 1.854, 1.852 / 1.883, 1.893; GQA 2.887, 2.870 / 2.918, 2.924; prod_full 33.6 / 33.8;
+# deterministic seed3 3.170, 3.179 / 3.218, 3.207; causal 1.935, 1.935 / 1.939, 1.931; GQA 3.096, 3.095 / 3.140,
+# 3.156 (0-2 %): taken (session 58 candidate; ``triton_flash[..._full_writer]`` rows keep the writer on
+# ``WRITER_REGS``).
+LEAN_WRITER = True
 LEAN_WRITER_REGS = gl.constexpr(24)
 # The head dims at which dQ is stored, not summed, where one key tile holds a whole block (``DQ_STORE``: blocks of up
 # to ``TILE_N`` tokens; :func:`stores_dq`): each query row's dQ is then this program's term alone. At D 128 each
