@@ -490,7 +490,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
 
     for dtype, dim, (causal, groups), ordered in itertools.product(
             ("bf16", "fp16"), (64, 128), ((False, 1), (True, 4)), (False, True)):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+        constexprs = dict(HEAD_DIM=dim, DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
                           STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
@@ -502,7 +502,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
             (64, False, False, False, True), (64, True, False, False, True), (128, False, False, False, True),
             (128, True, False, False, True), (64, False, True, True, True), (128, False, True, True, True),
             (128, True, True, True, True), (64, False, True, False, False), (128, False, True, False, False)):
-        constexprs = dict(HEAD_DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+        constexprs = dict(HEAD_DIM=dim, DIM=dim, GROUPS=1, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=False, DETERMINISTIC=ordered, DQ_WRITER=writer, P_BESIDE_DP=early_p,
                           WITH_DQ=with_dq, ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
                           STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
@@ -515,7 +515,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
             (64, 128), ((False, 1), (True, 4)), (False, True), (False, True)):
         if threads and dim != 128:
             continue
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+        constexprs = dict(HEAD_DIM=dim, DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=threads, DQ_LAG=False,
                           STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
@@ -526,7 +526,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     # the writer on fewer registers (LEAN_WRITER), and with warpgroup 1 starting half a step behind (STAGGER);
     # the lean writer alone on the default form.
     for (causal, groups), ordered, stagger in itertools.product(((False, 1), (True, 4)), (False, True), (False, True)):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
+        constexprs = dict(HEAD_DIM=128, DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=ordered, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=True, STAGGER=stagger,
                           LEAN_WRITER=True, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
@@ -534,7 +534,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                 f"{'_causal_gqa' if causal else ''}{'_deterministic' if ordered else ''}")
         yield Build(name, _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     for causal, groups in ((False, 1), (True, 4)):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
+        constexprs = dict(HEAD_DIM=128, DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False, STAGGER=False, LEAN_WRITER=True,
                           DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)
@@ -547,7 +547,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                                                                                             "_delta")):
         if form == "_by_loader" and dim == 64:
             continue
-        constexprs = dict(HEAD_DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+        constexprs = dict(HEAD_DIM=dim, DIM=dim, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=dq_cols(dim) == dim, P_BESIDE_DP=False,
                           WITH_DQ=True, ROWS_BY_LOADER=form == "_by_loader", THREAD_RELEASE=form == "_by_loader",
                           DQ_LAG=False, STAGGER=False, LEAN_WRITER=False, DQ_STORE=True,
@@ -560,7 +560,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
     # paired-chunk order (PAIR_CHUNK).
     for (causal, groups), (rot, interleaved, has_pos) in itertools.product(
             ((False, 4), (True, 4)), ((128, True, False), (64, False, False), (32, True, True), (128, False, False))):
-        constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
+        constexprs = dict(HEAD_DIM=128, DIM=128, GROUPS=groups, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(128),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
                           DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=interleaved,
@@ -568,9 +568,21 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         form = f"{'i' if interleaved else 's'}{rot}{'_pos' if has_pos else ''}"
         yield Build(f"flash_gluon_bwd_dq_store_unrotate_{form}_bf16_d128{'_causal' if causal else ''}_gqa",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+    # D 96 in 128-wide tiles with dQ stored (PADDED_HEAD_DIMS: tensor maps of one head's [rows, 1, 96] boxes), as
+    # the defaults run it: GQA with the delta rows in the kernel, causal GQA with the delta pass, interleaved rotary
+    # rotated back over every channel.
+    for causal, rot in ((False, 0), (True, 0), (False, 96)):
+        constexprs = dict(HEAD_DIM=128, DIM=96, GROUPS=4, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(96),
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
+                          DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=rot > 0, HAS_POS=False,
+                          PAIR_CHUNK=0)
+        form = "_unrotate_i96" if rot else ""
+        yield Build(f"flash_gluon_bwd_dq_store{form}_bf16_d96{'_causal' if causal else ''}_gqa",
+                    _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
-        constexprs = dict(HEAD_DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
+        constexprs = dict(HEAD_DIM=64, DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=True, P_BESIDE_DP=False, WITH_DQ=False,
                           ROWS_BY_LOADER=False, THREAD_RELEASE=False, DQ_LAG=False,
                           STAGGER=False, LEAN_WRITER=False, DQ_STORE=False, DELTA_IN_KERNEL=False, **_NO_UNROTATE)

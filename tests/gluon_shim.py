@@ -324,6 +324,9 @@ class SharedTile:
     def permute(self, order) -> "SharedTile":
         return SharedTile(self.data.permute(tuple(order)))
 
+    def reshape(self, shape) -> "SharedTile":
+        return SharedTile(self.data.view(tuple(int(n) for n in shape)))
+
     def _reinterpret(self, dtype, shape, layout=None) -> "SharedTile":
         return SharedTile(self.data.view(_torch_dtype(dtype)).view(tuple(shape)))
 
@@ -844,16 +847,20 @@ class _TensorDescriptor:
 
     def box(self, coord) -> Tuple[Pointer, torch.Tensor]:
         """Pointers of the box at ``coord`` and the mask of its elements inside the shape."""
-        (r0, c0), (rows, cols) = [int(c) for c in coord], self.block_shape
-        r = torch.arange(r0, r0 + rows, dtype=torch.int64)[:, None]
-        c = torch.arange(c0, c0 + cols, dtype=torch.int64)[None, :]
-        inside = (r >= 0) & (r < self.shape[0]) & (c >= 0) & (c < self.shape[1])
-        return self.base + (r * self.strides[0] + c * self.strides[1]), inside
+        rank = len(self.block_shape)
+        offsets = torch.zeros(self.block_shape, dtype=torch.int64)
+        inside = torch.ones(self.block_shape, dtype=torch.bool)
+        for d, (start, size, extent, stride) in enumerate(zip(coord, self.block_shape, self.shape, self.strides)):
+            index = torch.arange(int(start), int(start) + size, dtype=torch.int64)
+            index = index.view([size if e == d else 1 for e in range(rank)])
+            offsets = offsets + index * stride
+            inside = inside & (index >= 0) & (index < extent)
+        return self.base + offsets, inside
 
 
 def _make_tensor_descriptor(base, shape, strides, block_shape, layout=None, padding_option="zero"):
-    if len(block_shape) != 2:
-        raise NotImplementedError("gluon_shim: tensor maps of rank 2 only")
+    if len(block_shape) not in (2, 3) or len(shape) != len(block_shape) or len(strides) != len(block_shape):
+        raise NotImplementedError("gluon_shim: tensor maps of rank 2 or 3 only, shape, strides and box alike")
     return _TensorDescriptor(base, shape, strides, block_shape)
 
 

@@ -162,9 +162,18 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     block (``DQ_STORE``: no reduce-adds; at D 128 a TMA store by each consumer beside dK's and dV's and no
     writer, at D 64 the writer's), with the delta rows computed in the kernel (``DELTA_IN_KERNEL``: O's tile one
     more TMA copy a step), and with dQ and dK rotated back in the kernel (``ROT_DIM``: sines and cosines, none
-    in the other builds; ``PAIR_CHUNK``: two dQ stores per consumer)."""
+    in the other builds; ``PAIR_CHUNK``: two dQ stores per consumer); at D 96 (``PADDED_HEAD_DIMS``) every copy
+    through a rank-3 tensor map of one head's boxes, none through the flat ones."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 67 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 70 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    padded = {name: ptx.pop(name) for name in list(ptx) if "_d96" in name}
+    assert sorted(padded) == ["flash_gluon_bwd_dq_store_bf16_d96_causal_gqa", "flash_gluon_bwd_dq_store_bf16_d96_gqa",
+                              "flash_gluon_bwd_dq_store_unrotate_i96_bf16_d96_gqa"]
+    for name, text in padded.items():
+        assert "cp.async.bulk.tensor.2d" not in text and "cp.reduce.async.bulk" not in text, name
+        assert "cp.async.bulk.tensor.3d.shared::cluster.global" in text, name
+        assert text.count("cp.async.bulk.tensor.3d.global.shared") == 6, name
+        assert ("sin.approx.f32" in text) == ("_unrotate_" in name), name
     unrotated = {name: ptx.pop(name) for name in list(ptx) if name.startswith("flash_gluon_bwd_dq_store_unrotate_")}
     assert len(unrotated) == 8
     for name, text in unrotated.items():  # the default D 128 stored form (rows by the loader) plus the rotations;

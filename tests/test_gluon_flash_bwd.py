@@ -38,7 +38,11 @@ CASES = {
     "blocks64-gqa-causal-d128": ([63, 64, 65, 130, 0, 1], 4, 2, 128, 64, True),
     "blocks128-gqa-causal-d64": ([1, 127, 128, 129, 0, 300, 64], 4, 1, 64, 128, True),
     "blocks48-d64": ([47, 48, 49, 0, 100, 1], 2, 2, 64, 48, False),
+    "blocks128-gqa-d96": ([1, 127, 128, 129, 0, 300, 64], 4, 1, 96, 128, False),
+    "blocks100-gqa-causal-d96": ([99, 100, 101, 0, 250, 1], 4, 2, 96, 100, True),
 }
+# The cases the kernel also runs adding dQ's terms to float32 sums (D 96 only with dQ stored: PADDED_HEAD_DIMS).
+SUMMED = [name for name, case in CASES.items() if case[3] not in flash_bwd.PADDED_HEAD_DIMS]
 
 
 def _inputs(lengths, heads, kv_heads, dim, seed):
@@ -85,7 +89,8 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
         slots=sched.programs, heads=heads,
         kv_heads=kv_heads, qk_scale=scale * LOG2E, scale=scale, stride_qt=q.stride(0), stride_kt=k.stride(0),
         stride_vt=v.stride(0), stride_dot=do.stride(0), stride_dkt=dk.stride(0), stride_dvt=dv.stride(0),
-        stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1), HEAD_DIM=dim,
+        stride_lh=lse.stride(0), stride_qat=sums.stride(0), stride_qah=sums.stride(1),
+        HEAD_DIM=flash_bwd.tile_head_dim(dim), DIM=dim,
         GROUPS=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=flash_bwd.TILE_N,
         DQ_COLS=flash_bwd.dq_cols(dim), IS_CAUSAL=causal, DQ_WRITER=writer, P_BESIDE_DP=early_p, WITH_DQ=with_dq,
         ROWS_BY_LOADER=rows_by_loader, THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
@@ -95,7 +100,7 @@ def _run(q, k, v, do, offsets, block_size, causal, deterministic=False, writer=F
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
-@pytest.mark.parametrize("name", list(CASES) + [f"writer-{c}" for c in CASES]
+@pytest.mark.parametrize("name", SUMMED + [f"writer-{c}" for c in SUMMED]
                          + ["p-beside-dp-full-d64", "p-beside-dp-full-gqa-causal-d128"]
                          + [f"rows-by-loader-{c}" for c in ("writer-full-d64", "writer-full-gqa-causal-d128",
                                                              "blocks256-causal-d64")]
@@ -181,13 +186,15 @@ def test_flash_ws_backward_matches_the_reference(monkeypatch, name, deterministi
 @pytest.mark.parametrize("form", ["consumers-copy-rows", "loader-copies-rows", "delta-in-kernel",
                                   "delta-in-kernel-loader-copies-rows"])
 @pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128", "blocks64-gqa-causal-d128",
-                                  "blocks128-gqa-causal-d64", "blocks48-d64"])
+                                  "blocks128-gqa-causal-d64", "blocks48-d64", "blocks128-gqa-d96",
+                                  "blocks100-gqa-causal-d96"])
 def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, form):
     """``DQ_STORE`` (blocks of up to 128 tokens): dQ, dK and dV against float64, every element of each stored
     exactly once (dQ at D 128 in two 64-column halves, one per warpgroup; at D 64 the two warpgroups' terms
-    summed by the writer), no counter touched; with the lse and delta rows by the loader and the slots
-    released by every thread too; ``delta-in-kernel``: the delta rows computed from O's tiles in the ring
-    (``DELTA_IN_KERNEL``; the delta tensor NaN, never read)."""
+    summed by the writer; at D 96 in 128-wide tiles, ``PADDED_HEAD_DIMS``, the second half's 32 columns), no counter
+    touched; with the lse and delta rows by the loader and the slots released by every thread too;
+    ``delta-in-kernel``: the delta rows computed from O's tiles in the ring (``DELTA_IN_KERNEL``; the delta tensor
+    NaN, never read)."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 5)
     offsets = offsets_from_lengths(lengths)
@@ -204,9 +211,12 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, fo
     assert not counters.any()
 
 
-@pytest.mark.parametrize("rotary", ["interleaved", "interleaved-partial-int-positions", "split-partial",
-                                    "split-quarter-float-positions", "split-paired", "split-paired-int-positions"])
-@pytest.mark.parametrize("name", ["blocks128-gqa-d128", "blocks100-causal-d128"])
+@pytest.mark.parametrize("name,rotary", [
+    (name, rotary) for name in ("blocks128-gqa-d128", "blocks100-causal-d128")
+    for rotary in ("interleaved", "interleaved-partial-int-positions", "split-partial",
+                   "split-quarter-float-positions", "split-paired", "split-paired-int-positions")
+] + [("blocks128-gqa-d96", "interleaved"), ("blocks100-gqa-causal-d96", "split-partial-int-positions"),
+     ("blocks100-gqa-causal-d96", "interleaved-partial-int-positions")])
 def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotary):
     """``ROT_DIM`` (``UNROTATE``): on q and k rotated beforehand (as the rotation pass writes them), dQ and dK come
     out rotated back by the kernel, against the float64 gradients of the rotary call (interleaved pairs over every
@@ -217,8 +227,9 @@ def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotar
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
     offsets = offsets_from_lengths(lengths)
-    rot = {"interleaved": 128, "interleaved-partial-int-positions": 32, "split-partial": 64,
-           "split-quarter-float-positions": 32, "split-paired": 128, "split-paired-int-positions": 128}[rotary]
+    rot = {"interleaved": dim, "interleaved-partial-int-positions": 32, "split-partial": 64,
+           "split-partial-int-positions": 64, "split-quarter-float-positions": 32, "split-paired": 128,
+           "split-paired-int-positions": 128}[rotary]
     interleaved = rotary.startswith("interleaved")
     positions = None
     if rotary.endswith("int-positions"):
@@ -305,6 +316,28 @@ def test_flash_ws_backward_keeps_non_finite_values_in_their_sequence(dim, writer
     dq, dk, dv, _, _ = _run(q, k, v, do, offsets, 0, False, deterministic, writer, rows_by_loader=rows_by_loader)
     for g in (dq, dk, dv):
         assert torch.isfinite(g[:130]).all() and torch.isfinite(g[200:]).all() and torch.isnan(g[130:200]).all()
+
+
+@pytest.mark.parametrize("delta_in_kernel", [False, True], ids=["delta-pass", "delta-in-kernel"])
+def test_flash_ws_backward_at_padded_head_dims_keeps_each_head_apart(delta_in_kernel):
+    """D 96 in 128-wide tiles (``PADDED_HEAD_DIMS``): a tile's channels past the head's read as zeros, not the next
+    head's, so NaN in one head's q, k, v and dO (the next head's first channels, where a flat tensor map's box would
+    reach) leaves every other head's gradients finite and right, and no element past a head's 96 channels is
+    written."""
+    lengths, heads, kv_heads, dim, block_size, causal = CASES["blocks128-gqa-d96"]
+    q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 7)
+    offsets = offsets_from_lengths(lengths)
+    want = reference.attention_backward(do.double(), *(x.double() for x in (q, k, v)), offsets, block_size,
+                                        dim ** -0.5, causal)
+    q, do = q.clone(), do.clone()
+    q[:, 1], do[:, 1] = float("nan"), float("nan")
+    dq, dk, dv, run, _ = _run(q, k, v, do, offsets, block_size, causal, rows_by_loader=True, thread_release=True,
+                              dq_store=True, delta_in_kernel=delta_in_kernel)
+    kept = [0, 2, 3]
+    assert rel_err(dq[:, kept], want[0][:, kept]) < 5e-3
+    assert torch.isnan(dq[:, 1]).all()
+    for name_, x in (("DQA", dq), ("DK", dk), ("DV", dv)):
+        assert torch.equal(run.writes(name_), torch.ones_like(x, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("block_m", [64, 128], ids=["m64", "m128"])

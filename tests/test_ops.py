@@ -116,11 +116,14 @@ def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
     assert library.saves_lse(65, 128, f32, 1, "") and library.saves_lse(64, 129, f32, 1, "")
     assert library.saves_lse(128, 128, f32, 1, "") and library.saves_lse(128, 128, f32, 4, "")
     assert not library.saves_lse(65, 128, half, 1, "") and not library.saves_lse(64, 129, half, 1, "")
-    # Grouped query heads on 16-bit blocks over 64 tokens at D 128: for the flash kernel with dQ stored.
-    assert library.GROUPED_SAVES_LSE_HEAD_DIMS == frozenset({128})
+    # Grouped query heads on 16-bit blocks over 64 tokens at D 96 and 128: for the flash kernel with dQ stored (D 96
+    # in its 128-wide tiles).
+    assert library.GROUPED_SAVES_LSE_HEAD_DIMS == frozenset({96, 128})
     assert library.saves_lse(65, 128, half, 2, "") and library.saves_lse(tile, 128, torch.float16, 4, "")
-    assert not library.saves_lse(short, 128, half, 4, "") and not library.saves_lse(tile, 96, half, 4, "")
+    assert library.saves_lse(tile, 96, half, 4, "") and not library.saves_lse(short, 96, half, 4, "")
+    assert not library.saves_lse(short, 128, half, 4, "") and not library.saves_lse(tile, 80, half, 4, "")
     assert not library.saves_lse(tile, 64, half, 4, "") and not library.saves_lse(tile, 128, half, 1, "")
+    assert not library.saves_lse(tile, 96, half, 1, "")
     # With rotary in the forms of GROUPED_SAVES_LSE_ROTARY (their backward on rotated copies): every form since
     # session 57 (split halves over every channel on copies in the paired-chunk order).
     assert library.GROUPED_SAVES_LSE_ROTARY == frozenset({"interleaved", "partial", "split"})
@@ -129,7 +132,8 @@ def test_lse_is_saved_where_the_backward_runs_the_multi_tile_kernels():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset({"interleaved", "partial"}))
         assert not library.saves_lse(tile, 128, half, 4, "split") and library.saves_lse(tile, 128, half, 4, "partial")
-    assert not library.saves_lse(tile, 128, half, 1, "partial") and not library.saves_lse(tile, 96, half, 4, "partial")
+    assert not library.saves_lse(tile, 128, half, 1, "partial") and not library.saves_lse(tile, 80, half, 4, "partial")
+    assert library.saves_lse(tile, 96, half, 4, "partial") and library.saves_lse(tile, 96, half, 4, "split")
     assert not library.saves_lse(short, 128, half, 4, "interleaved")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(library, "GROUPED_SAVES_LSE_ROTARY", frozenset())
@@ -174,7 +178,7 @@ def test_the_forward_fake_returns_the_lse_the_backend_does(block_size, head_dim,
         _, fake_lse = library.attention_fwd(*fakes, *args[1:])
     saved = library.call_saves_lse(q, k, block_size, rope_theta, rotary_dim, interleaved)
     assert fake_lse.shape == lse.shape == (2, 73 if saved else 0)
-    assert saved == (block_size in (0, 100) or dtype == torch.float32 or head_dim == 128)
+    assert saved == (block_size in (0, 100) or dtype == torch.float32 or head_dim in (96, 128))
 
 
 @pytest.mark.gpu

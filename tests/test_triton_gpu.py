@@ -662,9 +662,11 @@ def _forced_variant_matches_oracle(monkeypatch, variant, case, table, lengths):
     """``variant`` forced takes the call (checked) and matches the float64 oracle, bf16 and fp16;
     ``positions="int"`` / ``"float"`` in ``case`` draws random positions."""
     from blockattn_layers.kernels.common import schedule as _schedule
+    from blockattn_layers.ops import library
 
     if table:
         monkeypatch.setattr(_schedule, "INLINE_MAX_SEQS", 0)
+    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_HEAD_DIMS", frozenset())
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
     with variants.forced_variant(variant):
@@ -790,7 +792,8 @@ HEADS_CASES = [
     # Rotary backwards of grouped query heads on blocks over 64 at D 65-128: split halves over every
     # channel, causal; over part of them at given positions; interleaved pairs at a padded head dim;
     # D128 split halves (the variant choice; since session 57 the backend runs their backward on the flash kernel
-    # with dQ stored instead, ``GROUPED_SAVES_LSE_ROTARY``).
+    # with dQ stored instead, ``GROUPED_SAVES_LSE_ROTARY``, and since session 58 at D 96 too: the test empties
+    # ``GROUPED_SAVES_LSE_HEAD_DIMS`` so that hopper_heads runs them all).
     dict(heads=4, kv_heads=1, dim=96, block_size=128, causal=True, rope_theta=1e4),
     dict(heads=8, kv_heads=2, dim=96, block_size=100, rope_theta=1e4, rotary_dim=48, positions="int"),
     dict(heads=6, kv_heads=3, dim=80, block_size=128, rope_theta=500.0, rotary_interleaved=True, positions="float"),
@@ -981,6 +984,83 @@ def test_a_forced_variant_keeps_the_grouped_d128_backward_on_the_block_kernels(m
     with variants.forced_variant("hopper"):
         check_against_oracle(q, k, v, offsets, block_size=128)
     assert calls == []
+
+
+PADDED_STORED_DQ_CASES = [
+    # D 96 in the flash kernel's 128-wide tiles (flash_bwd.PADDED_HEAD_DIMS), grouped query heads on blocks of 65-128:
+    # without rotary (four and two query heads a group, MQA, causal, ragged blocks), interleaved rotary over every
+    # channel and over 32 at given positions, split halves over 64 (each rotated back by the kernel), split halves
+    # over every channel (rotated back by the rotation pass's second half).
+    dict(heads=8, kv_heads=2, block_size=128),
+    dict(heads=4, kv_heads=1, block_size=100, causal=True),
+    dict(heads=6, kv_heads=3, block_size=65),
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, rotary_interleaved=True),
+    dict(heads=4, kv_heads=1, block_size=128, rope_theta=500.0, rotary_dim=32, rotary_interleaved=True,
+         positions="float", causal=True),
+    dict(heads=4, kv_heads=2, block_size=100, rope_theta=1e4, rotary_dim=64, positions="int"),
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, causal=True),
+]
+
+
+@SM90
+@pytest.mark.parametrize("fast", [False, True], ids=["deterministic", "fast"])
+@pytest.mark.parametrize("case", PADDED_STORED_DQ_CASES, ids=_case_id)
+def test_grouped_d96_backward_runs_the_flash_kernel_in_padded_tiles(monkeypatch, case, fast):
+    """With D 96 among the head dims whose grouped calls save lse (``GROUPED_SAVES_LSE_HEAD_DIMS``), the backward
+    runs on the flash kernel with dQ stored in 128-wide tiles (the block kernels' backward not at all; a rotary
+    call's through the rotation pass, or on the copies the forward saved where the kernel rotates back), in both
+    modes, against the float64 oracle, bf16 and fp16, on lengths around the block size; the same bits twice."""
+    from blockattn_layers.kernels.sm90 import flash_bwd
+    from blockattn_layers.ops import library
+
+    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_HEAD_DIMS", library.GROUPED_SAVES_LSE_HEAD_DIMS | {96})
+    calls = _stored_dq_spy(monkeypatch)
+    case = dict(case)
+    heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
+    rot = case.get("rotary_dim", 96) if "rope_theta" in case else 0
+    if rot:
+        assert flash_bwd.unrotates(case["block_size"], 96, rot, case.get("rotary_interleaved", False)) == (
+            rot != 96 or case.get("rotary_interleaved", False))
+    with variants.forced_variant("auto"), bl.fast_backward(fast):
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, 96, dtype, seed=heads + case["block_size"])
+            calls.clear()
+            check_against_oracle(q, k, v, offsets, **case)
+            assert calls == [(True, not case.get("causal", False))]
+            grads = []
+            for _ in range(2):
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = bl.block_attention(*leaves, offsets, backend="triton", **case)
+                grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+            assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@SM90
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_grouped_d96_flash_backward_keeps_nan_in_its_block_and_head(monkeypatch, rotary):
+    """Where the flash kernel runs the D 96 backward in 128-wide tiles, a NaN in one token's q, k, v reaches only its
+    own block's outputs and gradients, and a NaN in one query head's q and one kv head's k and v (whose channels
+    a tile of the head before would reach past its 96) only that head's own and its group's."""
+    from blockattn_layers.ops import library
+
+    monkeypatch.setattr(library, "GROUPED_SAVES_LSE_HEAD_DIMS", library.GROUPED_SAVES_LSE_HEAD_DIMS | {96})
+    calls = _stored_dq_spy(monkeypatch)
+    with variants.forced_variant("auto"):
+        _assert_nan_stays_in_its_block(8, 2, 96, 128, rotary)
+    assert calls and all(stored for stored, _ in calls)
+    q, k, v, offsets = make_inputs(EDGE_LENGTHS + LENGTHS_AROUND_128, 8, 2, 96, torch.bfloat16, seed=5)
+    kw = dict(block_size=128, rope_theta=1e4 if rotary else None, rotary_interleaved=rotary)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    clean = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+    grads = torch.autograd.grad(clean, leaves, torch.ones_like(clean))
+    q, k, v = (x.clone() for x in (q, k, v))
+    q[:, 1] = float("nan")  # query head 1 (kv head 0's group)
+    k[:, 1] = v[:, 1] = float("nan")  # kv head 1 (query heads 4-7)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+    poisoned = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for head in (0, 2, 3):
+        assert torch.equal(out[:, head], clean[:, head]) and torch.equal(poisoned[0][:, head], grads[0][:, head])
 
 
 @SM90

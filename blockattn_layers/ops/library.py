@@ -73,7 +73,14 @@ def _extent(n: int) -> int:
 # there than the block kernels, which need neither (H100, bf16, block 128 D128, grid lengths, ms, forward with
 # the lse store + backward against the forward without it + the block kernels' backward: 8x2 2.31 + 5.24 against
 # 2.10 + 6.58, 4x1 1.16 + 2.67 against 1.06 + 3.33; 1.14-1.15x).
-GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({128})
+# Since session 58 D 96 too, in the kernel's 128-wide tiles (``kernels.sm90.flash_bwd.PADDED_HEAD_DIMS``). H100, bf16,
+# block 128, grid lengths, through the op, forward + backward ms with D 96 here / without (the block kernels:
+# hopper, hopper_heads for rotary): 8x2 2.16 + 4.67 / 2.05 + 6.32 (1.23x), causal 2.41 + 4.85 / 2.13 + 6.44 (1.18x),
+# 4x1 1.09 + 2.37 / 1.03 + 3.09 (1.19x), causal 1.15x; interleaved 8x2 3.61 + 5.28 / 2.65 + 9.80 (1.40x), 4x1 1.39x,
+# causal 1.36-1.38x; partial (rotary_dim 48) 8x2 2.90 + 7.45 / 2.48 + 8.57 (1.07x), 1.05-1.08x; split halves over
+# every channel 8x2 2.89 + 7.68 / 2.43 + 8.24, 4x1 1.42 + 3.89 / 1.20 + 4.05 (0.99-1.01x: the rotation pass's
+# second half runs, as split pairs span both dQ column halves of the padded tile).
+GROUPED_SAVES_LSE_HEAD_DIMS = frozenset({96, 128})
 # The rotary forms (:func:`rotary_form`) whose calls of those kinds save them too: on sm_90 their backward then
 # runs as a rotation pass whose inner backward, without rotary, is that flash kernel, whatever the variant choice.
 # H100, bf16, block 128, D 128, grid lengths, through the op, forward + backward ms with the store / without it

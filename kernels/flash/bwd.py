@@ -473,7 +473,7 @@ def _gluon_dkdv(do, q, k, v, rope_theta, deterministic: bool, block_size: int):
     from ..sm90 import flash_bwd
 
     if not flash_bwd.runs(deterministic, block_size, q.shape[-1]) or flash_bwd.flash_ws_bwd_reasons(
-            do, q, k, v, rope_theta):
+            do, q, k, v, rope_theta, block_size):
         return None, False
     return flash_bwd, flash_bwd.taken(deterministic, block_size, q.shape[-1])
 
@@ -491,7 +491,7 @@ def stored_dq_reasons(major: Optional[int], dtype: torch.dtype, block_size: int,
     from ..sm90 import flash_bwd
     from ..sm90.flash_fwd import flash_ws_fact_reasons
 
-    reasons = flash_ws_fact_reasons(major, dtype, head_dim, rotary)
+    reasons = flash_ws_fact_reasons(major, dtype, head_dim, rotary, flash_bwd.head_dims(block_size))
     if not flash_bwd.stores_dq(block_size, head_dim):
         reasons.append(f"blocks of 1-{flash_bwd.TILE_N} tokens at head dims {sorted(flash_bwd.DQ_STORE_HEAD_DIMS)}")
     if int64:

@@ -180,8 +180,15 @@ LEAN_WRITER_REGS = gl.constexpr(24)
 # D 64 2x2 0.92 / 2.43 / 1.85, D 64 4x1 1.59 / 3.20 / 1.97 (slower: two steps a program, or D 64). So D 128: the
 # ``triton`` backend runs the backward of grouped query heads on blocks of 65-128 tokens at D 128 without rotary
 # here (the op saves out and lse for them: ``ops.library.saves_lse``; through the op, forward + backward, 1.14-1.15x
-# the block kernels'). ``flash_kernels[gluon_fast_bwd_dq_store]`` times it at D 64 too.
-DQ_STORE_HEAD_DIMS = frozenset({128})
+# the block kernels'). ``flash_kernels[gluon_fast_bwd_dq_store]`` times it at D 64 too. D 96 since session 58, in
+# 128-wide tiles (``PADDED_HEAD_DIMS``): H100, bf16, block 128, through the op, backward ms 8x2 4.67 against the
+# block kernels' 6.32, 4x1 2.37 against 3.09, interleaved rotary 5.28 against 9.80 (BENCHMARKS.md session 58).
+DQ_STORE_HEAD_DIMS = frozenset({96, 128})
+# Head dims the kernel takes in 128-wide tiles where it stores dQ (``DQ_STORE``; ``HEAD_DIM`` the tiles' width,
+# ``DIM`` the head's): each tensor map is the block's ``[n, heads, DIM]`` view in boxes of one head
+# (``_head_map``), so a tile's channels past ``DIM`` read as zeros (no other head's values, NaN included, reach the
+# products) and dQ's, dK's and dV's are dropped by their TMA stores; the products run at 128 channels.
+PADDED_HEAD_DIMS = frozenset({96})
 # Whether, with ``DQ_STORE``, the program computes each step's delta rows itself (``DELTA_IN_KERNEL``: the loader
 # copies the step's O rows into the ring beside q and dO, each consumer sums ``O * dO`` over the head's channels into
 # a row vector of its own), so that no delta pass reads O and dO before the kernel: at blocks one key tile holds whole
@@ -227,25 +234,76 @@ def query_steps(n, tile_row, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
     return first, (n + BLOCK_M - 1) // BLOCK_M - first
 
 
+@gluon.constexpr_function
+def _padded_layout(width):
+    """Shared layout of a ``[rows, 1, width]`` box of one head, byte for byte the ``[rows, width]`` tile's
+    (``_smem_layout``): what a padded head's tensor maps copy through (:func:`_head_map`)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=3)
+
+
+@gluon.jit
+def _head_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, BOX_COLS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, DIM: gl.constexpr):
+    """Tensor map of the block's rows ``[start, start + n)`` of a ``[T, heads, DIM]`` tensor (rows ``stride_t``
+    apart), boxes ``BOX_COLS`` channels wide: where ``DIM == HEAD_DIM`` the ``[n, heads * HEAD_DIM]`` view
+    (``block_map``'s), else (``DIM`` channels padded to ``HEAD_DIM`` in the tiles) the ``[n, heads, DIM]`` view in
+    ``[BOX_ROWS, 1, BOX_COLS]`` boxes of one head, whose channels past ``DIM`` read as zeros and are dropped on
+    store, as rows past ``n`` are (:func:`_copy_in`, :func:`_copy_out`)."""
+    if DIM == HEAD_DIM:
+        desc = tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads * HEAD_DIM], [stride_t, 1],
+                                          [BOX_ROWS, BOX_COLS], _smem_layout(BOX_COLS))
+    else:
+        desc = tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads, DIM], [stride_t, DIM, 1],
+                                          [BOX_ROWS, 1, BOX_COLS], _padded_layout(BOX_COLS))
+    return desc
+
+
+@gluon.jit
+def _copy_in(desc, row, head, col, bar, tile, HEAD_DIM: gl.constexpr, DIM: gl.constexpr):
+    """TMA copy of head ``head``'s box at ``[row, col]`` (channels ``col ..``) of a :func:`_head_map` into the
+    shared ``tile``, counted on ``bar``."""
+    if DIM == HEAD_DIM:
+        tma.async_copy_global_to_shared(desc, [row, head * HEAD_DIM + col], bar, tile)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, head, col], bar, tile.reshape([tile.shape[0], 1, tile.shape[1]]))
+
+
+@gluon.jit
+def _key_rows_box(kv_s, w, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Warpgroup ``w``'s ``HALF_N`` rows of the shared ``[BLOCK_N, HEAD_DIM]`` key (or value) tile as a
+    ``[HALF_N, 1, HEAD_DIM]`` box of one head (:func:`_head_map`)."""
+    return kv_s.reshape([BLOCK_N, 1, HEAD_DIM]).slice(w * HALF_N, HALF_N)
+
+
+@gluon.jit
+def _copy_out(desc, row, head, col, tile, HEAD_DIM: gl.constexpr, DIM: gl.constexpr):
+    """TMA store of the shared ``tile`` into head ``head``'s box at ``[row, col]`` of a :func:`_head_map`."""
+    if DIM == HEAD_DIM:
+        tma.async_copy_shared_to_global(desc, [row, head * HEAD_DIM + col], tile)
+    else:
+        tma.async_copy_shared_to_global(desc, [row, head, col], tile.reshape([tile.shape[0], 1, tile.shape[1]]))
+
+
 @gluon.jit
 def _loader(k_s, v_s, q_s, do_s, lse_s, delta_s, kv_bar, ready, empty, Q, K, V, DO, Lse, Delta, start, n, tile_row,
             hk, heads, kv_heads, first, steps, stride_qt, stride_kt, stride_vt, stride_dot, stride_lh,
             GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            ROWS_BY_LOADER: gl.constexpr, o_s, O, stride_ot, DELTA_IN_KERNEL: gl.constexpr):
+            ROWS_BY_LOADER: gl.constexpr, o_s, O, stride_ot, DELTA_IN_KERNEL: gl.constexpr, DIM: gl.constexpr):
     """Loader partition: the key tile's k and v, then each step's q and dO into the ring
     (``ROWS_BY_LOADER``: and its lse and delta rows, into ``lse_s`` / ``delta_s``'s slot of the step;
-    ``DELTA_IN_KERNEL``: its O rows into ``o_s``'s slot too, and no delta rows)."""
-    k_map = block_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM)
-    v_map = block_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM)
-    q_map = block_map(Q, start, n, heads, stride_qt, BLOCK_M, HEAD_DIM)
-    do_map = block_map(DO, start, n, heads, stride_dot, BLOCK_M, HEAD_DIM)
+    ``DELTA_IN_KERNEL``: its O rows into ``o_s``'s slot too, and no delta rows); ``DIM`` < ``HEAD_DIM``: each
+    tile's channels past ``DIM`` zeros (:func:`_head_map`)."""
+    k_map = _head_map(K, start, n, kv_heads, stride_kt, BLOCK_N, HEAD_DIM, HEAD_DIM, DIM)
+    v_map = _head_map(V, start, n, kv_heads, stride_vt, BLOCK_N, HEAD_DIM, HEAD_DIM, DIM)
+    q_map = _head_map(Q, start, n, heads, stride_qt, BLOCK_M, HEAD_DIM, HEAD_DIM, DIM)
+    do_map = _head_map(DO, start, n, heads, stride_dot, BLOCK_M, HEAD_DIM, HEAD_DIM, DIM)
     if DELTA_IN_KERNEL:
-        o_map = block_map(O, start, n, heads, stride_ot, BLOCK_M, HEAD_DIM)
+        o_map = _head_map(O, start, n, heads, stride_ot, BLOCK_M, HEAD_DIM, HEAD_DIM, DIM)
     nbytes: gl.constexpr = HEAD_DIM * k_s.dtype.primitive_bitwidth // 8
     TILES: gl.constexpr = 3 if DELTA_IN_KERNEL else 2
     mbarrier.expect(kv_bar, 2 * BLOCK_N * nbytes)
-    tma.async_copy_global_to_shared(k_map, [tile_row, hk * HEAD_DIM], kv_bar, k_s)
-    tma.async_copy_global_to_shared(v_map, [tile_row, hk * HEAD_DIM], kv_bar, v_s)
+    _copy_in(k_map, tile_row, hk, 0, kv_bar, k_s, HEAD_DIM, DIM)
+    _copy_in(v_map, tile_row, hk, 0, kv_bar, v_s, HEAD_DIM, DIM)
     for it in range(GROUPS * steps):
         h = hk * GROUPS + it // steps
         row = (first + it % steps) * BLOCK_M
@@ -258,10 +316,10 @@ def _loader(k_s, v_s, q_s, do_s, lse_s, delta_s, kv_bar, ready, empty, Q, K, V, 
                        not DELTA_IN_KERNEL)
             async_copy.mbarrier_arrive(bar)
         mbarrier.expect(bar, TILES * BLOCK_M * nbytes)
-        tma.async_copy_global_to_shared(q_map, [row, h * HEAD_DIM], bar, q_s.index(s))
-        tma.async_copy_global_to_shared(do_map, [row, h * HEAD_DIM], bar, do_s.index(s))
+        _copy_in(q_map, row, h, 0, bar, q_s.index(s), HEAD_DIM, DIM)
+        _copy_in(do_map, row, h, 0, bar, do_s.index(s), HEAD_DIM, DIM)
         if DELTA_IN_KERNEL:
-            tma.async_copy_global_to_shared(o_map, [row, h * HEAD_DIM], bar, o_s.index(s))
+            _copy_in(o_map, row, h, 0, bar, o_s.index(s), HEAD_DIM, DIM)
 
 
 @gluon.jit
@@ -450,16 +508,17 @@ def _dq_store_tiles(delta_in_kernel):
 
 
 @gluon.jit
-def _store_dq(dq, tile, dq_map, row, col, PENDING: gl.constexpr):
-    """``DQ_STORE``: this warpgroup's finished dQ columns (scaled, float32) to ``dq_map`` at ``[row, col]`` through
-    the shared ``tile``, once at most ``PENDING`` of its stores are still reading (its tiles alternating by step:
-    the tile's store of the step before last has read it); rows past the block dropped."""
+def _store_dq(dq, tile, dq_map, row, h, col, PENDING: gl.constexpr, HEAD_DIM: gl.constexpr, DIM: gl.constexpr):
+    """``DQ_STORE``: this warpgroup's finished dQ columns (scaled, float32) to head ``h``'s columns ``col ..`` of
+    ``dq_map`` (a :func:`_head_map`) at ``row`` through the shared ``tile``, once at most ``PENDING`` of its stores
+    are still reading (its tiles alternating by step: the tile's store of the step before last has read it); rows
+    past the block and channels past ``DIM`` dropped."""
     tma.store_wait(PENDING)
     gl.thread_barrier()  # the issuing thread's wait is everyone's before the tile is written again
     tile.store(dq.to(tile.dtype))
     fence_async_shared()
     gl.thread_barrier()  # the whole warpgroup's rows are in shared memory for the TMA store
-    tma.async_copy_shared_to_global(dq_map, [row, col], tile)
+    _copy_out(dq_map, row, h, col, tile, HEAD_DIM, DIM)
 
 
 @gluon.jit
@@ -550,7 +609,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
               THREAD_RELEASE: gl.constexpr, DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, ds_free, lead,
               DQ_STORE: gl.constexpr, o_s, dl_s, DELTA_IN_KERNEL: gl.constexpr, Pos, first_row, log2_theta,
-              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, PAIR_CHUNK: gl.constexpr):
+              ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, PAIR_CHUNK: gl.constexpr,
+              DIM: gl.constexpr):
     """Consumer partition (one warpgroup): key rows ``tile_row + 64 * w`` onwards (module docstring);
     ``DQ_WRITER``: its dQ term goes to ``dq_s.index(w)`` for the writer partition; ``P_BESIDE_DP``:
     ``P^T`` computed while ``dP^T``'s product runs; without ``WITH_DQ`` no dQ term at all;
@@ -562,7 +622,9 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     ``DQA`` (dQ itself, rows of ``stride_qat``) through its ``_dq_store_tiles`` tiles of ``dq_s``, in turn;
     ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``); ``ROT_DIM`` (with
     ``DQ_STORE``, q and k rotated by the caller): dQ's columns and dK rotated back before their stores
-    (``unrotate_pairs``), the rows at ``Pos`` or at their index in the sequence (``first_row`` + row)."""
+    (``unrotate_pairs``), the rows at ``Pos`` or at their index in the sequence (``first_row`` + row); ``DIM`` <
+    ``HEAD_DIM`` (with ``DQ_STORE``): the head's ``DIM`` channels padded with zeros in the tiles, dQ, dK and dV
+    stored without the padding (:func:`_head_map`)."""
     dtype: gl.constexpr = k_s.dtype
     acc_s: gl.constexpr = _acc_layout(BLOCK_M)
     acc_d: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -577,8 +639,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     if DQ_STORE and PAIR_CHUNK > 0:  # (each head's row as pieces of PAIR_CHUNK columns)
         dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // PAIR_CHUNK), stride_qat, BLOCK_M,
                            PAIR_CHUNK)
-    elif DQ_STORE:  # (each head's row as HEAD_DIM // DQ_COLS pieces of DQ_COLS columns)
-        dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // DQ_COLS), stride_qat, BLOCK_M, DQ_COLS)
+    elif DQ_STORE:
+        dq_map = _head_map(DQA, start, n, kv_heads * GROUPS, stride_qat, BLOCK_M, DQ_COLS, HEAD_DIM, DIM)
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
                     not DELTA_IN_KERNEL)
@@ -653,7 +715,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
                                  h * HEAD_DIM + w * PAIR_CHUNK, h * HEAD_DIM + HEAD_DIM // 2 + w * PAIR_CHUNK,
                                  2 * (TILES - 1), BLOCK_M, PAIR_CHUNK)
             else:
-                _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h * HEAD_DIM + w * DQ_COLS, TILES - 1)
+                _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h, w * DQ_COLS, TILES - 1, HEAD_DIM,
+                          DIM)
             dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_a))
         elif DQ_WRITER:
             # dQ's term goes out while dK's product runs (products complete in the order issued).
@@ -695,10 +758,14 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dv_t.store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    dk_map = block_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM)
-    dv_map = block_map(DV, start, n, kv_heads, stride_dvt, HALF_N, HEAD_DIM)
-    tma.async_copy_shared_to_global(dk_map, [key0, hk * HEAD_DIM], dk_t)
-    tma.async_copy_shared_to_global(dv_map, [key0, hk * HEAD_DIM], dv_t)
+    dk_map = _head_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM, HEAD_DIM, DIM)
+    dv_map = _head_map(DV, start, n, kv_heads, stride_dvt, HALF_N, HEAD_DIM, HEAD_DIM, DIM)
+    if DIM == HEAD_DIM:
+        _copy_out(dk_map, key0, hk, 0, dk_t, HEAD_DIM, DIM)
+        _copy_out(dv_map, key0, hk, 0, dv_t, HEAD_DIM, DIM)
+    else:  # (dK, dV in the dead k, v tiles: a slice of a box, as a box of a slice is not Gluon's)
+        tma.async_copy_shared_to_global(dk_map, [key0, hk, 0], _key_rows_box(k_s, w, BLOCK_N, HEAD_DIM))
+        tma.async_copy_shared_to_global(dv_map, [key0, hk, 0], _key_rows_box(v_s, w, BLOCK_N, HEAD_DIM))
     if DQ_LAG:
         last = GROUPS * steps - 1
         dq = _lagged_dq(ds_s, ds_ready, last, True, k_s, w, BLOCK_M, DQ_COLS)
@@ -718,10 +785,13 @@ def _flash_bwd_ws_kernel(
     P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr, THREAD_RELEASE: gl.constexpr,
     DQ_LAG: gl.constexpr, STAGGER: gl.constexpr, LEAN_WRITER: gl.constexpr, DQ_STORE: gl.constexpr,
     DELTA_IN_KERNEL: gl.constexpr, ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr,
-    PAIR_CHUNK: gl.constexpr,
+    PAIR_CHUNK: gl.constexpr, DIM: gl.constexpr,
 ):
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
+        if DIM != HEAD_DIM:
+            gl.static_assert(DIM < HEAD_DIM and DQ_STORE and not DQ_WRITER and PAIR_CHUNK == 0,
+                             "DIM < HEAD_DIM: dQ's column halves stored by the consumers, no paired chunks")
         first_row = 0
         if ROT_DIM > 0:
             gl.static_assert(DQ_STORE and not DQ_WRITER, "ROT_DIM: dQ's column halves stored by the consumers")
@@ -817,7 +887,7 @@ def _flash_bwd_ws_kernel(
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_0,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
-                             PAIR_CHUNK)),
+                             PAIR_CHUNK, DIM)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
@@ -825,11 +895,11 @@ def _flash_bwd_ws_kernel(
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_1,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
-                             PAIR_CHUNK)),
+                             PAIR_CHUNK, DIM)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
-                           O, stride_ot, DELTA_IN_KERNEL)),
+                           O, stride_ot, DELTA_IN_KERNEL, DIM)),
                 (_dq_writer, (dq_s, dq_full.index(0), dq_free.index(0), DQA, Sem, start, n, tile_row, hk, heads, first,
                               steps, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_COLS,
                               IS_CAUSAL, DETERMINISTIC, dq_store_s, scale, DQ_STORE)),
@@ -843,7 +913,7 @@ def _flash_bwd_ws_kernel(
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
-                             PAIR_CHUNK)),
+                             PAIR_CHUNK, DIM)),
                 (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
@@ -851,11 +921,11 @@ def _flash_bwd_ws_kernel(
                              DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_1,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
-                             PAIR_CHUNK)),
+                             PAIR_CHUNK, DIM)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
                            stride_vt, stride_dot, stride_lh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM, ROWS_BY_LOADER, o_s,
-                           O, stride_ot, DELTA_IN_KERNEL)),
+                           O, stride_ot, DELTA_IN_KERNEL, DIM)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         for d in gl.static_range(DS_SLOTS):
@@ -874,11 +944,25 @@ def _flash_bwd_ws_kernel(
 launch_bwd = Launcher(_flash_bwd_ws_kernel, scratch=True)
 
 
+def tile_head_dim(head_dim: int) -> int:
+    """The width of the kernel's tiles of a head (``HEAD_DIM``): 128 for the head dims of ``PADDED_HEAD_DIMS``
+    (``DIM`` the head's own), else the head dim."""
+    return 128 if head_dim in PADDED_HEAD_DIMS else head_dim
+
+
+def head_dims(block_size: int) -> tuple:
+    """The head dims the kernel admits for calls of ``block_size`` (0: full attention): 64 and 128, and where it
+    stores dQ (blocks one key tile holds whole, :func:`stores_dq`) those of ``PADDED_HEAD_DIMS`` too."""
+    padded = tuple(d for d in sorted(PADDED_HEAD_DIMS) if stores_dq(block_size, d))
+    return tuple(sorted((64, 128) + padded))
+
+
 def dq_cols(head_dim: int) -> int:
-    """dQ columns per consumer warpgroup: half the head's from D 128 on (each half a whole 64-column,
-    128-byte swizzle block of the shared k tile), else all of them (each warpgroup over its own
+    """dQ columns per consumer warpgroup: half the tile's (:func:`tile_head_dim`) from D 128 on (each half a whole
+    64-column, 128-byte swizzle block of the shared k tile), else all of them (each warpgroup over its own
     keys)."""
-    return head_dim // 2 if head_dim >= 128 else head_dim
+    width = tile_head_dim(head_dim)
+    return width // 2 if width >= 128 else width
 
 
 def taken(deterministic: bool, block_size: int, head_dim: int) -> bool:
@@ -922,7 +1006,7 @@ def pair_chunk(head_dim: int, rotary_dim: int, interleaved: bool) -> int:
     column half, so that each consumer's columns hold whole pairs (``PAIR_CHUNK``); 0 for every other rotary form
     (their pairs lie in one half where :func:`unrotates`), or while ``PAIRED_SPLIT`` is off."""
     cols = dq_cols(head_dim)
-    if not PAIRED_SPLIT or interleaved or rotary_dim != head_dim or cols == head_dim:
+    if not PAIRED_SPLIT or interleaved or rotary_dim != head_dim or cols == head_dim or head_dim in PADDED_HEAD_DIMS:
         return 0
     return cols // 2
 
@@ -949,9 +1033,10 @@ def query_rows(head_dim: int, with_dq: bool) -> int:
     return 128 if not with_dq and head_dim in DKDV_ONLY_WIDE_HEAD_DIMS else TILE_M
 
 
-def flash_ws_bwd_reasons(do, q, k, v, rope_theta) -> list:
-    """Why the warp-specialized dK/dV pass cannot take a backward call (empty: it can)."""
-    reasons = flash_ws_reasons(q, k, v, rope_theta)
+def flash_ws_bwd_reasons(do, q, k, v, rope_theta, block_size: int = 0) -> list:
+    """Why the warp-specialized dK/dV pass cannot take a backward call of ``block_size`` (0: full attention; empty:
+    it can)."""
+    reasons = flash_ws_reasons(q, k, v, rope_theta, head_dims(block_size))
     if not taken_on(q.device, VERIFIED_ON):
         reasons.append("a GPU its tests passed on (unverified kernels allowed)")
     if do.dtype != q.dtype or do.stride() != q.stride() or do.data_ptr() % 16:
@@ -985,8 +1070,10 @@ def dkdv_pass_ws(do, q, k, v, lse, delta, dk, dv, dq_sums, sched, scale: float, 
     counters = torch.zeros((heads, total, 2), dtype=torch.int32, device=q.device) if ordered else table
     sums = dq if store else dq_sums if with_dq else dk
     lag = DQ_LAG and DQ_WRITER and with_dq and dq_cols(dim) < dim and not store
-    meta = dict(HEAD_DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq), BLOCK_N=TILE_N,
-                DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered,
+    if dim in PADDED_HEAD_DIMS and not store:
+        raise ValueError(f"D {dim}: the kernel pads the head's channels only where it stores dQ (stores_dq)")
+    meta = dict(HEAD_DIM=tile_head_dim(dim), DIM=dim, GROUPS=heads // kv_heads, BLOCK_M=query_rows(dim, with_dq),
+                BLOCK_N=TILE_N, DQ_COLS=dq_cols(dim), IS_CAUSAL=causal, DETERMINISTIC=ordered,
                 DQ_WRITER=dq_cols(dim) == dim if store else DQ_WRITER,
                 P_BESIDE_DP=P_BESIDE_DP, WITH_DQ=with_dq, ROWS_BY_LOADER=ROWS_BY_LOADER,
                 THREAD_RELEASE=THREAD_RELEASE, DQ_LAG=lag,

@@ -261,30 +261,31 @@ def _flash_fwd_ws_kernel(
 launch_fwd = Launcher(_flash_fwd_ws_kernel, scratch=True)
 
 
-def flash_ws_fact_reasons(major, dtype, head_dim: int, rotary: bool) -> list:
-    """Why the warp-specialized forward cannot take calls of these facts (empty: it can; ``major``
-    the CUDA device's compute capability major, None off CUDA)."""
+def flash_ws_fact_reasons(major, dtype, head_dim: int, rotary: bool, head_dims: tuple = (64, 128)) -> list:
+    """Why the warp-specialized forward (or a kernel admitting ``head_dims``) cannot take calls of these facts
+    (empty: it can; ``major`` the CUDA device's compute capability major, None off CUDA)."""
     reasons = []
     if major != 9:
         reasons.append("an sm_90 GPU")
     if dtype not in (torch.float16, torch.bfloat16):
         reasons.append("fp16 or bf16 q, k, v")
-    if head_dim not in (64, 128):
-        reasons.append(f"head dim 64 or 128 (got {head_dim})")
+    if head_dim not in head_dims:
+        dims = ", ".join(str(d) for d in head_dims[:-1])
+        reasons.append(f"head dim {dims} or {head_dims[-1]} (got {head_dim})")
     if rotary:
         reasons.append("no rotary")
     return reasons
 
 
-def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta) -> list:
+def flash_ws_call_reasons(device, dtype, head_dim: int, rope_theta, head_dims: tuple = (64, 128)) -> list:
     """:func:`flash_ws_fact_reasons` on ``device`` (``rope_theta`` None: no rotary)."""
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
-    return flash_ws_fact_reasons(major, dtype, head_dim, rope_theta is not None)
+    return flash_ws_fact_reasons(major, dtype, head_dim, rope_theta is not None, head_dims)
 
 
-def flash_ws_reasons(q, k, v, rope_theta) -> list:
+def flash_ws_reasons(q, k, v, rope_theta, head_dims: tuple = (64, 128)) -> list:
     """:func:`flash_ws_call_reasons` of a call, and what its tensors' layout must be."""
-    reasons = flash_ws_call_reasons(q.device, q.dtype, q.shape[-1], rope_theta)
+    reasons = flash_ws_call_reasons(q.device, q.dtype, q.shape[-1], rope_theta, head_dims)
     if not (q.dtype == k.dtype == v.dtype):
         reasons.append("q, k, v of one dtype")
     if any(x.stride(-1) != 1 or x.stride(1) != x.shape[-1] for x in (q, k, v)):

@@ -11,7 +11,7 @@ each row's logsumexp (the variants with such a kernel: ``Variant.lse_forward``),
 runs the flash kernels on the saved output and logsumexp, unless the choice takes a variant with a
 backward of its own for those calls (``Variant.wide_backward``: ``hopper_wide`` on sm_90, grouped
 query heads one by one, which needs neither). Grouped query heads on 16-bit blocks of 65-128 tokens
-at D 128 (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``; rotary in the forms of ``GROUPED_SAVES_LSE_ROTARY``)
+at D 96 and 128 (``saves_lse``'s ``GROUPED_SAVES_LSE_HEAD_DIMS``; rotary in the forms of ``GROUPED_SAVES_LSE_ROTARY``)
 store them too, and on sm_90 their backward runs on the warp-specialized flash kernel with dQ stored
 (``kernels.flash.bwd.stored_dq_takes``: one key tile per block, measured faster than the block kernels
 there; a rotary call's through the rotation pass below, whatever the variant choice), unless a variant
@@ -153,8 +153,8 @@ def _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, caus
 
 
 # Whether eager rotary calls with gradients whose backward the flash kernel with dQ stored runs, rotating dq and dk
-# back itself (``stored_dq_unrotates``: grouped query heads on 16-bit blocks of 65-128 tokens at D 128, interleaved
-# or partial rotary over 64 channels or fewer, sm_90), rotate q and k in the forward (``_forward_on_rotated``) rather
+# back itself (``stored_dq_unrotates``: grouped query heads on 16-bit blocks of 65-128 tokens at D 96 or 128,
+# interleaved or partial rotary over 64 channels or fewer, sm_90), rotate q and k in the forward (``_forward_on_rotated``) rather
 # than in the backward: the rotation pass writes the copies (q and k read, the copies written) and the forward
 # without rotary runs on them (the rotary forward with the logsumexp store spills: PERF_NOTES sessions 55-56), and
 # autograd saves the copies in place of q and k (no more memory), so that the backward is the flash kernel alone.
@@ -233,7 +233,7 @@ def _flash_backward_fixed(dtype: torch.dtype, block_size: int, head_dim: int) ->
 def _stored_dq_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Optional[Tensor], block_size: int,
                         rope_theta: Optional[float]) -> bool:
     """Whether a backward whose block kernels fit one program runs on the flash kernel with dQ stored instead:
-    where the forward saved out and lse for it (grouped query heads at D 128, ``saves_lse``),
+    where the forward saved out and lse for it (grouped query heads at D 96 and 128, ``saves_lse``),
     no variant is forced, and the kernel takes the call (``stored_dq_takes``: sm_90, no rotary, its layout)."""
     if lse is None or lse.shape[-1] == 0 or variants.forced() is not None:
         return False
@@ -280,9 +280,9 @@ FORWARD_ON_ROTATED = "eager forward with gradients on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
-_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 128 without rotary on sm_90: the flash kernel runs "
-              "the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
-_STORED_DQ_ROTATED = ("grouped query heads on blocks of 65-128 tokens at D 128 with interleaved or partial rotary on "
+_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 without rotary on sm_90: the flash kernel "
+              "runs the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
+_STORED_DQ_ROTATED = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 with rotary on "
                       "sm_90: the rotation pass runs the backward, the flash kernel with dQ stored on the rotated copies")
 # Every variant's reason for a full-attention call (the backend refuses it too).
 FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
