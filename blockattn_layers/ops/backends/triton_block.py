@@ -152,16 +152,15 @@ def _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, caus
                                unrotate=(rope_theta, positions, rot, interleaved))
 
 
-# Whether eager rotary calls with gradients whose backward the flash kernel with dQ stored runs, rotating dq and dk
-# back itself (``stored_dq_unrotates``: grouped query heads on 16-bit blocks of 65-128 tokens at D 96 or 128,
-# interleaved or partial rotary over 64 channels or fewer, sm_90), rotate q and k in the forward (``_forward_on_rotated``) rather
-# than in the backward: the rotation pass writes the copies (q and k read, the copies written) and the forward
-# without rotary runs on them (the rotary forward with the logsumexp store spills: PERF_NOTES sessions 55-56), and
-# autograd saves the copies in place of q and k (no more memory), so that the backward is the flash kernel alone.
-# GPU tests pass (H100, 2026-12-07). H100, bf16, block 128, D 128, grid lengths, forward + backward ms with it / with
-# the rotation in the backward: 8x2 interleaved 4.04 + 5.57 / 3.62 + 7.18, partial 4.13 + 5.13 / 3.10 + 7.12, 4x1
-# interleaved 2.02 + 2.72 / 1.81 + 3.62 (1.09-1.15x; split halves 1.12-1.19x against hopper_heads: BENCHMARKS.md
-# session 57).
+# Whether eager rotary calls with gradients whose backward the flash kernel with dQ stored runs, rotating dq and dk back
+# itself (``stored_dq_unrotates``: grouped query heads on 16-bit blocks of 65-128 tokens at D 96 or 128, interleaved or
+# partial rotary over 64 channels or fewer, sm_90), rotate q and k in the forward (``_forward_on_rotated``) rather than
+# in the backward: the rotation pass writes the copies (q and k read, the copies written) and the forward without rotary
+# runs on them (the rotary forward with the logsumexp store spills: PERF_NOTES sessions 55-56), and autograd saves the
+# copies in place of q and k (no more memory), so that the backward is the flash kernel alone. GPU tests pass (H100,
+# 2026-12-07). H100, bf16, block 128, D 128, grid lengths, forward + backward ms with it / with the rotation in the
+# backward: 8x2 interleaved 4.04 + 5.57 / 3.62 + 7.18, partial 4.13 + 5.13 / 3.10 + 7.12, 4x1 interleaved 2.02 + 2.72 /
+# 1.81 + 3.62 (1.09-1.15x; split halves 1.12-1.19x against hopper_heads: BENCHMARKS.md session 57).
 SAVES_ROTATED_COPIES = True
 
 
@@ -280,10 +279,10 @@ FORWARD_ON_ROTATED = "eager forward with gradients on rotated copies"
 _NO_ONE_TILE_BACKWARD = ("backward of blocks over 64 tokens with head_dim over 128: the flash kernels run it, "
                          "on the forward's output and logsumexp")
 _FLOAT32_TILE = "float32 tile over one program's shared memory: the flash kernels run it"
-_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 without rotary on sm_90: the flash kernel "
-              "runs the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
-_STORED_DQ_ROTATED = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 with rotary on "
-                      "sm_90: the rotation pass runs the backward, the flash kernel with dQ stored on the rotated copies")
+_STORED_DQ = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 without rotary on sm_90: the flash "
+              "kernel runs the backward (one key tile per block, dQ stored), on the forward's output and logsumexp")
+_STORED_DQ_ROTATED = ("grouped query heads on blocks of 65-128 tokens at D 96 or 128 with rotary on sm_90: the "
+                      "rotation pass runs the backward, the flash kernel with dQ stored on the rotated copies")
 # Every variant's reason for a full-attention call (the backend refuses it too).
 FULL_ATTENTION = (f"full attention (block_size=None): the block kernels take blocks of up to {SINGLE_TILE_MAX} "
                   "tokens (triton_flash serves full attention)")
