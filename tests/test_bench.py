@@ -266,13 +266,13 @@ def test_gluon_flash_kernels_rows_are_opt_in_and_set_their_options():
             if name in backward:
                 assert flash_bwd.TAKEN[0] and deterministic_backward() == backward[name]
                 assert flash_bwd.stores_dq(128, 64) == ("_dq_store" in name)
-                assert flash_bwd.stores_dq(128, 128) == ("_dq_store" in name)
+                assert flash_bwd.stores_dq(128, 128) == flash_bwd.stores_dq(128, 96) == ("_dq_store" in name)
                 assert flash_bwd.DELTA_IN_KERNEL == name.endswith("_delta]")
             else:
                 assert (flash_persistent.EARLY_RELEASE, flash_persistent.SHARE_KV) == want[name]
         assert not flash_persistent.EARLY_RELEASE and not flash_persistent.SHARE_KV
         assert not flash_bwd.TAKEN[0] and deterministic_backward()
-        assert flash_bwd.DQ_STORE_HEAD_DIMS == frozenset({128})
+        assert flash_bwd.DQ_STORE_HEAD_DIMS == frozenset({96, 128})
         assert flash_bwd.DELTA_IN_KERNEL is None
 
 

@@ -352,7 +352,7 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
     ``dq_lag``: each step's dQ product the step before's (``DQ_LAG``); ``stagger``: warpgroup 1 half a step
     behind (``STAGGER``); ``lean_writer``: the writer warp on fewer registers, consumer 1 on more
     (``LEAN_WRITER``, the default since session 58); ``dq_store``: dQ stored by the kernel where one key tile
-    holds the block (``DQ_STORE``, at D 64 and 128; without it the float32 sums at every head dim:
+    holds the block (``DQ_STORE``, at D 64, 96 and 128; without it the float32 sums at every head dim:
     ``DQ_STORE_HEAD_DIMS``);
     ``delta_in_kernel``: with it, the delta rows computed in the kernel (``DELTA_IN_KERNEL``)."""
     from blockattn_layers.kernels.sm90 import flash_bwd
@@ -361,7 +361,7 @@ def _gluon_backward(fast: bool, writer: bool = True, early_p: bool = False, rows
             module_attrs(flash_bwd, DQ_WRITER=writer, P_BESIDE_DP=early_p, ROWS_BY_LOADER=rows_by_loader,
                          THREAD_RELEASE=thread_release, DQ_LAG=dq_lag, STAGGER=stagger,
                          LEAN_WRITER=lean_writer, DELTA_IN_KERNEL=delta_in_kernel,
-                         DQ_STORE_HEAD_DIMS=frozenset({64, 128}) if dq_store else frozenset()):
+                         DQ_STORE_HEAD_DIMS=frozenset({64, 96, 128}) if dq_store else frozenset()):
         yield
 
 
