@@ -42,7 +42,8 @@ softmax scale) and dV rows in the dead k and v tiles for the TMA store.
 The delta pass before and the pass that scales and casts the sums into dQ after are
 ``flash.bwd``'s. Admitted calls (``flash_ws_bwd_reasons``): those of ``flash_fwd``'s kernel
 (sm_90, bf16 / fp16, D 64 / 128, no rotary, rows of ``H * D`` contiguous elements, 32-bit
-offsets), dO of q's layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it at
+offsets), and D 96 in 128-wide tiles where it stores dQ (``PADDED_HEAD_DIMS``, ``head_dims``), dO of q's
+layout too. Its GPU tests pass (``VERIFIED_ON``). The fast backward takes it at
 full attention with D 128 (``FAST_TAKEN``, ``FAST_HEAD_DIMS``; H100, bf16, seed3: 3.11 ms against
 the Triton fast backward's 5.07 and the deterministic one's 3.84); elsewhere the fast backward is
 the deterministic one (``flash.bwd.fast_form_taken``). The deterministic backward takes it whole,
