@@ -866,6 +866,13 @@ def test_grouped_d128_backward_runs_the_flash_kernel_with_dq_stored(monkeypatch,
     calls = _stored_dq_spy(monkeypatch)
     case = dict(case)
     heads, kv_heads, dim = case.pop("heads"), case.pop("kv_heads"), case.pop("dim")
+    _check_stored_dq_backward(calls, case, heads, kv_heads, dim, fast)
+
+
+def _check_stored_dq_backward(calls, case, heads, kv_heads, dim, fast):
+    """Under auto, in the ``fast`` or deterministic mode, bf16 and fp16, on lengths around the block size: one call
+    of the flash kernel with dQ stored (computing delta itself without causal masks, ``calls`` as
+    :func:`_stored_dq_spy` records them), gradients against the float64 oracle, the same bits twice."""
     with variants.forced_variant("auto"), bl.fast_backward(fast):
         for dtype in (torch.bfloat16, torch.float16):
             q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, dim, dtype, seed=heads + case["block_size"])
@@ -1021,18 +1028,7 @@ def test_grouped_d96_backward_runs_the_flash_kernel_in_padded_tiles(monkeypatch,
     if rot:
         assert flash_bwd.unrotates(case["block_size"], 96, rot, case.get("rotary_interleaved", False)) == (
             rot != 96 or case.get("rotary_interleaved", False))
-    with variants.forced_variant("auto"), bl.fast_backward(fast):
-        for dtype in (torch.bfloat16, torch.float16):
-            q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, 96, dtype, seed=heads + case["block_size"])
-            calls.clear()
-            check_against_oracle(q, k, v, offsets, **case)
-            assert calls == [(True, not case.get("causal", False))]
-            grads = []
-            for _ in range(2):
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                out = bl.block_attention(*leaves, offsets, backend="triton", **case)
-                grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
-            assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _check_stored_dq_backward(calls, case, heads, kv_heads, 96, fast)
 
 
 @SM90

@@ -250,9 +250,10 @@ def _row_layout(width, warps=4):
 
 
 @gluon.constexpr_function
-def _smem_layout(width):
-    """Shared layout of 16-bit tiles ``width`` columns wide, as ``wgmma`` reads them."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=2)
+def _smem_layout(width, rank=2):
+    """Shared layout of 16-bit tiles ``width`` columns wide, as ``wgmma`` reads them (``rank`` 3: the same bytes as
+    ``[rows, 1, width]`` boxes, as a rank-3 tensor map copies them)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=rank)
 
 
 @gluon.constexpr_function

@@ -235,13 +235,6 @@ def query_steps(n, tile_row, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
     return first, (n + BLOCK_M - 1) // BLOCK_M - first
 
 
-@gluon.constexpr_function
-def _padded_layout(width):
-    """Shared layout of a ``[rows, 1, width]`` box of one head, byte for byte the ``[rows, width]`` tile's
-    (``_smem_layout``): what a padded head's tensor maps copy through (:func:`_head_map`)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=3)
-
-
 @gluon.jit
 def _head_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, BOX_COLS: gl.constexpr,
               HEAD_DIM: gl.constexpr, DIM: gl.constexpr):
@@ -250,12 +243,11 @@ def _head_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, BOX_COLS: 
     (``block_map``'s), else (``DIM`` channels padded to ``HEAD_DIM`` in the tiles) the ``[n, heads, DIM]`` view in
     ``[BOX_ROWS, 1, BOX_COLS]`` boxes of one head, whose channels past ``DIM`` read as zeros and are dropped on
     store, as rows past ``n`` are (:func:`_copy_in`, :func:`_copy_out`)."""
-    if DIM == HEAD_DIM:
-        desc = tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads * HEAD_DIM], [stride_t, 1],
-                                          [BOX_ROWS, BOX_COLS], _smem_layout(BOX_COLS))
+    if DIM == HEAD_DIM:  # (each head's row as HEAD_DIM // BOX_COLS pieces of BOX_COLS columns)
+        desc = block_map(ptr, start, n, heads * (HEAD_DIM // BOX_COLS), stride_t, BOX_ROWS, BOX_COLS)
     else:
         desc = tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads, DIM], [stride_t, DIM, 1],
-                                          [BOX_ROWS, 1, BOX_COLS], _padded_layout(BOX_COLS))
+                                          [BOX_ROWS, 1, BOX_COLS], _smem_layout(BOX_COLS, 3))
     return desc
 
 
