@@ -73,23 +73,27 @@ def apply_rotary(x: Tensor, angles: Tensor, rotary_dim: int, interleaved: bool, 
     return torch.cat((out, rest), dim=-1)
 
 
-def paired_chunks(x: Tensor, chunk: int) -> Tensor:
-    """``x [..., D]``'s channels in the paired-chunk order of split-halves rotary pairs: the first half's and the
-    second half's chunks of ``chunk`` channels alternating, ``[a_0, b_0, a_1, b_1, ...]``, so that each pair
-    ``(i, i + D/2)`` lies inside ``2 * chunk`` adjacent channels (a copy; ``chunk`` 0: ``x`` itself). Attention
-    scores are the same on q and k in this order; their gradients come in it too (:func:`unpaired_chunks`)."""
+def paired_chunks(x: Tensor, chunk: int, rotary_dim: Optional[int] = None) -> Tensor:
+    """``x [..., D]``'s channels in the paired-chunk order of split-halves rotary pairs over its first ``rotary_dim``
+    channels (default: all): the first half's and the second half's chunks of ``chunk`` channels alternating,
+    ``[a_0, b_0, a_1, b_1, ...]``, so that each pair ``(i, i + rotary_dim / 2)`` lies inside ``2 * chunk`` adjacent
+    channels, the channels past ``rotary_dim`` after them in their order (a copy; ``chunk`` 0: ``x`` itself).
+    Attention scores are the same on q and k in this order; their gradients come in it too
+    (:func:`unpaired_chunks`)."""
     if not chunk:
         return x
-    halves = x.unflatten(-1, (2, x.shape[-1] // (2 * chunk), chunk))
-    return halves.transpose(-3, -2).flatten(-3)
+    rot = x.shape[-1] if rotary_dim is None else rotary_dim
+    halves = x[..., :rot].unflatten(-1, (2, rot // (2 * chunk), chunk))
+    return torch.cat([halves.transpose(-3, -2).flatten(-3), x[..., rot:]], dim=-1)
 
 
-def unpaired_chunks(x: Tensor, chunk: int) -> Tensor:
+def unpaired_chunks(x: Tensor, chunk: int, rotary_dim: Optional[int] = None) -> Tensor:
     """The inverse of :func:`paired_chunks`: ``x``'s channels back in their order (a copy; ``chunk`` 0: ``x``)."""
     if not chunk:
         return x
-    pairs = x.unflatten(-1, (x.shape[-1] // (2 * chunk), 2, chunk))
-    return pairs.transpose(-3, -2).flatten(-3)
+    rot = x.shape[-1] if rotary_dim is None else rotary_dim
+    pairs = x[..., :rot].unflatten(-1, (rot // (2 * chunk), 2, chunk))
+    return torch.cat([pairs.transpose(-3, -2).flatten(-3), x[..., rot:]], dim=-1)
 
 
 # ----------------------------------------------------------------------------- block groups

@@ -485,7 +485,7 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
         constexprs = dict(HEAD_DIM=128, GROUPS=groups, BLOCK_M=192, BLOCK_N=64, IS_CAUSAL=causal, **plain)
         name = f"flash_gluon_fwd_persistent_m192_n64_bf16_d128{'_causal_gqa' if causal else ''}"
         yield Build(name, _flash_fwd_persistent_kernel, "bf16", constexprs, dict(num_warps=4))
-    from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols
+    from .sm90.flash_bwd import TILE_M as BWD_M, TILE_N as BWD_N, _flash_bwd_ws_kernel, dq_cols, pair_chunk
     _NO_UNROTATE = dict(ROT_DIM=0, INTERLEAVED=False, HAS_POS=False, PAIR_CHUNK=0)
 
     for dtype, dim, (causal, groups), ordered in itertools.product(
@@ -570,16 +570,30 @@ def _flash_gluon_builds(capability: int) -> Iterator[Build]:
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # D 96 in 128-wide tiles with dQ stored (PADDED_HEAD_DIMS: tensor maps of one head's [rows, 1, 96] boxes), as
     # the defaults run it: GQA with the delta rows in the kernel, causal GQA with the delta pass, interleaved rotary
-    # rotated back over every channel.
-    for causal, rot in ((False, 0), (True, 0), (False, 96)):
+    # rotated back over every channel, and causal split halves over every channel on q and k in the paired-chunk
+    # order of 16 (each rotary half's columns stored apart through maps of [rows, 1, 48] half-heads).
+    for causal, rot, interleaved in ((False, 0, False), (True, 0, False), (False, 96, True), (True, 96, False)):
         constexprs = dict(HEAD_DIM=128, DIM=96, GROUPS=4, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(96),
                           IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
                           ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
-                          DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=rot > 0, HAS_POS=False,
-                          PAIR_CHUNK=0)
-        form = "_unrotate_i96" if rot else ""
+                          DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=interleaved,
+                          HAS_POS=False, PAIR_CHUNK=pair_chunk(96, rot, interleaved) if rot else 0)
+        form = f"_unrotate_{'i' if interleaved else 's'}96" if rot else ""
+        if constexprs["PAIR_CHUNK"]:
+            form += f"_paired{constexprs['PAIR_CHUNK']}"
         yield Build(f"flash_gluon_bwd_dq_store{form}_bf16_d96{'_causal' if causal else ''}_gqa",
                     _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
+    # Split halves over part of the channels in paired chunks (PAIRED_PARTIAL), the pass-through columns among a
+    # consumer's rotary ones stored apart: 48 of 96 channels (chunks of 8, the piece in consumer 0, GQA with the
+    # delta rows in the kernel), 96 of 128 (chunks of 16, the piece in consumer 1, causal).
+    for dim, rot, causal in ((96, 48, False), (128, 96, True)):
+        constexprs = dict(HEAD_DIM=128, DIM=dim, GROUPS=4, BLOCK_M=BWD_M, BLOCK_N=BWD_N, DQ_COLS=dq_cols(dim),
+                          IS_CAUSAL=causal, DETERMINISTIC=False, DQ_WRITER=False, P_BESIDE_DP=False, WITH_DQ=True,
+                          ROWS_BY_LOADER=True, THREAD_RELEASE=True, DQ_LAG=False, STAGGER=False, LEAN_WRITER=False,
+                          DQ_STORE=True, DELTA_IN_KERNEL=not causal, ROT_DIM=rot, INTERLEAVED=False,
+                          HAS_POS=False, PAIR_CHUNK=pair_chunk(dim, rot, False))
+        yield Build(f"flash_gluon_bwd_dq_store_unrotate_s{rot}_paired{constexprs['PAIR_CHUNK']}_bf16_d{dim}"
+                    f"{'_causal' if causal else ''}_gqa", _flash_bwd_ws_kernel, "bf16", constexprs, dict(num_warps=4))
     # dK, dV without dQ's terms over 128 query rows a step at D 64 (DKDV_ONLY_WIDE_HEAD_DIMS).
     for causal, groups in ((False, 1), (True, 4)):
         constexprs = dict(HEAD_DIM=64, DIM=64, GROUPS=groups, BLOCK_M=128, BLOCK_N=BWD_N, DQ_COLS=dq_cols(64),

@@ -859,8 +859,8 @@ class _TensorDescriptor:
 
 
 def _make_tensor_descriptor(base, shape, strides, block_shape, layout=None, padding_option="zero"):
-    if len(block_shape) not in (2, 3) or len(shape) != len(block_shape) or len(strides) != len(block_shape):
-        raise NotImplementedError("gluon_shim: tensor maps of rank 2 or 3 only, shape, strides and box alike")
+    if not 2 <= len(block_shape) <= 5 or len(shape) != len(block_shape) or len(strides) != len(block_shape):
+        raise NotImplementedError("gluon_shim: tensor maps of rank 2 to 5 only, shape, strides and box alike")
     return _TensorDescriptor(base, shape, strides, block_shape)
 
 

@@ -162,25 +162,35 @@ def test_warp_specialized_flash_backward_compiles(tmp_path):
     block (``DQ_STORE``: no reduce-adds; at D 128 a TMA store by each consumer beside dK's and dV's and no
     writer, at D 64 the writer's), with the delta rows computed in the kernel (``DELTA_IN_KERNEL``: O's tile one
     more TMA copy a step), and with dQ and dK rotated back in the kernel (``ROT_DIM``: sines and cosines, none
-    in the other builds; ``PAIR_CHUNK``: two dQ stores per consumer); at D 96 (``PADDED_HEAD_DIMS``) every copy
-    through a rank-3 tensor map of one head's boxes, none through the flat ones."""
+    in the other builds; ``PAIR_CHUNK``: two dQ stores per consumer, and where the tiles are padded or the rotary
+    channels part of the head each rotary half's dQ and dK columns through rank-4 maps, the pass-through ones
+    among them apart); at D 96 (``PADDED_HEAD_DIMS``) every copy through a rank-3 tensor map of one head's boxes,
+    none through the flat ones."""
     ptx = _compile_check("sm_90", "flash_gluon_bwd", tmp_path / "sm_90")
-    assert len(ptx) == 70 and sum(name.endswith("_deterministic") for name in ptx) == 21
+    assert len(ptx) == 73 and sum(name.endswith("_deterministic") for name in ptx) == 21
     padded = {name: ptx.pop(name) for name in list(ptx) if "_d96" in name}
-    assert sorted(padded) == ["flash_gluon_bwd_dq_store_bf16_d96_causal_gqa", "flash_gluon_bwd_dq_store_bf16_d96_gqa",
-                              "flash_gluon_bwd_dq_store_unrotate_i96_bf16_d96_gqa"]
+    # Per build, the TMA stores through rank-3 and rank-4 maps: per consumer dQ's, dK's and dV's; with paired
+    # chunks each rotary half's dQ and dK columns apart (rank 4), the pass-through ones among them (rank 3) too.
+    padded_stores = {"flash_gluon_bwd_dq_store_bf16_d96_causal_gqa": (6, 0),
+                     "flash_gluon_bwd_dq_store_bf16_d96_gqa": (6, 0),
+                     "flash_gluon_bwd_dq_store_unrotate_i96_bf16_d96_gqa": (6, 0),
+                     "flash_gluon_bwd_dq_store_unrotate_s48_paired8_bf16_d96_gqa": (8, 6),
+                     "flash_gluon_bwd_dq_store_unrotate_s96_paired16_bf16_d96_causal_gqa": (2, 12)}
+    assert sorted(padded) == sorted(padded_stores)
     for name, text in padded.items():
         assert "cp.async.bulk.tensor.2d" not in text and "cp.reduce.async.bulk" not in text, name
         assert "cp.async.bulk.tensor.3d.shared::cluster.global" in text, name
-        assert text.count("cp.async.bulk.tensor.3d.global.shared") == 6, name
+        stores = tuple(text.count(f"cp.async.bulk.tensor.{r}d.global.shared") for r in (3, 4))
+        assert stores == padded_stores[name], name
         assert ("sin.approx.f32" in text) == ("_unrotate_" in name), name
     unrotated = {name: ptx.pop(name) for name in list(ptx) if name.startswith("flash_gluon_bwd_dq_store_unrotate_")}
-    assert len(unrotated) == 8
+    assert len(unrotated) == 9
     for name, text in unrotated.items():  # the default D 128 stored form (rows by the loader) plus the rotations;
-        # split halves over every channel (paired chunks, ``_s128``): each consumer's dQ in two stores
+        # split halves over every channel (paired chunks, ``_s128``): each consumer's dQ in two stores; over 96
+        # channels (``_s96``) each rotary half's dQ and dK columns through rank-4 maps, the pass-through ones apart
         assert "cp.reduce.async.bulk" not in text and "atom.global" not in text, name
-        stores = 8 if "_unrotate_s128_" in name else 6
-        assert text.count("cp.async.bulk.tensor.2d.global.shared") == stores, name
+        stores = (8, 0) if "_unrotate_s128_" in name else (5, 12) if "_unrotate_s96_" in name else (6, 0)
+        assert tuple(text.count(f"cp.async.bulk.tensor.{r}d.global.shared") for r in (2, 4)) == stores, name
         assert "cp.async.mbarrier.arrive.noinc" in text and "sin.approx.f32" in text, name
     assert not any("sin.approx.f32" in text for text in ptx.values())
     stored = [name for name in ptx if name.startswith("flash_gluon_bwd_dq_store_")]

@@ -216,20 +216,27 @@ def test_flash_ws_backward_stores_dq_where_one_key_tile_holds_the_block(name, fo
     for rotary in ("interleaved", "interleaved-partial-int-positions", "split-partial",
                    "split-quarter-float-positions", "split-paired", "split-paired-int-positions")
 ] + [("blocks128-gqa-d96", "interleaved"), ("blocks100-gqa-causal-d96", "split-partial-int-positions"),
-     ("blocks100-gqa-causal-d96", "interleaved-partial-int-positions")])
+     ("blocks100-gqa-causal-d96", "interleaved-partial-int-positions"), ("blocks128-gqa-d96", "split-paired"),
+     ("blocks100-gqa-causal-d96", "split-paired-int-positions"), ("blocks128-gqa-d96", "split-paired-r48"),
+     ("blocks100-gqa-causal-d96", "split-paired-r48-int-positions"), ("blocks128-gqa-d96", "split-paired-r80"),
+     ("blocks100-causal-d128", "split-paired-r96"), ("blocks128-gqa-d128", "split-paired-r48-int-positions"),
+     ("blocks128-gqa-d128", "split-paired-r112")])
 def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotary):
     """``ROT_DIM`` (``UNROTATE``): on q and k rotated beforehand (as the rotation pass writes them), dQ and dK come
     out rotated back by the kernel, against the float64 gradients of the rotary call (interleaved pairs over every
     channel or 32; split halves over 64 or 32 channels, each pair inside a consumer's dQ column half; positions
     given as ints or floats, or each row's index in its sequence, blocks ragged; split halves over every channel on
-    q and k in the paired-chunk order, ``PAIR_CHUNK``, dQ and dK out in their own order); the rows by the loader,
+    q and k in the paired-chunk order, ``PAIR_CHUNK``, dQ and dK out in their own order, at D 96 in chunks of 16
+    whose halves' boxes in the padded tiles reach past the head's 48 channels a half; ``-rN``: over N channels in
+    chunks of 8 or 16, the pass-through channels among a consumer's rotary ones stored apart, ``pass_piece``, at the
+    start or the end of the tile, behind a rotary half or under the padding); the rows by the loader,
     thread releases and, without causal masks, the delta rows in the kernel, as the defaults run it."""
     lengths, heads, kv_heads, dim, block_size, causal = CASES[name]
     q, k, v, do = _inputs(lengths, heads, kv_heads, dim, 11)
     offsets = offsets_from_lengths(lengths)
     rot = {"interleaved": dim, "interleaved-partial-int-positions": 32, "split-partial": 64,
-           "split-partial-int-positions": 64, "split-quarter-float-positions": 32, "split-paired": 128,
-           "split-paired-int-positions": 128}[rotary]
+           "split-partial-int-positions": 64, "split-quarter-float-positions": 32, "split-paired": dim,
+           "split-paired-int-positions": dim}.get(rotary) or int(rotary.split("-r")[1].split("-")[0])
     interleaved = rotary.startswith("interleaved")
     positions = None
     if rotary.endswith("int-positions"):
@@ -240,8 +247,9 @@ def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotar
     theta = 500.0
     qr, kr, _ = reference._rotated_inputs(q, k, offsets, theta, positions, rot, interleaved, torch.float64)
     chunk = flash_bwd.pair_chunk(dim, rot, interleaved)
-    assert chunk == (32 if rotary.startswith("split-paired") else 0)
-    qr, kr = reference.paired_chunks(qr, chunk), reference.paired_chunks(kr, chunk)
+    want_chunk = {128: 32, 96: 16}[dim] if rot == dim else {48: 8, 80: 8, 96: 16, 112: 8}.get(rot)
+    assert chunk == (want_chunk if rotary.startswith("split-paired") else 0)
+    qr, kr = reference.paired_chunks(qr, chunk, rot), reference.paired_chunks(kr, chunk, rot)
     dq, dk, dv, run, _ = _run(qr.to(q.dtype), kr.to(k.dtype), v, do, offsets, block_size, causal,
                               rows_by_loader=True, thread_release=True, dq_store=True,
                               delta_in_kernel=not causal, unrotate=(theta, positions, rot, interleaved))
@@ -256,15 +264,32 @@ def test_flash_ws_backward_rotates_dq_and_dk_back_where_it_stores_dq(name, rotar
 def test_unrotates_where_each_pair_lies_in_one_dq_column_half(monkeypatch):
     """``unrotates``: D 128 with dQ stored (blocks of up to 128 tokens), interleaved pairs over any channels, split
     halves over channels dividing 64, or over every channel in the paired-chunk order (``pair_chunk``, while
-    ``PAIRED_SPLIT``); not D 64 (the writer sums the halves), split halves over 48 or 96 channels, full attention,
-    or with ``UNROTATE`` off."""
+    ``PAIRED_SPLIT``; at D 96 in 128-wide tiles in chunks of 16, while ``PADDED_PAIRED_SPLIT``), or over part of the
+    channels in chunks of 8 or 16 where the pass-through channels among a consumer's rotary ones are 16 or 32 wide
+    (48, 96 or 112 of 128 channels, 48 or 80 of 96, while ``PAIRED_PARTIAL``); not D 64 (the writer sums the
+    halves), split halves over 80 of 128 channels (48 pass-through ones in consumer 1), full attention, or with
+    ``UNROTATE`` off."""
     assert flash_bwd.unrotates(128, 128, 128, True) and flash_bwd.unrotates(100, 128, 32, True)
     assert flash_bwd.unrotates(128, 128, 64, False) and flash_bwd.unrotates(65, 128, 16, False)
     assert flash_bwd.unrotates(128, 128, 128, False) and flash_bwd.pair_chunk(128, 128, False) == 32
-    assert not flash_bwd.unrotates(128, 128, 48, False) and not flash_bwd.unrotates(128, 128, 96, False)
+    assert flash_bwd.unrotates(128, 128, 48, False) and flash_bwd.pair_chunk(128, 48, False) == 8
+    assert flash_bwd.unrotates(128, 128, 96, False) and flash_bwd.pair_chunk(128, 96, False) == 16
+    assert flash_bwd.pair_chunk(128, 112, False) == 8 and flash_bwd.pass_piece(1, 64, 112, 128) == (48, 16)
+    assert not flash_bwd.unrotates(128, 128, 80, False) and flash_bwd.pair_chunk(128, 80, False) == 0
     assert flash_bwd.pair_chunk(128, 64, False) == flash_bwd.pair_chunk(128, 128, True) == 0
     assert not flash_bwd.unrotates(128, 64, 64, True) and not flash_bwd.unrotates(0, 128, 64, True)
     assert not flash_bwd.unrotates(256, 128, 64, True) and not flash_bwd.unrotates(128, 128, 0, True)
+    assert flash_bwd.unrotates(128, 96, 96, False) and flash_bwd.pair_chunk(96, 96, False) == 16
+    assert flash_bwd.unrotates(100, 96, 64, False) and flash_bwd.unrotates(128, 96, 96, True)
+    assert flash_bwd.unrotates(128, 96, 48, False) and flash_bwd.pair_chunk(96, 48, False) == 8
+    assert flash_bwd.pass_piece(0, 64, 48, 96) == (48, 16) and flash_bwd.pass_piece(1, 64, 48, 96) == (0, 0)
+    assert flash_bwd.pair_chunk(96, 80, False) == 8 and flash_bwd.pass_piece(1, 64, 80, 96) == (16, 16)
+    monkeypatch.setattr(flash_bwd, "PAIRED_PARTIAL", False)
+    assert not flash_bwd.unrotates(128, 96, 48, False) and flash_bwd.pair_chunk(128, 96, False) == 0
+    assert flash_bwd.pair_chunk(96, 96, False) == 16
+    monkeypatch.setattr(flash_bwd, "PADDED_PAIRED_SPLIT", False)
+    assert not flash_bwd.unrotates(128, 96, 96, False) and flash_bwd.pair_chunk(96, 96, False) == 0
+    assert flash_bwd.pair_chunk(128, 128, False) == 32
     monkeypatch.setattr(flash_bwd, "PAIRED_SPLIT", False)
     assert not flash_bwd.unrotates(128, 128, 128, False) and flash_bwd.pair_chunk(128, 128, False) == 0
     monkeypatch.setattr(flash_bwd, "UNROTATE", False)
@@ -372,3 +397,12 @@ def test_query_steps_start_at_the_diagonal_when_causal():
         first, steps = (int(x) for x in fn(gs.scalar(n), gs.scalar(tile_row), 64, True))
         assert first == tile_row // 64 and first + steps == -(-n // 64) and steps >= 1
 
+
+
+@pytest.mark.parametrize("offset,width", [(0, 16), (16, 16), (32, 16), (48, 16), (0, 32), (32, 32)])
+def test_column_piece_takes_the_columns_at_its_offset(offset, width):
+    """``_column_piece``: a tile's columns ``offset ..`` of a half or a quarter of its width, as the pass-through
+    channels among a consumer's rotary ones go out (``pass_piece``)."""
+    fn = gs.function(flash_bwd._column_piece)
+    x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+    assert torch.equal(torch.as_tensor(fn(gs.tensor(x), 8, 64, offset, width)), x[:, offset:offset + width])

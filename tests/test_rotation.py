@@ -59,24 +59,28 @@ def test_rotation_pass_matches_the_oracle(monkeypatch, table, dim, rotary_dim, i
         assert rel_err(got, ref) < tol
 
 
-@pytest.mark.parametrize("dim,chunk", [(128, 32), (64, 16)])
-def test_rotation_pass_writes_copies_in_paired_chunks(dim, chunk):
-    """``pair_chunk``: split halves over every channel into copies whose channels come in the paired-chunk order
-    (``reference.paired_chunks``); refused in place, interleaved or over part of the channels."""
+@pytest.mark.parametrize("dim,rot,chunk", [(128, 128, 32), (96, 96, 16), (64, 64, 16), (96, 48, 8), (128, 96, 16)])
+def test_rotation_pass_writes_copies_in_paired_chunks(dim, rot, chunk):
+    """``pair_chunk``: split halves over ``rot`` channels into copies whose rotary channels come in the paired-chunk
+    order (``reference.paired_chunks``), the channels past them copied in place; refused in place, interleaved or
+    where the rotary channels are no whole pairs of chunks."""
     from blockattn_layers.kernels.block.rotation import rotate_rows
-    from blockattn_layers.reference import paired_chunks
+    from blockattn_layers.reference import paired_chunks, unpaired_chunks
 
     total = sum(LENGTHS)
-    g = torch.Generator().manual_seed(dim)
+    g = torch.Generator().manual_seed(dim + rot)
     a, b = torch.randn(total, 3, dim, generator=g), torch.randn(total, 1, dim, generator=g)
     offsets = offsets_from_lengths(LENGTHS, torch.int32)
     pos = _sequence_positions(LENGTHS)
-    copies = rotate_rows(a, b, offsets, None, 1e4, None, dim, False, False, False, pair_chunk=chunk)
+    copies = rotate_rows(a, b, offsets, None, 1e4, None, rot, False, False, False, pair_chunk=chunk)
     for got, src in zip(copies, (a, b)):
-        want = paired_chunks(oracle_rotate(src.double(), pos, 1e4, dim, False), chunk)
+        rotated = oracle_rotate(src.double(), pos, 1e4, rot, False)
+        want = paired_chunks(rotated, chunk, rot)
         assert rel_err(got, want) < 2e-5
-    for bad in (dict(in_place=True), dict(interleaved=True), dict(rotary_dim=dim // 2)):
-        args = {**dict(rotary_dim=dim, interleaved=False, in_place=False), **bad}
+        assert torch.equal(got[..., rot:], src[..., rot:])
+        assert torch.equal(unpaired_chunks(want, chunk, rot), rotated)
+    for bad in (dict(in_place=True), dict(interleaved=True), dict(rotary_dim=rot - chunk)):
+        args = {**dict(rotary_dim=rot, interleaved=False, in_place=False), **bad}
         with pytest.raises(ValueError, match="pair_chunk"):
             rotate_rows(a, b, offsets, None, 1e4, None, args["rotary_dim"], args["interleaved"], False,
                         args["in_place"], pair_chunk=chunk)
@@ -194,6 +198,9 @@ ON_ROTATED_CASES = [
     dict(heads=4, kv_heads=1, block_size=128, rope_theta=500.0, rotary_dim=64, positions="float"),
     # Split halves over every channel: the copies in the paired-chunk order (``flash_bwd.pair_chunk``).
     dict(heads=4, kv_heads=2, block_size=128, rope_theta=1e4),
+    # Over 96 and 48 of the 128 channels: the copies' rotary channels in paired chunks of 16 and 8, the rest after.
+    dict(heads=4, kv_heads=1, block_size=128, rope_theta=1e4, rotary_dim=96, causal=True),
+    dict(heads=4, kv_heads=2, block_size=100, rope_theta=500.0, rotary_dim=48, positions="float"),
 ]
 
 
@@ -248,6 +255,29 @@ def test_forward_on_rotated_copies_matches_the_oracle(monkeypatch, case):
     assert passes == [(False, False), (True, True)]
 
 
+@pytest.mark.parametrize("by_pass", [True, False], ids=["rotated-back-by-pass", "switch-off"])
+def test_forward_on_rotated_copies_where_a_pass_rotates_back(monkeypatch, by_pass):
+    """Where the kernel does not rotate dq and dk back (split halves over 80 of 128 channels), the copies' forward
+    takes the call with ``COPIES_ROTATED_BACK_BY_PASS`` (the backward: the flash kernel on the copies, then the pass
+    back in place), matching the float64 oracle; with it off the forward rotates in its kernel (and here, on the CPU
+    without the flash kernel, the backward too)."""
+    from tests.test_triton_interpret import EDGE_LENGTHS, _check
+    from blockattn_layers.ops.backends import triton_block
+
+    passes = _rotated_copies_taken(monkeypatch)
+    monkeypatch.setattr(triton_block, "stored_dq_unrotates_facts", lambda *args: False)
+    monkeypatch.setattr(triton_block, "COPIES_ROTATED_BACK_BY_PASS", by_pass)
+    case = dict(heads=4, kv_heads=2, block_size=128, rope_theta=1e4, rotary_dim=80)
+    q, k, v, offsets, kw = _grouped_rotary_inputs(case)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = bl.block_attention(*leaves, offsets, backend="triton", **kw)
+    assert passes == ([(False, False)] if by_pass else [])
+    assert (out.grad_fn.saved_tensors[0].data_ptr() != leaves[0].data_ptr()) == by_pass
+    passes.clear()
+    _check(EDGE_LENGTHS, 4, 2, 128, torch.float16, seed=4, **kw)
+    assert passes == ([(False, False), (True, True)] if by_pass else [])
+
+
 def test_forward_on_rotated_copies_only_with_gradients(monkeypatch):
     """Without gradients, with the switch off, or with a variant forced, the forward rotates in its kernel and no
     rotation pass runs in it."""
@@ -290,7 +320,8 @@ def test_backward_on_rotated_copies_under_a_dispatch_mode(monkeypatch):
 def test_explain_shows_the_forward_on_rotated_copies(monkeypatch):
     """On sm_90, a grouped D128 block-128 call with interleaved rotary (its backward the flash kernel with dQ stored,
     rotating back itself) shows the eager forward on rotated copies and its variant, split halves over every channel
-    too; split halves over 96 (rotated back by a second pass) and the switch off do not."""
+    too, and over 96 channels (in paired chunks too, ``PAIRED_PARTIAL``); split halves over 80 (rotated back by a
+    second pass) only with ``COPIES_ROTATED_BACK_BY_PASS``, and none with the switch off."""
     from blockattn_layers.dispatch import AttentionRequest, running_variants
     from blockattn_layers.kernels.block import variants
     from blockattn_layers.ops.backends import triton_block
@@ -307,6 +338,9 @@ def test_explain_shows_the_forward_on_rotated_copies(monkeypatch):
         return any(name.startswith(triton_block.FORWARD_ON_ROTATED) for name in triton_block._variant_reasons(request))
 
     assert shown(dataclasses.replace(req, rotary_interleaved=False))  # split halves, in paired chunks
-    assert not shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=96))  # no rotation back
+    assert shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=80))  # rotated back by a pass
+    monkeypatch.setattr(triton_block, "COPIES_ROTATED_BACK_BY_PASS", False)
+    assert shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=96))
+    assert not shown(dataclasses.replace(req, rotary_interleaved=False, rotary_dim=80))
     monkeypatch.setattr(triton_block, "SAVES_ROTATED_COPIES", False)
     assert not shown(req)

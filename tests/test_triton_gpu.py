@@ -905,7 +905,12 @@ ROTARY_STORED_DQ_CASES = [
     dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, rotary_dim=64),
     dict(heads=6, kv_heads=3, block_size=128, rope_theta=1e4, rotary_dim=32, rotary_interleaved=True,
          positions="float"),
+    # Split halves over 96, 48 and 112 channels: the copies' rotary channels in paired chunks of 16 and 8
+    # (flash_bwd.PAIRED_PARTIAL); over 80, rotated back by the rotation pass's second half.
     dict(heads=4, kv_heads=1, block_size=128, rope_theta=1e4, rotary_dim=96, positions="int"),
+    dict(heads=8, kv_heads=2, block_size=100, rope_theta=1e4, rotary_dim=48, causal=True),
+    dict(heads=4, kv_heads=2, block_size=128, rope_theta=500.0, rotary_dim=112, positions="float"),
+    dict(heads=4, kv_heads=1, block_size=128, rope_theta=1e4, rotary_dim=80),
     # Split halves over every channel: the copies in the paired-chunk order (flash_bwd.pair_chunk).
     dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4),
     dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, causal=True, positions="float"),
@@ -920,8 +925,8 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
     runs as a rotation pass whose inner backward is the flash kernel with dQ stored (the block kernels' not at
     all), given positions too, against the float64 oracle, bf16 and fp16; where each rotary pair lies in one of
     the kernel's dQ column halves (``flash_bwd.unrotates``: interleaved, split halves over 64 or fewer) the kernel
-    rotates dq and dk back and the pass's second half does not run (split halves over every channel on copies in
-    the paired-chunk order), and with ``SAVES_ROTATED_COPIES`` the first runs in the forward, on the copies
+    rotates dq and dk back and the pass's second half does not run (other split halves but over 80 channels on
+    copies in the paired-chunk order), and with ``SAVES_ROTATED_COPIES`` the first runs in the forward, on the copies
     autograd saves."""
     from blockattn_layers.kernels.block import rotation
     from blockattn_layers.kernels.sm90 import flash_bwd
@@ -937,7 +942,7 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
     heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
     rot = case.get("rotary_dim", 128)
     unrotates = flash_bwd.unrotates(case["block_size"], 128, rot, case.get("rotary_interleaved", False))
-    assert unrotates == (rot != 96)
+    assert unrotates == (rot != 80)
     with variants.forced_variant("auto"):
         for dtype in (torch.bfloat16, torch.float16):
             q, k, v, offsets = _around_the_blocks(case, heads, kv_heads, 128, dtype, seed=heads + case["block_size"])
@@ -946,12 +951,13 @@ def test_grouped_d128_rotary_backward_runs_the_flash_kernel_on_rotated_copies(mo
             check_against_oracle(q, k, v, offsets, **case)
             assert calls == [(True, not case.get("causal", False))]
             assert passes == ([False] if unrotates else [False, True])
-            # Where the kernel rotates back, q and k are rotated in the forward (``SAVES_ROTATED_COPIES``) and autograd
-            # saves the copies: the backward runs no pass; elsewhere the forward rotates in its kernel.
+            # With ``SAVES_ROTATED_COPIES`` q and k are rotated in the forward and autograd saves the copies where the
+            # kernel rotates back (the backward runs no pass) and, with ``COPIES_ROTATED_BACK_BY_PASS``, elsewhere too
+            # (the backward runs the pass back); otherwise the forward rotates in its kernel.
             passes.clear()
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             out = bl.block_attention(*leaves, offsets, backend="triton", **case)
-            in_forward = unrotates and copies
+            in_forward = copies and (unrotates or triton_block.COPIES_ROTATED_BACK_BY_PASS)
             assert passes == ([False] if in_forward else [])
             saved = out.grad_fn.saved_tensors[0]
             assert (saved.data_ptr() != leaves[0].data_ptr()) == in_forward
@@ -996,8 +1002,9 @@ def test_a_forced_variant_keeps_the_grouped_d128_backward_on_the_block_kernels(m
 PADDED_STORED_DQ_CASES = [
     # D 96 in the flash kernel's 128-wide tiles (flash_bwd.PADDED_HEAD_DIMS), grouped query heads on blocks of 65-128:
     # without rotary (four and two query heads a group, MQA, causal, ragged blocks), interleaved rotary over every
-    # channel and over 32 at given positions, split halves over 64 (each rotated back by the kernel), split halves
-    # over every channel (rotated back by the rotation pass's second half).
+    # channel and over 32 at given positions, split halves over 64, split halves over every channel (in the
+    # paired-chunk order of 16, flash_bwd.PADDED_PAIRED_SPLIT), split halves over 48 and 80 (in paired chunks of 8,
+    # flash_bwd.PAIRED_PARTIAL, the pass-through channels in consumer 0 / 1); each rotated back by the kernel.
     dict(heads=8, kv_heads=2, block_size=128),
     dict(heads=4, kv_heads=1, block_size=100, causal=True),
     dict(heads=6, kv_heads=3, block_size=65),
@@ -1006,6 +1013,10 @@ PADDED_STORED_DQ_CASES = [
          positions="float", causal=True),
     dict(heads=4, kv_heads=2, block_size=100, rope_theta=1e4, rotary_dim=64, positions="int"),
     dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, causal=True),
+    dict(heads=4, kv_heads=1, block_size=100, rope_theta=500.0, positions="int"),
+    dict(heads=8, kv_heads=2, block_size=128, rope_theta=1e4, rotary_dim=48),
+    dict(heads=4, kv_heads=1, block_size=100, rope_theta=1e4, rotary_dim=48, causal=True, positions="int"),
+    dict(heads=6, kv_heads=3, block_size=128, rope_theta=500.0, rotary_dim=80, causal=True),
 ]
 
 
@@ -1026,8 +1037,7 @@ def test_grouped_d96_backward_runs_the_flash_kernel_in_padded_tiles(monkeypatch,
     heads, kv_heads = case.pop("heads"), case.pop("kv_heads")
     rot = case.get("rotary_dim", 96) if "rope_theta" in case else 0
     if rot:
-        assert flash_bwd.unrotates(case["block_size"], 96, rot, case.get("rotary_interleaved", False)) == (
-            rot != 96 or case.get("rotary_interleaved", False))
+        assert flash_bwd.unrotates(case["block_size"], 96, rot, case.get("rotary_interleaved", False))
     _check_stored_dq_backward(calls, case, heads, kv_heads, 96, fast)
 
 

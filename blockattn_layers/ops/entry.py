@@ -148,7 +148,7 @@ def _rotated_back(dq, dk, dv, offsets, rope_theta, positions, rotary_dim, interl
     if positions is None:
         positions = reference.sequence_positions(offsets, dq.shape[0])
     angles = reference.rotary_angles(positions, rope_theta, rotary_dim, torch.float32)
-    back = [reference.apply_rotary(reference.unpaired_chunks(g, pair_chunk).float(), angles, rotary_dim,
+    back = [reference.apply_rotary(reference.unpaired_chunks(g, pair_chunk, rotary_dim).float(), angles, rotary_dim,
                                    interleaved, inverse=True).to(g.dtype) for g in (dq, dk)]
     return back[0], back[1], dv
 

@@ -44,7 +44,7 @@ def _rotate_heads(X, Y, heads, rows, row_ok, sin, cos, cols_a, cols_b, r_ok, str
                   BLOCK_P: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
                   COPY_PASS: tl.constexpr, INT64: tl.constexpr, PAIR_CHUNK: tl.constexpr):
     """Rotate the rows ``rows`` of every head of ``X`` into ``Y`` (the same tensor in place); ``PAIR_CHUNK``
-    (split halves over every channel, into copies): ``Y``'s channels in the paired-chunk order
+    (split halves, into copies): ``Y``'s rotary channels in the paired-chunk order
     (``reference.paired_chunks``)."""
     out_a, out_b = cols_a, cols_b
     if PAIR_CHUNK > 0:
@@ -103,11 +103,11 @@ def rotate_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, cpu_off
     """``a`` and ``b`` (``[T, heads, D]``, the same T and D) rotated by their rows' angles, the
     transpose rotation with ``inverse``: into new contiguous tensors, or in place (then only the
     first ``rotary_dim`` channels are written). ``sched``: the ``ROWS``-row chunks of ``offsets``
-    where the caller has them (``row_chunks``). ``pair_chunk`` (split halves over every channel, into
-    copies): the copies' channels in that paired-chunk order (``reference.paired_chunks``)."""
+    where the caller has them (``row_chunks``). ``pair_chunk`` (split halves, into copies): the copies' first
+    ``rotary_dim`` channels in that paired-chunk order (``reference.paired_chunks``), the rest after them."""
     total, _, head_dim = a.shape
-    if pair_chunk and (in_place or interleaved or rotary_dim != head_dim or head_dim % (2 * pair_chunk)):
-        raise ValueError("pair_chunk: copies of split halves over every channel, in whole pairs of chunks")
+    if pair_chunk and (in_place or interleaved or rotary_dim % (2 * pair_chunk)):
+        raise ValueError("pair_chunk: copies of split halves, their rotary channels in whole pairs of chunks")
     ya, yb = (a, b) if in_place else (empty_contiguous(a), empty_contiguous(b))
     if total == 0:
         return ya, yb
@@ -158,7 +158,7 @@ def unrotated_gradients(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, of
                         sched: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k, v from those of their rotated copies (in the paired-chunk order where
     ``pair_chunk``): dq and dk put back in order, then rotated back in place by the transpose rotation."""
-    dq, dk = unpaired_chunks(dq, pair_chunk), unpaired_chunks(dk, pair_chunk)
+    dq, dk = unpaired_chunks(dq, pair_chunk, rotary_dim), unpaired_chunks(dk, pair_chunk, rotary_dim)
     rotate_rows(dq, dk, offsets, cpu_offsets, rope_theta, positions, rotary_dim, interleaved, True, True, sched=sched)
     return dq, dk, dv
 

@@ -218,6 +218,24 @@ UNROTATE = True
 # path (rotation pass on paired copies, this kernel) backward 8x2 7.18 ms, 4x1 3.62, against 8.61 / 4.30 on
 # ``hopper_heads``; with the copies saved by the forward 5.37 / 2.73 (BENCHMARKS.md session 57).
 PAIRED_SPLIT = True
+# Whether D 96 (``PADDED_HEAD_DIMS``) takes split halves over every channel in the paired-chunk order too, in chunks
+# of 16 (:func:`pair_chunk`): consumer 0's 64 columns hold ``[a_0, b_0, a_1, b_1]``, consumer 1's ``[a_2, b_2]`` and
+# the padding. Each consumer stores its columns of each half apart (``_store_dq_chunks``), and each warpgroup dK's
+# column halves the same way from the dead k tile (``_store_dk_cols``), through maps of the ``[n, heads, 2, 48]``
+# view (``_halves_map``) whose 48-channel rows drop what a box holds past them. GPU tests pass (H100, 2026-12-07).
+# H100, bf16, block 128, grid lengths, with ``triton_block.COPIES_ROTATED_BACK_BY_PASS``: backward 5.25 ms at 8x2
+# (2.66 at 4x1) against 7.70 (3.89) with the rotation pass's second half (BENCHMARKS.md session 60).
+PADDED_PAIRED_SPLIT = True
+# Whether split halves over part of the channels whose pairs no consumer's dQ columns hold whole in their own order
+# (``rotary_dim`` not dividing :func:`dq_cols`: 48 or 80 of 96 channels, 48, 96 or 112 of 128) are rotated back in
+# the kernel too, on q and k whose rotary channels the caller wrote in the paired-chunk order (:func:`pair_chunk`:
+# chunks of 8 or 16), the channels past them in place. Each half of a tile's columns (a consumer's dQ, each column
+# half of a warpgroup's dK) stores its rotary chunks by half through a map of the ``[n, heads, 2, rotary_dim / 2]``
+# view, whose rows drop what a box holds past them, and its pass-through columns (:func:`pass_piece`) through a
+# head map of their own width. GPU tests pass (H100, 2026-12-07: 48 and 80 of 96 channels, 48, 96 and 112 of 128).
+# H100, bf16, block 128, D 96, rotary_dim 48, grid lengths, backward ms on / off (the pass's second half): 8x2 5.48 /
+# 5.90, causal 5.57 / 6.06, 4x1 2.75 / 2.94, causal 2.80 / 3.01 (1.07-1.09x; BENCHMARKS.md session 60).
+PAIRED_PARTIAL = True
 HALF_N = gl.constexpr(64)  # key rows per consumer warpgroup
 TILE_N = 128  # key rows per program: two consumer warpgroups of 64
 TILE_M = 64  # query rows per step
@@ -515,20 +533,152 @@ def _store_dq(dq, tile, dq_map, row, h, col, PENDING: gl.constexpr, HEAD_DIM: gl
 
 
 @gluon.jit
-def _store_dq_chunks(dq, tile_a, tile_b, dq_map, row, col_a, col_b, PENDING: gl.constexpr, BLOCK_M: gl.constexpr,
-                     CHUNK: gl.constexpr):
-    """``DQ_STORE`` with ``PAIR_CHUNK``: this warpgroup's finished dQ columns, two chunks of ``CHUNK`` columns in the
-    paired-chunk order, each to its own columns of ``dq_map`` (``col_a``, ``col_b``) through its shared tile, once
+def _pair_halves(x, ROWS: gl.constexpr, COLS: gl.constexpr, CHUNK: gl.constexpr):
+    """``(a, b)``, each ``[ROWS, COLS / 2]``: the chunks of the first and of the second rotary half among ``x``'s
+    columns in the paired-chunk order (``[a_i, b_i, a_i+1, b_i+1, ..]``, ``CHUNK`` columns each), each half's chunks
+    in their order."""
+    a, b = gl.split(gl.permute(gl.reshape(x, [ROWS, COLS // (2 * CHUNK), 2, CHUNK]), [0, 1, 3, 2]))
+    return gl.reshape(a, [ROWS, COLS // 2]), gl.reshape(b, [ROWS, COLS // 2])
+
+
+@gluon.jit
+def _halves_map(ptr, start, n, heads, stride_t, BOX_ROWS: gl.constexpr, BOX_COLS: gl.constexpr,
+                HEAD_DIM: gl.constexpr, DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+    """Tensor map of the two rotary halves of each head (split halves over ``ROT_DIM`` of its ``DIM`` channels), boxes
+    ``BOX_COLS`` channels of one half wide: where they are the head's halves in unpadded tiles (``ROT_DIM == DIM ==
+    HEAD_DIM``) :func:`_head_map`'s flat view of ``2 * heads`` half-heads, else the ``[n, heads, 2, ROT_DIM / 2]``
+    view in ``[BOX_ROWS, 1, 1, BOX_COLS]`` boxes, whose channels past a half's ``ROT_DIM / 2`` are dropped on store
+    (:func:`_copy_half_out`)."""
+    if ROT_DIM == HEAD_DIM:
+        desc = _head_map(ptr, start, n, 2 * heads, stride_t, BOX_ROWS, BOX_COLS, HEAD_DIM // 2, HEAD_DIM // 2)
+    else:
+        desc = tma.make_tensor_descriptor(ptr + start * stride_t, [n, heads, 2, ROT_DIM // 2],
+                                          [stride_t, DIM, ROT_DIM // 2, 1], [BOX_ROWS, 1, 1, BOX_COLS],
+                                          _smem_layout(BOX_COLS, 4))
+    return desc
+
+
+@gluon.jit
+def _copy_half_out(desc, row, head, half: gl.constexpr, col, tile, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+    """TMA store of the shared ``tile`` into rotary half ``half`` of head ``head`` at ``[row, col]`` of a
+    :func:`_halves_map`."""
+    if ROT_DIM == HEAD_DIM:
+        _copy_out(desc, row, 2 * head + half, col, tile, HEAD_DIM // 2, HEAD_DIM // 2)
+    else:
+        tma.async_copy_shared_to_global(desc, [row, head, half, col],
+                                        tile.reshape([tile.shape[0], 1, 1, tile.shape[1]]))
+
+
+@gluon.constexpr_function
+def _pass_offset(u, cols, rotary_dim, head_dim):
+    """The offset of :func:`pass_piece` (constexprs)."""
+    return pass_piece(u, cols, rotary_dim, head_dim)[0]
+
+
+@gluon.constexpr_function
+def _pass_width(u, cols, rotary_dim, head_dim):
+    """The width of :func:`pass_piece` (constexprs)."""
+    return pass_piece(u, cols, rotary_dim, head_dim)[1]
+
+
+@gluon.constexpr_function
+def _piece_cols(cols, rotary_dim, head_dim, tile_dim):
+    """The widest :func:`pass_piece` of a tile's column halves (16 where there is none: the width of unused tiles)."""
+    return max([pass_piece(u, cols, rotary_dim, head_dim)[1] for u in range(tile_dim // cols)] + [16])
+
+
+@gluon.jit
+def _column_piece(x, ROWS: gl.constexpr, COLS: gl.constexpr, OFFSET: gl.constexpr, WIDTH: gl.constexpr):
+    """``x [ROWS, COLS]``'s columns from ``OFFSET`` as ``[ROWS, WIDTH]``, ``WIDTH`` a half or a quarter of ``COLS``
+    dividing ``OFFSET``: a reshape, a permute and splits, which move no data in the wgmma accumulator layouts (a
+    thread holds columns ``8 j + 2 t + {0, 1}`` for every ``j``)."""
+    gl.static_assert((COLS == 2 * WIDTH or COLS == 4 * WIDTH) and OFFSET % WIDTH == 0,
+                     "a half or a quarter of the columns")
+    pieces = gl.permute(gl.reshape(x, [ROWS, COLS // WIDTH, WIDTH]), [0, 2, 1])
+    if COLS == 2 * WIDTH:
+        first, second = gl.split(pieces)
+        if OFFSET == 0:
+            piece = first
+        else:
+            piece = second
+    else:
+        even, odd = gl.split(gl.reshape(pieces, [ROWS, WIDTH, 2, 2]))  # (by the piece's index mod 2)
+        if (OFFSET // WIDTH) % 2 == 1:
+            pair = odd
+        else:
+            pair = even
+        first, second = gl.split(pair)
+        if OFFSET // WIDTH >= 2:
+            piece = second
+        else:
+            piece = first
+    return piece
+
+
+@gluon.jit
+def _store_dq_chunks(dq, tile_a, tile_b, tile_p, dq_map, piece_map, row, h, col, PENDING: gl.constexpr,
+                     BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     DIM: gl.constexpr, ROT_DIM: gl.constexpr, PIECE_OFF: gl.constexpr, PIECE_W: gl.constexpr):
+    """``DQ_STORE`` with ``PAIR_CHUNK``: this warpgroup's finished ``DQ_COLS`` dQ columns in the paired-chunk order
+    (chunks of ``CHUNK``), each rotary half's chunks to head ``h``'s half at channel ``col`` of it (``dq_map``, a
+    :func:`_halves_map`) through its shared tile, and (``PIECE_W``) the pass-through columns from ``PIECE_OFF``
+    (:func:`pass_piece`) to channels ``ROT_DIM ..`` of ``piece_map`` (a :func:`_head_map`) through ``tile_p``, once
     at most ``PENDING`` of the stores are still reading (as :func:`_store_dq`)."""
-    a, b = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, CHUNK]), [0, 2, 1]))
+    a, b = _pair_halves(dq, BLOCK_M, DQ_COLS, CHUNK)
+    if PIECE_W > 0:
+        p = _column_piece(dq, BLOCK_M, DQ_COLS, PIECE_OFF, PIECE_W)
     tma.store_wait(PENDING)
     gl.thread_barrier()  # the issuing thread's wait is everyone's before the tiles are written again
     tile_a.store(a.to(tile_a.dtype))
     tile_b.store(b.to(tile_b.dtype))
+    if PIECE_W > 0:
+        tile_p.store(p.to(tile_p.dtype))
     fence_async_shared()
     gl.thread_barrier()  # the whole warpgroup's rows are in shared memory for the TMA stores
-    tma.async_copy_shared_to_global(dq_map, [row, col_a], tile_a)
-    tma.async_copy_shared_to_global(dq_map, [row, col_b], tile_b)
+    _copy_half_out(dq_map, row, h, 0, col, tile_a, HEAD_DIM, ROT_DIM)
+    _copy_half_out(dq_map, row, h, 1, col, tile_b, HEAD_DIM, ROT_DIM)
+    if PIECE_W > 0:
+        _copy_out(piece_map, row, h, ROT_DIM, tile_p, HEAD_DIM, DIM)
+
+
+@gluon.jit
+def _stage_dk_cols(x, u: gl.constexpr, w: gl.constexpr, quarters, halves, pieces, ROWS: gl.constexpr,
+                   COLS: gl.constexpr, CHUNK: gl.constexpr, DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+    """Warpgroup ``w``'s dK columns ``u * COLS ..`` (``x``, float32) into its shared tiles for :func:`_store_dk_cols`:
+    where they hold rotary chunks (paired, chunks of ``CHUNK``) each rotary half's into a ``quarters`` tile and the
+    pass-through ones among them (:func:`pass_piece`) into its ``pieces`` tile, else all of them into a ``halves``
+    tile."""
+    dtype: gl.constexpr = quarters.dtype
+    PIECE_W: gl.constexpr = _pass_width(u, COLS, ROT_DIM, DIM)
+    if u * COLS < ROT_DIM:
+        a, b = _pair_halves(x, ROWS, COLS, CHUNK)
+        quarters.index(4 * w + 2 * u).store(a.to(dtype))
+        quarters.index(4 * w + 2 * u + 1).store(b.to(dtype))
+        if PIECE_W > 0:
+            p = _column_piece(x, ROWS, COLS, _pass_offset(u, COLS, ROT_DIM, DIM), PIECE_W)
+            pieces.index(w).store(p.to(dtype))
+    else:
+        halves.index(2 * w + u).store(x.to(dtype))
+
+
+@gluon.jit
+def _store_dk_cols(dk_map, DK, start, n, kv_heads, stride_dkt, key0, hk, u: gl.constexpr, w: gl.constexpr, quarters,
+                   halves, pieces, ROWS: gl.constexpr, COLS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   DIM: gl.constexpr, ROT_DIM: gl.constexpr):
+    """TMA stores of the tiles :func:`_stage_dk_cols` wrote for warpgroup ``w``'s dK columns ``u * COLS ..`` at its key
+    rows ``key0 ..`` of kv head ``hk``: the rotary halves' through ``dk_map`` (a :func:`_halves_map`), the
+    pass-through ones through a map of their width, whole columns through one of ``COLS``; channels past ``DIM``
+    dropped."""
+    PIECE_W: gl.constexpr = _pass_width(u, COLS, ROT_DIM, DIM)
+    if u * COLS < ROT_DIM:
+        _copy_half_out(dk_map, key0, hk, 0, u * (COLS // 2), quarters.index(4 * w + 2 * u), HEAD_DIM, ROT_DIM)
+        _copy_half_out(dk_map, key0, hk, 1, u * (COLS // 2), quarters.index(4 * w + 2 * u + 1), HEAD_DIM, ROT_DIM)
+        if PIECE_W > 0:
+            piece_map = _head_map(DK, start, n, kv_heads, stride_dkt, ROWS, PIECE_W, HEAD_DIM, DIM)
+            _copy_out(piece_map, key0, hk, ROT_DIM, pieces.index(w), HEAD_DIM, DIM)
+    else:
+        whole_map = _head_map(DK, start, n, kv_heads, stride_dkt, ROWS, COLS, HEAD_DIM, DIM)
+        _copy_out(whole_map, key0, hk, u * COLS, halves.index(2 * w + u), HEAD_DIM, DIM)
 
 
 @gluon.jit
@@ -594,7 +744,7 @@ def _positions(Pos, start, n, first_row, row0, ROWS: gl.constexpr, HAS_POS: gl.c
 
 
 @gluon.jit
-def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
+def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_p, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
               done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale,
               stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
@@ -612,7 +762,8 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     ``THREAD_RELEASE``: each thread hands the step's slot back itself; ``DQ_LAG``: the dQ product of the step
     before (``_lagged_dq``), dS^T in ``ds_s``'s ``DS_LAG_SLOTS`` slots (``ds_free``); ``STAGGER``: warpgroup 1
     starts once warpgroup 0's first dS^T half is in (``lead``); ``DQ_STORE``: its dQ columns stored into
-    ``DQA`` (dQ itself, rows of ``stride_qat``) through its ``_dq_store_tiles`` tiles of ``dq_s``, in turn;
+    ``DQA`` (dQ itself, rows of ``stride_qat``) through its ``_dq_store_tiles`` tiles of ``dq_s``, in turn (the
+    pass-through columns among rotary ones in paired chunks, :func:`pass_piece`, through those of ``dq_p``);
     ``DELTA_IN_KERNEL``: the step's delta rows from its O and dO tiles (``_step_delta``); ``ROT_DIM`` (with
     ``DQ_STORE``, q and k rotated by the caller): dQ's columns and dK rotated back before their stores
     (``unrotate_pairs``), the rows at ``Pos`` or at their index in the sequence (``first_row`` + row); ``DIM`` <
@@ -629,11 +780,20 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_d)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, acc_s)
-    if DQ_STORE and PAIR_CHUNK > 0:  # (each head's row as pieces of PAIR_CHUNK columns)
-        dq_map = block_map(DQA, start, n, kv_heads * GROUPS * (HEAD_DIM // PAIR_CHUNK), stride_qat, BLOCK_M,
-                           PAIR_CHUNK)
+    # With paired chunks, this consumer's columns that hold rotary chunks go out by rotary half (in boxes of half its
+    # columns), and the pass-through ones among them (PIECE_W) apart; columns past the rotary dim whole.
+    PAIRED_COLS: gl.constexpr = PAIR_CHUNK > 0 and w * DQ_COLS < ROT_DIM
+    PIECE_OFF: gl.constexpr = _pass_offset(w, DQ_COLS, ROT_DIM, DIM) if PAIR_CHUNK > 0 else 0
+    PIECE_W: gl.constexpr = _pass_width(w, DQ_COLS, ROT_DIM, DIM) if PAIR_CHUNK > 0 else 0
+    if DQ_STORE and PAIRED_COLS:
+        dq_map = _halves_map(DQA, start, n, kv_heads * GROUPS, stride_qat, BLOCK_M, DQ_COLS // 2, HEAD_DIM, DIM,
+                             ROT_DIM)
     elif DQ_STORE:
         dq_map = _head_map(DQA, start, n, kv_heads * GROUPS, stride_qat, BLOCK_M, DQ_COLS, HEAD_DIM, DIM)
+    if DQ_STORE and PIECE_W > 0:
+        piece_map = _head_map(DQA, start, n, kv_heads * GROUPS, stride_qat, BLOCK_M, PIECE_W, HEAD_DIM, DIM)
+    elif DQ_STORE:
+        piece_map = dq_map
     if not ROWS_BY_LOADER:
         _fetch_rows(rows_s, rows_d, Lse, Delta, 0, hk, first, steps, start, n, stride_lh, GROUPS, BLOCK_M,
                     not DELTA_IN_KERNEL)
@@ -702,11 +862,15 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
                 pos = _positions(Pos, start, n, first_row, row, BLOCK_M, HAS_POS, gl.SliceLayout(1, acc_q))
                 dq = unrotate_pairs(dq, pos, w * DQ_COLS, log2_theta, BLOCK_M, DQ_COLS, ROT_DIM, INTERLEAVED,
                                     PAIR_CHUNK, acc_q)
-            if PAIR_CHUNK > 0:
+            if PAIRED_COLS:
                 tile = 2 * (TILES * w + it % TILES)
-                _store_dq_chunks(dq, dq_s.index(tile), dq_s.index(tile + 1), dq_map, row,
-                                 h * HEAD_DIM + w * PAIR_CHUNK, h * HEAD_DIM + HEAD_DIM // 2 + w * PAIR_CHUNK,
-                                 2 * (TILES - 1), BLOCK_M, PAIR_CHUNK)
+                _store_dq_chunks(dq, dq_s.index(tile), dq_s.index(tile + 1), dq_p.index(it % TILES), dq_map,
+                                 piece_map, row, h, w * (DQ_COLS // 2), (2 + (PIECE_W > 0)) * (TILES - 1), BLOCK_M,
+                                 DQ_COLS, PAIR_CHUNK, HEAD_DIM, DIM, ROT_DIM, PIECE_OFF, PIECE_W)
+            elif PAIR_CHUNK > 0:  # (the tiles of the rotary halves' columns as whole ones)
+                whole = dq_s._reinterpret(dtype, [dq_s.shape[0] // 2, BLOCK_M, DQ_COLS], _smem_layout(DQ_COLS))
+                _store_dq(dq, whole.index(TILES * w + it % TILES), dq_map, row, h, w * DQ_COLS, TILES - 1, HEAD_DIM,
+                          DIM)
             else:
                 _store_dq(dq, dq_s.index(TILES * w + it % TILES), dq_map, row, h, w * DQ_COLS, TILES - 1, HEAD_DIM,
                           DIM)
@@ -741,23 +905,47 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, rows_s, rows_d, kv_bar, ready,
         dk_t = k_w
         dv_t = v_w
     dk = dk * scale
+    # With paired chunks in padded tiles or over part of the channels, dK goes out by column half (_store_dk_cols).
+    SPLIT_DK: gl.constexpr = PAIR_CHUNK > 0 and (DIM < HEAD_DIM or ROT_DIM < DIM)
     if ROT_DIM > 0:
         pos = _positions(Pos, start, n, first_row, key0, HALF_N, HAS_POS, gl.SliceLayout(1, acc_d))
         dk = unrotate_pairs(dk, pos, 0, log2_theta, HALF_N, HEAD_DIM, ROT_DIM, INTERLEAVED, PAIR_CHUNK, acc_d)
-        if PAIR_CHUNK > 0:  # the channels back in their order: [a_0, b_0, a_1, b_1, ..] -> [a_0, a_1, .., b_0, b_1, ..]
+        if PAIR_CHUNK > 0 and not SPLIT_DK:  # channels back in order: [a_0, b_0, a_1, ..] -> [a_0, a_1, .., b_0, ..]
             dk = gl.reshape(dk, [HALF_N, HEAD_DIM // (2 * PAIR_CHUNK), 2, PAIR_CHUNK])
             dk = gl.convert_layout(gl.reshape(gl.permute(dk, [0, 2, 1, 3]), [HALF_N, HEAD_DIM]), acc_d)
-    dk_t.store(dk.to(dtype))
+    if SPLIT_DK:
+        # dK's column halves go out as a consumer's dQ columns do (_store_dq_chunks), from this warpgroup's 64 rows of
+        # the dead k tile (as two 64-wide tiles, or four 32-wide ones by rotary half) and, for the pass-through
+        # columns among rotary ones, a tile of the dead q ring.
+        quarters = k_s._reinterpret(dtype, [8, HALF_N, DQ_COLS // 2], _smem_layout(DQ_COLS // 2))
+        halves = k_s._reinterpret(dtype, [4, HALF_N, DQ_COLS], _smem_layout(DQ_COLS))
+        PIECES: gl.constexpr = _piece_cols(DQ_COLS, ROT_DIM, DIM, HEAD_DIM)
+        pieces = q_s._reinterpret(dtype, [STAGES * BLOCK_M * HEAD_DIM // (HALF_N * PIECES), HALF_N, PIECES],
+                                  _smem_layout(PIECES))
+        dk_lo, dk_hi = _pair_halves(dk, HALF_N, HEAD_DIM, DQ_COLS)
+        _stage_dk_cols(dk_lo, 0, w, quarters, halves, pieces, HALF_N, DQ_COLS, PAIR_CHUNK, DIM, ROT_DIM)
+        _stage_dk_cols(dk_hi, 1, w, quarters, halves, pieces, HALF_N, DQ_COLS, PAIR_CHUNK, DIM, ROT_DIM)
+    else:
+        dk_t.store(dk.to(dtype))
     dv_t.store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    dk_map = _head_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM, HEAD_DIM, DIM)
     dv_map = _head_map(DV, start, n, kv_heads, stride_dvt, HALF_N, HEAD_DIM, HEAD_DIM, DIM)
+    if SPLIT_DK:
+        dk_map = _halves_map(DK, start, n, kv_heads, stride_dkt, HALF_N, DQ_COLS // 2, HEAD_DIM, DIM, ROT_DIM)
+        _store_dk_cols(dk_map, DK, start, n, kv_heads, stride_dkt, key0, hk, 0, w, quarters, halves, pieces, HALF_N,
+                       DQ_COLS, HEAD_DIM, DIM, ROT_DIM)
+        _store_dk_cols(dk_map, DK, start, n, kv_heads, stride_dkt, key0, hk, 1, w, quarters, halves, pieces, HALF_N,
+                       DQ_COLS, HEAD_DIM, DIM, ROT_DIM)
+    else:
+        dk_map = _head_map(DK, start, n, kv_heads, stride_dkt, HALF_N, HEAD_DIM, HEAD_DIM, DIM)
     if DIM == HEAD_DIM:
-        _copy_out(dk_map, key0, hk, 0, dk_t, HEAD_DIM, DIM)
+        if not SPLIT_DK:
+            _copy_out(dk_map, key0, hk, 0, dk_t, HEAD_DIM, DIM)
         _copy_out(dv_map, key0, hk, 0, dv_t, HEAD_DIM, DIM)
     else:  # (dK, dV in the dead k, v tiles: a slice of a box, as a box of a slice is not Gluon's)
-        tma.async_copy_shared_to_global(dk_map, [key0, hk, 0], _key_rows_box(k_s, w, BLOCK_N, HEAD_DIM))
+        if not SPLIT_DK:
+            tma.async_copy_shared_to_global(dk_map, [key0, hk, 0], _key_rows_box(k_s, w, BLOCK_N, HEAD_DIM))
         tma.async_copy_shared_to_global(dv_map, [key0, hk, 0], _key_rows_box(v_s, w, BLOCK_N, HEAD_DIM))
     if DQ_LAG:
         last = GROUPS * steps - 1
@@ -783,15 +971,16 @@ def _flash_bwd_ws_kernel(
     start, n, tile_row, hk = table_tile(Table, slots, kv_heads)
     if n > 0:
         if DIM != HEAD_DIM:
-            gl.static_assert(DIM < HEAD_DIM and DQ_STORE and not DQ_WRITER and PAIR_CHUNK == 0,
-                             "DIM < HEAD_DIM: dQ's column halves stored by the consumers, no paired chunks")
+            gl.static_assert(DIM < HEAD_DIM and DQ_STORE and not DQ_WRITER,
+                             "DIM < HEAD_DIM: dQ's column halves stored by the consumers")
         first_row = 0
         if ROT_DIM > 0:
             gl.static_assert(DQ_STORE and not DQ_WRITER, "ROT_DIM: dQ's column halves stored by the consumers")
             first_row = gl.load(Table + 2 * slots + gl.program_id(0) // kv_heads)
         if PAIR_CHUNK > 0:
-            gl.static_assert(ROT_DIM == HEAD_DIM and not INTERLEAVED and 2 * PAIR_CHUNK == DQ_COLS,
-                             "PAIR_CHUNK: split halves over every channel, each consumer's dQ columns two chunks")
+            gl.static_assert(ROT_DIM <= DIM and not INTERLEAVED and DQ_COLS % (2 * PAIR_CHUNK) == 0
+                             and (ROT_DIM // 2) % PAIR_CHUNK == 0,
+                             "PAIR_CHUNK: split halves, each consumer's dQ columns whole pairs of chunks")
         dtype: gl.constexpr = Q.dtype.element_ty
         layout: gl.constexpr = _smem_layout(HEAD_DIM)
         k_s = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -814,14 +1003,22 @@ def _flash_bwd_ws_kernel(
                 dq_store_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], _smem_layout(HEAD_DIM))
             else:
                 STORE_TILES: gl.constexpr = 2 * _dq_store_tiles(DELTA_IN_KERNEL)
-                if PAIR_CHUNK > 0:  # (each tile as its two chunks' tiles, stored apart)
-                    dq_store_s = gl.allocate_shared_memory(dtype, [2 * STORE_TILES, BLOCK_M, PAIR_CHUNK],
-                                                           _smem_layout(PAIR_CHUNK))
+                if PAIR_CHUNK > 0:  # (each tile as its two rotary halves' tiles, stored apart)
+                    dq_store_s = gl.allocate_shared_memory(dtype, [2 * STORE_TILES, BLOCK_M, DQ_COLS // 2],
+                                                           _smem_layout(DQ_COLS // 2))
+                    PIECES: gl.constexpr = _pass_width(0, DQ_COLS, ROT_DIM, DIM) + _pass_width(1, DQ_COLS, ROT_DIM, DIM)
+                    if PIECES > 0:  # (the pass-through columns among one consumer's rotary ones)
+                        dq_piece_s = gl.allocate_shared_memory(dtype, [STORE_TILES // 2, BLOCK_M, PIECES],
+                                                               _smem_layout(PIECES))
+                    else:
+                        dq_piece_s = dq_store_s
                 else:
                     dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS],
                                                            _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
+        if not (DQ_STORE and not DQ_WRITER and PAIR_CHUNK > 0):
+            dq_piece_s = dq_store_s
         if DELTA_IN_KERNEL:
             gl.static_assert(DQ_STORE, "DELTA_IN_KERNEL: where one key tile holds the block (DQ_STORE)")
             o_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
@@ -873,7 +1070,7 @@ def _flash_bwd_ws_kernel(
         first, steps = query_steps(n, tile_row, BLOCK_M, IS_CAUSAL)
         if DQ_WRITER and WITH_DQ:
             gl.warp_specialize([
-                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -881,7 +1078,7 @@ def _flash_bwd_ws_kernel(
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), False, o_s, dl_0,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
                              PAIR_CHUNK, DIM)),
-                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, dq_full.index(0), dq_free.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -899,7 +1096,7 @@ def _flash_bwd_ws_kernel(
             ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LEAN_WRITER_REGS if LEAN_WRITER else WRITER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -907,7 +1104,7 @@ def _flash_bwd_ws_kernel(
                              THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
                              DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
                              PAIR_CHUNK, DIM)),
-                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
                              ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
                              start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
                              stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -994,21 +1191,43 @@ def computes_delta(block_size: int, head_dim: int, causal: bool, groups: int) ->
 
 
 def pair_chunk(head_dim: int, rotary_dim: int, interleaved: bool) -> int:
-    """The channel chunk of the paired-chunk order (``reference.paired_chunks``) in which the kernel takes q and k
-    rotated by split halves over every channel, whose pairs span both dQ column halves (:func:`dq_cols`): half a
-    column half, so that each consumer's columns hold whole pairs (``PAIR_CHUNK``); 0 for every other rotary form
-    (their pairs lie in one half where :func:`unrotates`), or while ``PAIRED_SPLIT`` is off."""
+    """The channel chunk of the paired-chunk order (``reference.paired_chunks`` over ``rotary_dim`` channels) in
+    which the kernel takes q and k rotated by split halves whose pairs no consumer's dQ columns (:func:`dq_cols`)
+    hold whole in their own order: the largest power of two dividing both half a column half and half the rotary
+    dim, so that each consumer's columns hold whole pairs of chunks (``PAIR_CHUNK``: 32 at D 128 over every channel;
+    16 at D 96 over every channel, in 128-wide tiles, while ``PADDED_PAIRED_SPLIT``; 8 or 16 over part of the
+    channels where :func:`pass_piece` stores the rest, while ``PAIRED_PARTIAL``); 0 for every other rotary form
+    (interleaved pairs, split halves over channels dividing the column half), or while ``PAIRED_SPLIT`` is off."""
     cols = dq_cols(head_dim)
-    if not PAIRED_SPLIT or interleaved or rotary_dim != head_dim or cols == head_dim or head_dim in PADDED_HEAD_DIMS:
+    if not PAIRED_SPLIT or interleaved or rotary_dim <= 0 or cols == head_dim or cols % rotary_dim == 0:
         return 0
-    return cols // 2
+    if rotary_dim == head_dim:
+        if head_dim in PADDED_HEAD_DIMS and not PADDED_PAIRED_SPLIT:
+            return 0
+    elif not PAIRED_PARTIAL or rotary_dim % 16 or any(width not in (0, 16, 32) or width and offset % width
+                                   for offset, width in (pass_piece(u, cols, rotary_dim, head_dim)
+                                                         for u in range(tile_head_dim(head_dim) // cols))):
+        return 0
+    return math.gcd(cols // 2, rotary_dim // 2)
+
+
+@gluon.constexpr_function
+def pass_piece(u: int, cols: int, rotary_dim: int, head_dim: int) -> tuple:
+    """``(offset, width)`` of the pass-through channels among the ``cols`` tile columns from ``u * cols`` that hold
+    rotary chunks too (``PAIR_CHUNK`` over ``rotary_dim`` of ``head_dim`` channels): the channels from
+    ``rotary_dim`` to the head's end or the columns' end, stored in their order; ``(0, 0)`` where the columns hold
+    no rotary channel (stored whole) or no pass-through one."""
+    lo, hi = u * cols, (u + 1) * cols
+    if rotary_dim <= lo or rotary_dim >= min(hi, head_dim):
+        return 0, 0
+    return rotary_dim - lo, min(hi, head_dim) - rotary_dim
 
 
 def unrotates(block_size: int, head_dim: int, rotary_dim: int, interleaved: bool) -> bool:
     """Whether the kernel, where it stores dQ, rotates dQ and dK back itself (``ROT_DIM``) for a backward on q and k
     its caller rotated (``UNROTATE`` on): where the consumers store dQ's column halves (:func:`dq_cols`) and each
     rotary pair lies inside one half (interleaved pairs; split halves over ``rotary_dim`` channels dividing the
-    half), or q and k come in the paired-chunk order (split halves over every channel, :func:`pair_chunk`)."""
+    half), or q and k come in the paired-chunk order (other split halves, :func:`pair_chunk`)."""
     if not UNROTATE or not stores_dq(block_size, head_dim) or dq_cols(head_dim) == head_dim or rotary_dim <= 0:
         return False
     return interleaved or dq_cols(head_dim) % rotary_dim == 0 or pair_chunk(head_dim, rotary_dim, interleaved) > 0

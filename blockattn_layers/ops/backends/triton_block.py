@@ -162,6 +162,14 @@ def _unrotating_backward(grad_out, v, out, lse, offsets, block_size, scale, caus
 # backward: 8x2 interleaved 4.04 + 5.57 / 3.62 + 7.18, partial 4.13 + 5.13 / 3.10 + 7.12, 4x1 interleaved 2.02 + 2.72 /
 # 1.81 + 3.62 (1.09-1.15x; split halves 1.12-1.19x against hopper_heads: BENCHMARKS.md session 57).
 SAVES_ROTATED_COPIES = True
+# Whether the copies' forward (``SAVES_ROTATED_COPIES``) takes also the calls whose flash backward does not rotate dq
+# and dk back itself (split halves over 80 of 128 channels, or over a rotary dim not a multiple of 16, or every split
+# form with ``flash_bwd.PAIRED_PARTIAL`` / ``PADDED_PAIRED_SPLIT`` off: ``flash_bwd.pair_chunk``):
+# their backward is then the flash kernel on the copies and the rotation pass back (``rotation.unrotated_gradients``),
+# and their forward avoids the rotary logsumexp forward's spills. GPU tests pass (H100, 2026-12-07). Taken with
+# ``flash_bwd.PADDED_PAIRED_SPLIT`` and ``PAIRED_PARTIAL`` (BENCHMARKS.md session 60, H100, block 128, D 96, forward +
+# backward 1.10-1.19x faster than the rotary logsumexp forward and the rotation in the backward).
+COPIES_ROTATED_BACK_BY_PASS = True
 
 
 def _rotated_copies_take(q: Tensor, k: Tensor, v: Tensor, block_size: int, rope_theta: Optional[float],
@@ -177,10 +185,12 @@ def _rotated_copies_take(q: Tensor, k: Tensor, v: Tensor, block_size: int, rope_
 def _rotated_copies_facts(facts: variants.CallFacts) -> bool:
     """Whether eager rotary calls of these (forward) facts with gradients rotate q and k in the forward
     (``SAVES_ROTATED_COPIES``): where their backward on the copies is the flash kernel with dQ stored
-    (:func:`_stored_dq_facts`) and the kernel rotates dq and dk back itself."""
+    (:func:`_stored_dq_facts`) and the kernel rotates dq and dk back itself, or a rotation pass does
+    (``COPIES_ROTATED_BACK_BY_PASS``)."""
     if not SAVES_ROTATED_COPIES or not facts.rot or not _stored_dq_facts(facts):
         return False
-    return stored_dq_unrotates_facts(facts.block_size, facts.head_dim, facts.rot, facts.interleaved)
+    return COPIES_ROTATED_BACK_BY_PASS or stored_dq_unrotates_facts(facts.block_size, facts.head_dim, facts.rot,
+                                                                     facts.interleaved)
 
 
 def _forward_on_rotated(
