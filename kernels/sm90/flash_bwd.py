@@ -583,8 +583,8 @@ def _pass_width(u, cols, rotary_dim, head_dim):
 
 @gluon.constexpr_function
 def _piece_cols(cols, rotary_dim, head_dim, tile_dim):
-    """The widest :func:`pass_piece` of a tile's column halves (16 where there is none: the width of unused tiles)."""
-    return max([pass_piece(u, cols, rotary_dim, head_dim)[1] for u in range(tile_dim // cols)] + [16])
+    """The widest :func:`pass_piece` of a tile's column halves (0 where there is none)."""
+    return max(pass_piece(u, cols, rotary_dim, head_dim)[1] for u in range(tile_dim // cols))
 
 
 @gluon.jit
@@ -744,9 +744,9 @@ def _positions(Pos, start, n, first_row, row0, ROWS: gl.constexpr, HAS_POS: gl.c
 
 
 @gluon.jit
-def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_p, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full, dq_free,
-              done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale,
-              stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
+def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_p, rows_s, rows_d, kv_bar, ready, empty, ds_ready, dq_full,
+              dq_free, done, DK, DV, DQA, Sem, Lse, Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale,
+              scale, stride_dkt, stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_WRITER: gl.constexpr,
               P_BESIDE_DP: gl.constexpr, WITH_DQ: gl.constexpr, ROWS_BY_LOADER: gl.constexpr,
@@ -920,8 +920,11 @@ def _consumer(w, k_s, v_s, q_s, do_s, ds_s, dq_s, dq_p, rows_s, rows_d, kv_bar, 
         quarters = k_s._reinterpret(dtype, [8, HALF_N, DQ_COLS // 2], _smem_layout(DQ_COLS // 2))
         halves = k_s._reinterpret(dtype, [4, HALF_N, DQ_COLS], _smem_layout(DQ_COLS))
         PIECES: gl.constexpr = _piece_cols(DQ_COLS, ROT_DIM, DIM, HEAD_DIM)
-        pieces = q_s._reinterpret(dtype, [STAGES * BLOCK_M * HEAD_DIM // (HALF_N * PIECES), HALF_N, PIECES],
-                                  _smem_layout(PIECES))
+        if PIECES > 0:
+            pieces = q_s._reinterpret(dtype, [STAGES * BLOCK_M * HEAD_DIM // (HALF_N * PIECES), HALF_N, PIECES],
+                                      _smem_layout(PIECES))
+        else:
+            pieces = quarters
         dk_lo, dk_hi = _pair_halves(dk, HALF_N, HEAD_DIM, DQ_COLS)
         _stage_dk_cols(dk_lo, 0, w, quarters, halves, pieces, HALF_N, DQ_COLS, PAIR_CHUNK, DIM, ROT_DIM)
         _stage_dk_cols(dk_hi, 1, w, quarters, halves, pieces, HALF_N, DQ_COLS, PAIR_CHUNK, DIM, ROT_DIM)
@@ -1006,18 +1009,18 @@ def _flash_bwd_ws_kernel(
                 if PAIR_CHUNK > 0:  # (each tile as its two rotary halves' tiles, stored apart)
                     dq_store_s = gl.allocate_shared_memory(dtype, [2 * STORE_TILES, BLOCK_M, DQ_COLS // 2],
                                                            _smem_layout(DQ_COLS // 2))
-                    PIECES: gl.constexpr = _pass_width(0, DQ_COLS, ROT_DIM, DIM) + _pass_width(1, DQ_COLS, ROT_DIM, DIM)
-                    if PIECES > 0:  # (the pass-through columns among one consumer's rotary ones)
-                        dq_piece_s = gl.allocate_shared_memory(dtype, [STORE_TILES // 2, BLOCK_M, PIECES],
-                                                               _smem_layout(PIECES))
-                    else:
-                        dq_piece_s = dq_store_s
                 else:
                     dq_store_s = gl.allocate_shared_memory(dtype, [STORE_TILES, BLOCK_M, DQ_COLS],
                                                            _smem_layout(DQ_COLS))
         else:
             dq_store_s = ds_s
-        if not (DQ_STORE and not DQ_WRITER and PAIR_CHUNK > 0):
+        # The pass-through columns among one consumer's rotary ones (paired chunks over part of the channels), a tile
+        # per dQ staging tile of that consumer.
+        PIECES: gl.constexpr = _piece_cols(DQ_COLS, ROT_DIM, DIM, HEAD_DIM) if PAIR_CHUNK > 0 else 0
+        if DQ_STORE and not DQ_WRITER and PIECES > 0:
+            dq_piece_s = gl.allocate_shared_memory(dtype, [_dq_store_tiles(DELTA_IN_KERNEL), BLOCK_M, PIECES],
+                                                   _smem_layout(PIECES))
+        else:
             dq_piece_s = dq_store_s
         if DELTA_IN_KERNEL:
             gl.static_assert(DQ_STORE, "DELTA_IN_KERNEL: where one key tile holds the block (DQ_STORE)")
@@ -1096,21 +1099,21 @@ def _flash_bwd_ws_kernel(
             ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LEAN_WRITER_REGS if LEAN_WRITER else WRITER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_0, delta_0, kv_bar.index(0), ready, empty,
-                             ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
-                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
-                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_0,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                (_consumer, (0, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_0, delta_0, kv_bar.index(0),
+                             ready, empty, ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse,
+                             Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt,
+                             stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N,
+                             HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ,
+                             ROWS_BY_LOADER, THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s,
+                             dl_0, DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
                              PAIR_CHUNK, DIM)),
-                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_1, delta_1, kv_bar.index(0), ready, empty,
-                             ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse, Delta,
-                             start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt, stride_dvt,
-                             stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ, ROWS_BY_LOADER,
-                             THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s, dl_1,
-                             DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
+                (_consumer, (1, k_s, v_s, q_s, do_s, ds_s, dq_store_s, dq_piece_s, lse_1, delta_1, kv_bar.index(0),
+                             ready, empty, ds_ready, done.index(0), done.index(0), done.index(0), DK, DV, DQA, Sem, Lse,
+                             Delta, start, n, tile_row, hk, kv_heads, first, steps, qk_scale, scale, stride_dkt,
+                             stride_dvt, stride_lh, stride_qat, stride_qah, stride_sh, GROUPS, BLOCK_M, BLOCK_N,
+                             HEAD_DIM, DQ_COLS, IS_CAUSAL, DETERMINISTIC, DQ_WRITER, P_BESIDE_DP, WITH_DQ,
+                             ROWS_BY_LOADER, THREAD_RELEASE, DQ_LAG, STAGGER, ds_free, lead.index(0), DQ_STORE, o_s,
+                             dl_1, DELTA_IN_KERNEL, Pos, first_row, log2_theta, ROT_DIM, INTERLEAVED, HAS_POS,
                              PAIR_CHUNK, DIM)),
                 (_loader, (k_s, v_s, q_s, do_s, lse_0, delta_0, kv_bar.index(0), ready, empty, Q, K, V, DO, Lse,
                            Delta, start, n, tile_row, hk, heads, kv_heads, first, steps, stride_qt, stride_kt,
