@@ -39,7 +39,9 @@ except ImportError:  # no Gluon: no hopper variants either (``_hopper_variants``
 
 from .block.bwd import _block_bwd_kernel
 from .block.fwd import _block_fwd_kernel, _block_fwd_lse_kernel
-from .block.plan import float32_tile_fits, head_loop, max_registers, overlap_products, split_groups
+from .block.plan import (
+    chunked_channels, float32_tile_fits, head_loop, max_registers, overlap_products, split_groups,
+)
 from .block.variants import (
     HOPPER, HOPPER_PACKED, HOPPER_WS, SIMPLE, SM100, CallFacts, gluon_import_error, sm100_import_error,
     wide_import_error,
@@ -225,6 +227,7 @@ def _hopper_build(kind: str, dtype: str, block: int, head_dim: int, rotary: bool
         constexprs["SPLIT_GROUPS"] = 1
         if split_groups(constexprs, variant, False):
             constexprs.update(SPLIT_GROUPS=groups, GROUPS=1)
+        constexprs["CHUNKED"] = chunked_channels(constexprs, variant, False)
     if kind == "bwd":
         constexprs.update(OVERLAP=overlap_products(constexprs, variant, True), GROUP_PROGRAMS=0)
     rope = "" if not rotary else "_rope" if rot == head_dim else f"_rope{rot}"

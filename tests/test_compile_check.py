@@ -292,9 +292,11 @@ def test_register_caps():
     forward of grouped query heads on 128-row tiles of D <= 64, and its backward of one query head per
     kv head there at D32 and at D64 with rotary; the hopper rotary forward of grouped query heads at
     D128, and of one query head per kv head on 128-row tiles (not D64 causal); the hopper forward
-    that stores the logsumexp on 128-row tiles of D128 without rotary."""
+    that stores the logsumexp on 128-row tiles of D128 without rotary; the hopper forward of 128-row tiles of
+    D 144-256 without rotary in channel chunks (``CHUNKED_WIDE_FWD``), with or without the logsumexp."""
     from blockattn_layers.kernels.block.plan import (
-        HEAD_LOOP_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG, HOPPER_ROTARY_GROUP_FWD_MAXNREG,
+        CHUNKED_WIDE_FWD, HEAD_LOOP_MAXNREG, HOPPER_CHUNKED_FWD_MAXNREG, HOPPER_GROUP_LOOP_MAXNREG,
+        HOPPER_ROTARY_GROUP_FWD_MAXNREG,
         HOPPER_TILE128_BWD_MAXNREG, HOPPER_TILE128_LSE_FWD_MAXNREG, HOPPER_TILE128_ROTARY_FWD_MAXNREG,
         max_registers as caps,
     )
@@ -333,7 +335,12 @@ def test_register_caps():
         lse_tile = meta(0, 128, 128, groups=groups, causal=causal)
         assert max_registers(lse_tile, "hopper", False, 9, 2, True) == HOPPER_TILE128_LSE_FWD_MAXNREG
         assert max_registers(lse_tile, "hopper", False, 9, 2) is None
-    assert max_registers(meta(0, 256, 128, groups=4), "hopper", False, 9, 2, True) is None
+    assert CHUNKED_WIDE_FWD
+    for groups, causal, lse in [(4, False, True), (2, False, False), (1, True, False)]:
+        wide = meta(0, 256, 128, groups=groups, causal=causal)
+        assert max_registers(wide, "hopper", False, 9, 2, lse) == HOPPER_CHUNKED_FWD_MAXNREG
+    assert max_registers(meta(0, 256, 128), "hopper", True, 9, 2) is None
+    assert max_registers(meta(256, 256, 128), "hopper", False, 9, 2) is None
     for args in [(meta(128, 128), "hopper", False, 9, 2), (meta(0, 128), "hopper", True, 9, 2),
                  (meta(64, 64, 128, causal=True), "hopper", False, 9, 2),
                  (meta(128, 128, groups=4), "hopper", True, 9, 2), (meta(0, 64, groups=4), "hopper", False, 9, 2),
@@ -342,7 +349,7 @@ def test_register_caps():
                  (meta(128, 128, 128), "hopper", True, 9, 2),
                  (meta(0, 128, 128, groups=4), "hopper", False, 9, 2),
                  (meta(0, 64, 128, groups=4), "hopper", True, 9, 2),
-                 (meta(0, 256, 128, groups=2), "hopper", False, 9, 2), (meta(0, 64, 128), "hopper", True, 9, 2),
+                 (meta(0, 64, 128), "hopper", True, 9, 2),
                  (meta(32, 32, 128, groups=2), "hopper", True, 9, 2), (meta(0, 32, 128), "hopper", False, 9, 2)]:
         assert max_registers(*args) is None, args
     for args in [(meta(128, 128), "simple", False, 8, 2), (meta(128, 128), "simple", False, 10, 2),

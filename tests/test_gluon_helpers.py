@@ -48,6 +48,7 @@ from blockattn_layers.kernels.common.meta import tile_extent  # noqa: E402
 from blockattn_layers.kernels.experimental import sm90_ws  # noqa: E402
 from blockattn_layers.kernels.sm90 import persistent  # noqa: E402
 from blockattn_layers.kernels.sm90 import block as sm90_block  # noqa: E402
+from blockattn_layers.kernels.sm90 import chunked  # noqa: E402
 from blockattn_layers.kernels.sm90 import rotary as sm90_rotary  # noqa: E402
 from blockattn_layers.kernels.sm90 import wide as sm90_wide  # noqa: E402
 
@@ -520,6 +521,7 @@ class _Case:
             kv_heads=kv_heads, GROUPS=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=max(BLOCK_M, tile_extent(block_size)),
             BLOCK_D=tile_extent(dim), ROT_DIM=rot, INTERLEAVED=interleaved, HAS_POS=has_pos, IS_CAUSAL=causal,
             INLINE_SEQS=self.sched.inline_seqs, INT64=int64, SLOT=0, SPLIT_GROUPS=1, OVERLAP=False, GROUP_PROGRAMS=0,
+            CHUNKED=False,
         )
         self.reference = (self.offsets, block_size, scale, causal, theta if rotary else None, pos, rot, interleaved)
 
@@ -833,6 +835,64 @@ def test_hopper_forward_lse_kernel(name):
         case.forward_lse((case.sched.programs, case.q.shape[1]), HEAD_LOOP=False, GROUPS=1, SPLIT_GROUPS=split)
     else:
         case.forward_lse((case.sched.programs, case.kv_heads), HEAD_LOOP=False)
+
+
+CHUNKED_CASES = {
+    # name: (_Case arguments, keywords, query heads per program's kv head split over programs): 128-row tiles
+    # of head dims 144-256 in 64-channel chunks (``sm90.chunked``), four chunks or three (D 144-192).
+    "d256_block128": (([0, 1, 127, 128, 129, 300, 5], 2, 2, 256, False, False, False), dict(block_size=128), 1),
+    "d192_block100_causal_bf16": (([0, 1, 99, 100, 101, 250], 1, 1, 192, False, False, True),
+                                  dict(block_size=100, dtype=torch.bfloat16), 1),
+    "d144_block65_causal_int64": (([3, 65, 0, 66, 130, 1], 1, 1, 144, False, False, True),
+                                  dict(block_size=65, int64=True), 1),
+    "d208_block128_gqa": (([1, 127, 128, 0, 250], 4, 2, 208, False, False, False), dict(block_size=128), 2),
+    "d256_block128_mqa_causal": (([1, 127, 128, 0, 250], 4, 1, 256, False, False, True), dict(block_size=128), 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_CASES))
+def test_hopper_chunked_forward(name):
+    """The hopper forward of 128-row tiles of wide heads in 64-channel chunks (``CHUNKED``), whole, with and
+    without the logsumexp: ``reference.attention_forward(_lse)`` within half precision, every element of O
+    (and lse) stored once, one program per query head (``SPLIT_GROUPS`` where the heads are grouped). The
+    shim lands each ``cp.async`` group only at its wait, so a wait that leaves a chunk's copy in flight reads
+    the ring's NaN fill."""
+    args, keywords, split = CHUNKED_CASES[name]
+    case = _Case(*args, **keywords)
+    assert case.values["BLOCK_M"] == 128 and case.values["BLOCK_D"] == 256
+    grid = (case.sched.programs, case.q.shape[1])
+    chunked = dict(HEAD_LOOP=False, GROUPS=1, SPLIT_GROUPS=split, CHUNKED=True)
+    case.forward(HOPPER_FWD, grid, **chunked)
+    case.forward_lse(grid, **chunked)
+
+
+@pytest.mark.parametrize("head_dim", [144, 192, 208, 256])
+def test_chunked_ring_schedule(head_dim):
+    """``sm90.chunked``'s ring: v's chunk ``j`` is copied once the product of score chunk ``NCH - 3 + j // 2``
+    is done, into that product's pair (the shim lands copies only at their waits, so it cannot see a copy
+    overwriting a pair a later score chunk still reads: this checks the slots against the schedule)."""
+    nch = chunked.chunk_count(head_dim)
+    assert nch == -(-head_dim // 64)
+    slots = [chunked.v_slot(head_dim, j) for j in range(nch)]
+    assert len(set(slots)) == nch
+    for j, slot in enumerate(slots):
+        issued_after = nch - 3 + j // 2
+        assert slot // 2 == issued_after % 3
+        assert not any(c % 3 == slot // 2 for c in range(issued_after + 1, nch)), "a later score chunk's pair"
+    assert sum(chunked.chunk_cols(head_dim, j) for j in range(nch)) == head_dim
+
+
+def test_hopper_chunked_forward_keeps_nan_in_its_block():
+    """A NaN in one block's v (and an infinity in another's q) reaches no other block's output: rows past a
+    block are zero-filled in every chunk's copy."""
+    case = _Case([0, 1, 127, 128, 129, 300, 5], 2, 2, 256, False, False, False, block_size=128)
+    case.v[130, 1, 200] = float("nan")  # block [128, 256) of the fourth sequence, kv head 1
+    case.q[5, 0, 3] = float("inf")  # the third sequence's first block, head 0
+    o, _ = case.run_forward(HOPPER_FWD, (case.sched.programs, 2), HEAD_LOOP=False, CHUNKED=True)
+    bad = ~torch.isfinite(o.float())
+    rows = torch.nonzero(bad.any(dim=2).any(dim=1)).flatten().tolist()
+    assert set(rows) <= set(range(128, 256)) | {5}, rows
+    assert bad[128:256, 1].any() and not bad[:128, 1].any() and not bad[256:, 1].any()
 
 
 PACKED_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 0, 64, 65, 7, 130, 5]

@@ -602,6 +602,8 @@ HOPPER_CASES = [
     # Blocks over 64 at D > 128: the forward stores the logsumexp, the flash kernels run the backward.
     dict(heads=2, kv_heads=2, dim=256, block_size=128, causal=True),
     dict(heads=4, kv_heads=2, dim=192, block_size=100),
+    # The forward's 128-row tiles of D 144-256 in 64-channel chunks (``sm90.chunked``): three chunks at D144.
+    dict(heads=4, kv_heads=1, dim=144, block_size=128),
     # Rotary in half tiles that are not the head's column halves: padded head dims (D96, D48) and
     # partial rotary_dim (pass-through channels), one or several query heads per kv head.
     dict(heads=2, kv_heads=2, dim=96, block_size=64, rope_theta=1e4, causal=True),

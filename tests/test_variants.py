@@ -58,11 +58,16 @@ def test_hopper_call_reasons():
         assert len(reasons) == 1 and words in reasons[0], (bad, reasons)
     assert "multiple of 16 in 32-256" in variants.HOPPER.call_reasons(_facts(head_dim=72))[0]
     # Grouped-query heads at 128-row tiles: admitted (they can be forced); auto takes the forward
-    # at D 32-128, and the backward at D 32 / 64 / 128.
+    # at D 32-256 (at D256 without rotary since its tiles go in channel chunks, ``plan.CHUNKED_WIDE_FWD``),
+    # and the backward at D 32 / 64 / 128.
     for dim, rot, taken in [(128, 0, True), (96, 0, True), (128, 128, True), (32, 0, True), (32, 32, True),
-                            (64, 0, True), (64, 64, True), (256, 0, False), (256, 256, True)]:
+                            (64, 0, True), (64, 64, True), (256, 0, True), (256, 256, True)]:
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, rot=rot))
         assert (reasons == []) == taken, (dim, rot, reasons)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan, "CHUNKED_WIDE_FWD", False)
+        reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=256))
+        assert len(reasons) == 1 and "simple is faster" in reasons[0], reasons
     assert variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, backward=True)) == []
     for dim, taken in [(32, True), (64, True), (96, True), (80, True), (48, False)]:
         reasons = variants.HOPPER.auto_reasons(_facts(groups=2, block_size=100, head_dim=dim, backward=True))
@@ -109,7 +114,7 @@ def test_explain_variants_shows_a_backward_that_chooses_otherwise(monkeypatch):
                if name.startswith("backward: ")
                and name not in ("backward: flash", "backward: hopper_wide", "backward: rotated"))
     assert reasons["backward: rotated"] == ["no rotary"]
-    assert bl.dispatch.describe(wide, "triton") == "triton, simple kernels (backward: hopper_wide kernels)"
+    assert bl.dispatch.describe(wide, "triton") == "triton, hopper kernels (backward: hopper_wide kernels)"
     # Off sm_90 (no hopper_wide): the flash kernels'.
     a100 = explain_variants(dataclasses.replace(wide, capability=(8, 0)))["triton"]
     assert a100["backward: flash"] == [] and a100["backward: hopper_wide"][0] == "needs an sm_90 GPU"
@@ -297,13 +302,13 @@ def test_auto_takes_hopper_packed_for_short_blocks_where_it_was_faster():
         assert auto(block_size=16, head_dim=256, backward=True) == "packed"
     with variants.forced_variant("hopper_packed"):
         assert auto(block_size=16, head_dim=256, backward=True) == "hopper_packed"
-    # Grouped-query heads at 128-row tiles: the forward at D256 and the backward at padded head dims
-    # are simple by auto, the forward at D 32-128 and the backward at D 32 / 64 / 128 hopper; hopper
+    # Grouped-query heads at 128-row tiles: the backward at padded head dims is simple by auto, the forward
+    # at D 32-256 (at D256 in channel chunks, session 61) and the backward at D 32 / 64 / 128 hopper; hopper
     # when forced, both ways.
     assert auto(block_size=128, groups=2) == "hopper" and auto(block_size=128, groups=2, backward=True) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=64) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=64, rot=64) == "hopper"
-    assert auto(block_size=128, groups=2, head_dim=256) == "simple"
+    assert auto(block_size=128, groups=2, head_dim=256) == "hopper"
     assert auto(block_size=128, groups=2, head_dim=256, rot=256) == "hopper"  # rotary: hopper (session 30)
     assert auto(block_size=128, head_dim=256, rot=256) == auto(block_size=64, head_dim=256, rot=256) == "hopper"
     assert auto(block_size=128, head_dim=256, backward=True) == "hopper_wide"

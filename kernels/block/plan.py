@@ -62,6 +62,14 @@ HOPPER_TILE128_ROTARY_FWD_MAXNREG = 128
 # with / without the store: 8x2 3.37 / 2.10, 4x1 1.68 / 1.06); capped at 128: 0-32 bytes spilled, two. With
 # the logsumexp stored from the scores' row layout (session 55): 154-171 uncapped, 0-24 bytes spilled at 128.
 HOPPER_TILE128_LSE_FWD_MAXNREG = 128
+# Whether the hopper forward takes 128-row tiles of head dims 144-256 without rotary in 64-channel chunks
+# (``sm90.chunked``: 96 KB of shared memory against 192 KB whole, so two programs share an SM), capped at
+# ``HOPPER_CHUNKED_FWD_MAXNREG`` registers so that both fit (ptxas sm_90, D256: 114-126 registers, no spills).
+# H100, bf16, grid lengths, block 128, D256, forward ms chunked / whole (hopper forced; session 61): 8x2 3.642 /
+# 4.966, causal 3.648 / 5.155; 4x1 1.820 / 2.429, causal 1.827 / 2.489 (1.02x the floor; simple, which auto took
+# for grouped query heads there, 5.42-5.56 and 2.71-2.74); 2x2 1.442 / 1.432, causal 1.441 / 1.439 (the same).
+CHUNKED_WIDE_FWD = True
+HOPPER_CHUNKED_FWD_MAXNREG = 128
 # The hopper forward of grouped query heads on 64-row tiles (the group's loop in one program), keyed
 # (BLOCK_D, causal, rotary; with rotary at D128 ``HOPPER_ROTARY_GROUP_FWD_MAXNREG`` applies). ptxas sm_90,
 # bf16, without rotary: D32 80 registers (6 programs of 4 warps per SM), causal 96 (5); D64 94 (5), causal 102
@@ -162,6 +170,8 @@ def max_registers(meta: dict, variant: Variant, backward: bool, major: int, item
         if rotary_fwd and meta["GROUPS"] > 1 and meta["BLOCK_D"] == 128:
             return HOPPER_ROTARY_GROUP_FWD_MAXNREG[meta["BLOCK_M"]]
         if meta["BLOCK_M"] != 64:
+            if chunked_channels(meta, variant, backward):
+                return HOPPER_CHUNKED_FWD_MAXNREG
             if rotary_fwd and meta["GROUPS"] == 1 and meta["BLOCK_D"] <= 128:
                 slower = meta["BLOCK_D"] == 64 and meta["IS_CAUSAL"]
                 return None if slower else HOPPER_TILE128_ROTARY_FWD_MAXNREG
@@ -200,6 +210,14 @@ def split_groups(meta: dict, variant: Variant, backward: bool) -> bool:
     if backward or meta["GROUPS"] == 1 or meta["HEAD_LOOP"] or variant.name != "hopper":
         return False
     return meta["BLOCK_D"] == 256 or (meta["BLOCK_M"] == 128 and meta["BLOCK_D"] == 128 and meta["ROT_DIM"] == 0)
+
+
+def chunked_channels(meta: dict, variant: Variant, backward: bool) -> bool:
+    """Whether a hopper forward runs its 128-row tiles in 64-channel chunks (``CHUNKED``, ``sm90.chunked``):
+    head dims 144-256 (256-wide tiles) without rotary, one query head per program (grouped query heads
+    split, :func:`split_groups`), while ``CHUNKED_WIDE_FWD`` is set."""
+    return (CHUNKED_WIDE_FWD and variant.name == "hopper" and not backward and meta["BLOCK_M"] == 128
+            and meta["BLOCK_D"] == 256 and meta["ROT_DIM"] == 0 and not meta.get("SLOT") and not meta.get("HEAD_LOOP"))
 
 
 def group_sums_in_launch(variant: Variant, rot: int) -> bool:
@@ -366,4 +384,6 @@ def _build(key: tuple, variant: Variant, launcher) -> tuple:
         meta["SPLIT_GROUPS"] = 1
         if split_groups(meta, variant, backward):
             meta.update(SPLIT_GROUPS=groups, GROUPS=1)
+    if "CHUNKED" in taken:
+        meta["CHUNKED"] = chunked_channels(meta, variant, backward)
     return {name: value for name, value in meta.items() if name in taken}, loop, key

@@ -266,8 +266,10 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
     D32 (1.123 vs 1.256-1.339; causal 1.120 vs 1.275-1.316; rotary 1.187 vs 1.263-1.283) and D64
     (1.237 vs 1.595-1.666; causal 1.402 vs 1.522-1.544; 4x1 0.755 vs 0.898-0.912; with rotary,
     session 25, timed apart from the host's work: 8x2 1.296 vs 1.575, causal 1.328 vs 1.451, 4x1
-    causal 0.671 vs 0.737, where session 24's A/B, each call synced, had simple ahead); simple
-    faster at D256 (4.895 vs 5.003) without rotary; with split-half rotary there (session 30, its
+    causal 0.671 vs 0.737, where session 24's A/B, each call synced, had simple ahead); at D256 without
+    rotary simple was faster (4.895 vs 5.003) until hopper's 128-row tiles went in 64-channel chunks
+    (``plan.CHUNKED_WIDE_FWD``, session 61, H100: 8x2 3.64 vs simple 5.42, 4x1 1.82 vs 2.71); with split-half
+    rotary there (session 30, its
     half tiles rotated by 32-row chunks) hopper is faster (4x1 3.041 vs 4.638). Their backward at D64 / D128 (P read back
     from shared memory) is 1.3-2.3x faster than simple (block 128, heads 8x2 and 4x1, rotary none and
     split: e.g. 8x2 D64 6.87 -> 3.08 ms, 8x2 D128 7.91 -> 5.80), at D32 1.02-1.13x (8x2 2.643 vs
@@ -292,7 +294,9 @@ def _hopper_auto_reasons(facts: CallFacts) -> List[str]:
                 "faster on the H200"]
     if facts.groups > 1 and facts.block_size > 64:
         if not facts.backward:
-            if tile == 256 and not facts.rot:
+            from .plan import CHUNKED_WIDE_FWD  # (plan imports this module)
+
+            if tile == 256 and not facts.rot and not CHUNKED_WIDE_FWD:
                 return [f"forward of grouped-query heads with blocks over 64 at head_dim {facts.head_dim}: "
                         "simple is faster on the H200"]
         elif tile == 64 and facts.head_dim != 64 and facts.rot != facts.head_dim:

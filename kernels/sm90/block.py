@@ -12,7 +12,9 @@ with unit channel stride, 32- or 64-bit row offsets (``INT64``). One program per
 where that was measured faster (``_q_stages``), so head g + 1's copies are in flight during head
 g's products. Where the plan says so (``block.plan.split_groups``), the forward instead runs one
 program per query head (``SPLIT_GROUPS``), and the grouped-query backward keeps each head's
-independent products in flight together (``OVERLAP``, ``block.plan.overlap_products``).
+independent products in flight together (``OVERLAP``, ``block.plan.overlap_products``). The forward's
+128-row tiles of D 144-256 without rotary go through a ring of 64-channel chunks instead of whole tiles
+(``CHUNKED``, ``sm90.chunked``, ``block.plan.chunked_channels``): 96 KB of shared memory, two programs per SM.
 
 What Gluon allows that the Triton kernels could not get from the compiler:
 - every tile is copied global -> shared memory with ``cp.async`` (masked rows are zero-filled,
@@ -34,7 +36,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common.launch import Launcher
+from .chunked import fwd_tile_chunked
 from .rotary import half_channels, rotate_in_place, rotate_rows_in_place, sin_cos, sin_cos_at, sin_cos_rows
+from .tile_ops import (  # noqa: F401 (the other kernels and the tests take them from here too)
+    _acc_layout, _landed, _probs_lse, _ptrs, _row_layout, _smem_layout, _store_cols, _store_cols_via,
+)
 
 
 @gluon.jit
@@ -121,20 +127,6 @@ def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.const
 
 
 @gluon.jit
-def _landed(pending: gl.constexpr):
-    """Wait until at most ``pending`` copy groups are in flight, and make what landed visible to
-    every warp's ``wgmma``."""
-    async_copy.wait_group(pending)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _ptrs(ptr, rows, cols, stride_t):
-    return ptr + gl.expand_dims(rows, 1) * stride_t + gl.expand_dims(cols, 0)
-
-
-@gluon.jit
 def _copy_rows(dst, src, rows, cols, mask, stride_t):
     """Asynchronous copy of a row tile to shared memory (masked rows zero-filled)."""
     async_copy.async_copy_global_to_shared(dst, _ptrs(src, rows, cols, stride_t), mask)
@@ -195,23 +187,6 @@ def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexp
 
 
 @gluon.jit
-def _probs_lse(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """Exact softmax of raw scores ``s`` over the block's ``n`` keys (and the causal triangle):
-    unnormalized probabilities, the rows' reciprocal sums, and the rows' natural-log logsumexp of
-    the scaled scores (``qk_scale`` includes log2(e)), as the flash kernels store it."""
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LAYOUT))
-    valid = gl.expand_dims(cols < n, 0)
-    if IS_CAUSAL:
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
-        valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-    s = gl.where(valid, s * qk_scale, float("-inf"))
-    row_max = gl.max(s, 1)
-    p = gl.exp2(s - gl.expand_dims(row_max, 1))
-    total = gl.sum(p, 1)
-    return p, 1.0 / total, (row_max + gl.log2(total)) * 0.6931471805599453
-
-
-@gluon.jit
 def _probs(s, n, qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """:func:`_probs_lse` without the logsumexp."""
     p, inv, _ = _probs_lse(s, n, qk_scale, IS_CAUSAL, BLOCK_M, LAYOUT)
@@ -243,26 +218,6 @@ def _nonfinite_rows(x):
 
 
 @gluon.constexpr_function
-def _row_layout(width, warps=4):
-    """Register layout of a row tile ``width`` columns wide in 16-byte row chunks (coalesced
-    copies), over ``warps`` warps stacked along the rows."""
-    return gl.BlockedLayout([1, 8], [32 // (width // 8), width // 8], [warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _smem_layout(width, rank=2):
-    """Shared layout of 16-bit tiles ``width`` columns wide, as ``wgmma`` reads them (``rank`` 3: the same bytes as
-    ``[rows, 1, width]`` boxes, as a rank-3 tensor map copies them)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(2 * width, 128), element_bitwidth=16, rank=rank)
-
-
-@gluon.constexpr_function
-def _acc_layout(width, warps=4):
-    """Accumulator layout of a ``wgmma`` product ``[16 * warps, width]``: one warpgroup per 64 rows."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, width, 16])
-
-
-@gluon.constexpr_function
 def _q_stages(groups, block_m, block_d, backward=False, rotary=False):
     """Slots of the query-side tiles (q; in the backward also dO) of a program with ``groups``
     query heads per kv head: two (head g + 1's copies in flight during head g's math) where they
@@ -288,16 +243,6 @@ def _store_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl
     """Store ``x`` to rows ``start .. start + n`` through the dead shared tile ``buf``
     (``[BLOCK_M, WIDTH]``), read back in 16-byte row chunks (one warpgroup)."""
     _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, 4)
-
-
-@gluon.jit
-def _store_cols_via(buf, ptr, x, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
-                    COLS: gl.constexpr, WARPS: gl.constexpr):
-    """``_store_via`` of the first ``COLS`` columns, by ``WARPS`` warps."""
-    gl.thread_barrier()  # every warp is done reading buf
-    buf.store(x.to(buf.dtype))
-    gl.thread_barrier()
-    _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, COLS, WARPS)
 
 
 @gluon.jit
@@ -489,19 +434,6 @@ def _unrotate_parked_shared(a_s, b_s, sin_s, cos_s, ptr, start, n, scale, stride
 def _store_buffer(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
     """Store the shared tile ``buf`` to rows ``start .. start + n`` (one warpgroup)."""
     _store_cols(buf, ptr, start, n, stride_t, BLOCK_M, WIDTH, WIDTH, 4)
-
-
-@gluon.jit
-def _store_cols(buf, ptr, start, n, stride_t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, COLS: gl.constexpr,
-                WARPS: gl.constexpr):
-    """``_store_buffer`` of the first ``COLS`` columns (the head dim of a padded tile), by ``WARPS`` warps."""
-    layout: gl.constexpr = _row_layout(WIDTH, WARPS)
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    mask = gl.expand_dims(offs_m < n, 1)
-    if COLS < WIDTH:
-        mask = mask & gl.expand_dims(cols < COLS, 0)
-    gl.store(_ptrs(ptr, start + offs_m, cols, stride_t), buf.load(layout), mask=mask)
 
 
 @gluon.jit
@@ -748,9 +680,10 @@ def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_sc
                  GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
                  ROT_DIM: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
                  HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr,
-                 STORE_LSE: gl.constexpr):
+                 STORE_LSE: gl.constexpr, CHUNKED: gl.constexpr):
     """One program of the forward (``STORE_LSE``: and each query row's logsumexp, ``Lse [H, T]``,
-    of blocks one per program without the kv-head loop)."""
+    of blocks one per program without the kv-head loop; ``CHUNKED``: a 128-row tile of a wide head
+    in 64-channel chunks, ``sm90.chunked``)."""
     gl.static_assert(not (STORE_LSE and HEAD_LOOP), "the logsumexp without the kv-head loop")
     if SPLIT_GROUPS > 1:
         # One query head per program (GROUPS is 1), the grid's second axis over the query heads.
@@ -799,6 +732,12 @@ def _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_sc
                 _fwd_rotary_heads(Q, K, V, O, Pos, start, n, first_row, qk_scale, log2_theta, kv_heads,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                                   stride_oh, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL)
+        elif CHUNKED:
+            gl.static_assert(GROUPS == 1 and ROT_DIM == 0 and BLOCK_M == 128, "one query head, no rotary, 128 rows")
+            if n > 0:
+                fwd_tile_chunked(Q + hk * stride_qh, K + hk * stride_kh, V + hk * stride_vh, O + hk * stride_oh,
+                                 Lse + hk * stride_lh, start, n, qk_scale, stride_qt, stride_kt, stride_vt, stride_ot,
+                                 HEAD_DIM, IS_CAUSAL, STORE_LSE)
         elif n > 0:
             _fwd_tile(Q, K, V, O, Lse, Pos, start, n, first_row, start + offs_m, offs_m < n, 0, hk, qk_scale,
                       log2_theta, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
@@ -815,12 +754,12 @@ def _hopper_fwd_kernel(
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
-    INTERLEAVED: gl.constexpr = False,
+    INTERLEAVED: gl.constexpr = False, CHUNKED: gl.constexpr = False,
 ):
     _fwd_program(Q, K, V, O, O, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, 0,
                  GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
-                 SLOT, SPLIT_GROUPS, False)
+                 SLOT, SPLIT_GROUPS, False, CHUNKED)
 
 
 @gluon.jit(do_not_specialize=["slots", "num_seqs", "block_size", "qk_scale", "log2_theta", "kv_heads"])
@@ -832,14 +771,14 @@ def _hopper_fwd_lse_kernel(
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr,
     ROT_DIM: gl.constexpr, HAS_POS: gl.constexpr, IS_CAUSAL: gl.constexpr, INLINE_SEQS: gl.constexpr,
     HEAD_LOOP: gl.constexpr, INT64: gl.constexpr, SLOT: gl.constexpr, SPLIT_GROUPS: gl.constexpr = 1,
-    INTERLEAVED: gl.constexpr = False,
+    INTERLEAVED: gl.constexpr = False, CHUNKED: gl.constexpr = False,
 ):
     """``_hopper_fwd_kernel`` that also stores each query row's logsumexp, ``Lse [H, T]`` (blocks
     one per program: no ``SLOT``, no ``HEAD_LOOP``)."""
     _fwd_program(Q, K, V, O, Lse, Sched, Pos, slots, num_seqs, block_size, qk_scale, log2_theta, kv_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                  GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D, ROT_DIM, INTERLEAVED, HAS_POS, IS_CAUSAL, INLINE_SEQS, HEAD_LOOP, INT64,
-                 SLOT, SPLIT_GROUPS, True)
+                 SLOT, SPLIT_GROUPS, True, CHUNKED)
 
 
 @gluon.jit
