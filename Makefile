@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 # Two test workers (pytest-xdist): the CPU suite takes about 8.5 minutes on 2 cores so, against 14.5-16 in one
 # process (2026-12-06).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PY) -m pytest -q -n 2 --durations=25 $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m blockattn_layers.bench $(ARGS)
