@@ -39,7 +39,8 @@ from ..common.launch import Launcher
 from .chunked import fwd_tile_chunked
 from .rotary import half_channels, rotate_in_place, rotate_rows_in_place, sin_cos, sin_cos_at, sin_cos_rows
 from .tile_ops import (  # noqa: F401 (the other kernels and the tests take them from here too)
-    _acc_layout, _landed, _probs_lse, _ptrs, _row_layout, _smem_layout, _store_cols, _store_cols_via,
+    _acc_layout, _channel_mask, _copy_rows, _landed, _probs_lse, _ptrs, _row_layout, _smem_layout, _store_cols,
+    _store_cols_via,
 )
 
 
@@ -127,12 +128,6 @@ def _packed_rows(Sched, slots, num_seqs, block_size, pid, offs_m, SLOT: gl.const
 
 
 @gluon.jit
-def _copy_rows(dst, src, rows, cols, mask, stride_t):
-    """Asynchronous copy of a row tile to shared memory (masked rows zero-filled)."""
-    async_copy.async_copy_global_to_shared(dst, _ptrs(src, rows, cols, stride_t), mask)
-
-
-@gluon.jit
 def _copy_halves(a_s, b_s, src, rows, offs_h, mask, stride_t, HEAD_DIM: gl.constexpr, ROT_DIM: gl.constexpr,
                  INTERLEAVED: gl.constexpr, HALF: gl.constexpr):
     """``_copy_rows`` of a row tile's rotary half tiles a and b (``rotary.half_channels``; columns
@@ -173,17 +168,6 @@ def _word_of(lo, hi, dtype: gl.constexpr):
     """32-bit words of the 16-bit values ``lo`` (low half) and ``hi`` (``lo``, ``hi`` rounded to ``dtype``)."""
     low = lo.to(dtype).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     return low | (hi.to(dtype).to(gl.int16, bitcast=True).to(gl.int32) << 16)
-
-
-@gluon.jit
-def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
-    """The copy mask of a full-width tile: ``row_mask``, and the head's channels where the tile is
-    padded past them (``HEAD_DIM < BLOCK_D``: the padding reads as zeros). Of a rotary half tile
-    with ``HEAD_DIM // 2`` and ``HALF`` (``rotary.half_channels``)."""
-    if HEAD_DIM < BLOCK_D:
-        return row_mask & gl.expand_dims(offs_d < HEAD_DIM, 0)
-    else:
-        return row_mask
 
 
 @gluon.jit

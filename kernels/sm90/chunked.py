@@ -26,7 +26,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
-from .tile_ops import _acc_layout, _landed, _probs_lse, _row_layout, _smem_layout, _store_cols_via
+from .tile_ops import (
+    _acc_layout, _channel_mask, _copy_rows, _landed, _probs_lse, _row_layout, _smem_layout, _store_cols_via,
+)
 
 CHUNK = gl.constexpr(64)  # channels per chunk: a 128-byte swizzle row of 16-bit values
 SLOTS = gl.constexpr(6)  # three pairs of [128, 64] chunks: 96 KB at 16 bits
@@ -60,11 +62,8 @@ def _copy_chunk(dst, src, rows, row_ok, stride_t, c: gl.constexpr, HEAD_DIM: gl.
     """``cp.async`` of the channels ``c * CHUNK ..`` of the tile's rows (rows past the block, channels
     past the head zero-filled)."""
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LAYOUT))
-    mask = gl.expand_dims(row_ok, 1)
-    if HEAD_DIM - c * CHUNK < CHUNK:
-        mask = mask & gl.expand_dims(cols < HEAD_DIM - c * CHUNK, 0)
-    ptrs = src + c * CHUNK + gl.expand_dims(rows, 1) * stride_t + gl.expand_dims(cols, 0)
-    async_copy.async_copy_global_to_shared(dst, ptrs, mask)
+    mask = _channel_mask(gl.expand_dims(row_ok, 1), cols, HEAD_DIM - c * CHUNK, CHUNK)
+    _copy_rows(dst, src + c * CHUNK, rows, cols, mask, stride_t)
 
 
 @gluon.jit

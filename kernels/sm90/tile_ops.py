@@ -35,6 +35,23 @@ def _ptrs(ptr, rows, cols, stride_t):
 
 
 @gluon.jit
+def _copy_rows(dst, src, rows, cols, mask, stride_t):
+    """Asynchronous copy of a row tile to shared memory (masked rows zero-filled)."""
+    async_copy.async_copy_global_to_shared(dst, _ptrs(src, rows, cols, stride_t), mask)
+
+
+@gluon.jit
+def _channel_mask(row_mask, offs_d, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """The copy mask of a full-width tile: ``row_mask``, and the head's channels where the tile is
+    padded past them (``HEAD_DIM < BLOCK_D``: the padding reads as zeros). Of a rotary half tile
+    with ``HEAD_DIM // 2`` and ``HALF`` (``rotary.half_channels``)."""
+    if HEAD_DIM < BLOCK_D:
+        return row_mask & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    else:
+        return row_mask
+
+
+@gluon.jit
 def _landed(pending: gl.constexpr):
     """Wait until at most ``pending`` copy groups are in flight, and make what landed visible to
     every warp's ``wgmma``."""
